@@ -1,0 +1,174 @@
+"""Building blocks shared by the DeepSeek-V4 and V4.1 models: linear layers, norms, mHC sites, the MoE,
+the window gather and the grouped output projection. Each block loads its own tensors by official name and
+calls its math through the op registry (`rt.ops`), so the reference and fast paths share this code.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.linear import PackedWeight
+from kernels.registry import Ops
+
+from .state import PositionRing
+from .weights import Checkpoint
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """`official`: the official code's FP8/FP4 activation and KV quantization emulation and its fp32
+    islands; otherwise `plain` (dequantized weights, no quantization emulation: transformers' arithmetic
+    for V4, what a bf16 engine computes for V4.1). `dtype`: the activation dtype every rounding point
+    rounds to (float32 reproduces the official float32 reference runs)."""
+
+    official: bool = True
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class Runtime:
+    """What every block needs besides its weights: numerics, the op registry, the device."""
+
+    num: Numerics
+    ops: Ops
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.num.dtype
+
+
+class Linear:
+    """A checkpoint linear layer (FP8 / FP4 / dense) with the official activation quantization in front."""
+
+    def __init__(self, rt: Runtime, weight: PackedWeight | None, act_block: int | None):
+        self.rt = rt
+        self.weight = weight
+        self.act_block = act_block if rt.num.official else None
+
+    @classmethod
+    def load(cls, rt, ckpt: Checkpoint, name, out_f, in_f, block, act_block):
+        return cls(rt, ckpt.linear(name, out_f, in_f, block), act_block)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.rt.ops.linear(x, self.weight, self.act_block, out_dtype or self.rt.dtype)
+
+
+class Dense:
+    """An unquantized product (compressor, index-key and head projections, router, `wo_a`): float64
+    accumulation, one rounding. Holds the weight as float64 [in, out]."""
+
+    def __init__(self, weight: torch.Tensor | None):
+        self.w64 = None if weight is None else weight.double().t().contiguous()
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, name, out_f, in_f, block=None):
+        w = ckpt.linear(name, out_f, in_f, block, kind="dense")
+        return cls(None if w is None else w.dequantize())
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.matmul(x.double(), self.w64).to(out_dtype)
+
+
+class RMSNorm:
+    def __init__(self, rt: Runtime, weight: torch.Tensor | None, eps: float):
+        self.rt = rt
+        self.weight = None if weight is None else weight.float()
+        self.eps = eps
+
+    @classmethod
+    def load(cls, rt, ckpt, name, dim, eps):
+        return cls(rt, ckpt.tensor(name, (dim,)), eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rt.ops.rmsnorm(x, self.weight, self.eps)
+
+
+class HyperSite:
+    """One mHC site's parameters (`hc_attn_*` or `hc_ffn_*`): fn [hc*(2+hc), hc*D], base, scale [3]."""
+
+    def __init__(self, rt: Runtime, ckpt: Checkpoint, prefix: str, hc: int, dim: int, norm_eps: float,
+                 hc_eps: float, iters: int):
+        n = hc * (2 + hc)
+        self.rt = rt
+        self.fn = ckpt.tensor(f"{prefix}_fn", (n, hc * dim), (torch.float32,))
+        self.base = ckpt.tensor(f"{prefix}_base", (n,), (torch.float32,))
+        self.scale = ckpt.tensor(f"{prefix}_scale", (3,), (torch.float32,))
+        self.norm_eps, self.hc_eps, self.iters = norm_eps, hc_eps, iters
+
+    def coeffs(self, X: torch.Tensor):
+        return self.rt.ops.hc_coeffs(X, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
+
+
+class MoE:
+    """Routed experts (FP4 or FP8) + shared expert, score routing (sqrt-softplus + bias) or hash routing."""
+
+    def __init__(self, rt: Runtime, ckpt: Checkpoint, prefix: str, dim: int, inter: int, n_experts: int,
+                 top_k: int, score_func: str, route_scale: float, limit: float, weight_block, act_block: int,
+                 route_eps: float, vocab_size: int = 0, hashed: bool = False, n_shared: int = 1):
+        self.rt = rt
+        self.top_k, self.score_func, self.route_scale, self.limit = top_k, score_func, route_scale, limit
+        self.route_eps = route_eps
+        self.act_block = act_block if rt.num.official else None
+        self.gate = Dense.load(ckpt, f"{prefix}.gate.weight", n_experts, dim)
+        self.hash_table = None
+        self.bias = None
+        if hashed:
+            self.hash_table = ckpt.tensor(f"{prefix}.gate.tid2eid", (vocab_size, top_k), (torch.int64, torch.int32))
+        else:
+            self.bias = ckpt.tensor(f"{prefix}.gate.bias", (n_experts,), (torch.float32,))
+
+        def expert(p, kind):
+            return (ckpt.linear(f"{p}.w1.weight", inter, dim, weight_block, kind),
+                    ckpt.linear(f"{p}.w2.weight", dim, inter, weight_block, kind),
+                    ckpt.linear(f"{p}.w3.weight", inter, dim, weight_block, kind))
+
+        self.experts = [expert(f"{prefix}.experts.{e}", "expert") for e in range(n_experts)]
+        self.shared = expert(f"{prefix}.shared_experts", "fp8") if n_shared else None
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
+        hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
+        return self.rt.ops.moe_route(x, self.gate.w64, self.bias, self.top_k, self.score_func, self.route_scale,
+                                     self.route_eps, hash_idx)
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        weights, indices = self.route(x, tokens)
+        return self.rt.ops.moe(x, weights, indices, self.experts, self.shared, self.act_block, self.limit,
+                               self.rt.num.official)
+
+
+def window_gather(ring: PositionRing, start: int, keys: torch.Tensor, positions: torch.Tensor,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key set for the window part of attention over a chunk of consecutive positions.
+
+    Returns kv [size + T, d] (the ring's slots, then this chunk's keys) and mask [T, size + T]: query at p
+    sees keys at positions [p - window + 1, p]. The chunk's keys go to the ring only after this gather."""
+    ring_pos = ring.slot_positions(start)
+    all_kv = torch.cat((ring.data.to(keys.dtype), keys), dim=0)
+    all_pos = torch.cat((ring_pos, positions))
+    p = positions.unsqueeze(1)
+    mask = (all_pos.unsqueeze(0) <= p) & (all_pos.unsqueeze(0) > p - window) & (all_pos.unsqueeze(0) >= 0)
+    return all_kv, mask
+
+
+class GroupedOutput:
+    """Grouped output projection: heads split into G groups, each projected by its own block of `wo_a`
+    (dequantized, plain product) to the o-LoRA rank, then `wo_b` (FP8, activation-quantized) to D."""
+
+    def __init__(self, rt: Runtime, ckpt: Checkpoint, prefix: str, cfg, act_block: int):
+        g, r = cfg.o_groups, cfg.o_lora_rank
+        in_per_group = cfg.n_heads * cfg.head_dim // g
+        w = ckpt.linear(f"{prefix}.wo_a.weight", g * r, in_per_group, cfg.weight_block)
+        self.groups = g
+        # float64 [G, in_per_group, r]: each group's block of wo_a, dequantized once (the official code keeps
+        # it in the activation dtype, where the FP8 values are exact)
+        self.wo_a64 = None if w is None else w.dequantize().view(g, r, in_per_group).transpose(1, 2).double()
+        self.wo_b = Linear.load(rt, ckpt, f"{prefix}.wo_b.weight", cfg.dim, g * r, cfg.weight_block, act_block)
+        self.rt = rt
+
+    def __call__(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, H, d] -> [T, D]."""
+        t = o.shape[0]
+        og = o.reshape(t, self.groups, -1).double()  # [T, G, H/G * d]
+        u = torch.einsum("tgi,gir->tgr", og, self.wo_a64).to(self.rt.dtype)
+        return self.wo_b(u.reshape(t, -1))

@@ -1,0 +1,256 @@
+"""Drafters for speculative decoding, built from the checkpoint's `mtp.*` tensors.
+
+- DSpark (V4.1; V4-Flash-0731): a block drafter. One pass of three window-only stages over the block
+  [anchor, noise x 4] proposes base logits for five future positions at once; a rank-r Markov head then
+  chains them left to right. Each stage keeps a ring of keys computed from the target's hidden states at
+  committed positions (`m(q) = main_norm(main_proj(H(q)))`, H = the streams entering the target layers,
+  averaged over the mHC copies). Oracle: the official reference outputs in tests/data/v41-tiny-a.
+- MTP (V4-Flash, April): one V4 block fed with the target's final streams and the next token; chained
+  for several drafts, its ring holds rows of committed positions only.
+
+Both expose the same calls: `new_state`, `commit` (ring rows for positions whose next token is known),
+`draft` (write the row of the last committed position q, then propose k tokens for q+2..q+1+k given the
+anchor token for q+1) and `rows` (what the target's forward output carries for them).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import sampling as sampler
+from kernels.formats import q8_pow2
+
+from .blocks import Dense, GroupedOutput, Linear, RMSNorm, Runtime
+from .config import ModelConfig, V41Config
+from .model_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, v4_moe
+from .model_v41 import StaggeredBlock, moe_for
+from .rope import RopeTable, frequencies
+from .state import DecodeState
+from .step import Step
+
+
+@dataclass
+class Draft:
+    ids: list[int]  # k proposed tokens for positions q+2 .. q+1+k
+    logits: torch.Tensor  # [k, V] float32: the distribution each draft was drawn from (before sampling)
+    confidence: torch.Tensor | None = None  # [k] raw logits of the confidence head (DSpark)
+
+
+@dataclass
+class DraftStep:
+    """One DSpark draft: the block's rows sit at positions q+1 .. q+B."""
+
+    state: DecodeState
+    q: int
+    positions: torch.Tensor
+    tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
+    captures: list = field(default_factory=list)
+
+
+class DraftAttention:
+    """A DSpark stage's attention. Its ring holds keys of committed positions; the block's queries attend
+    to the ring's positions max(0, q - W + 1) .. q and to all block rows (bidirectional: row 1 sees rows
+    2..4). The window ends at q for every query."""
+
+    def __init__(self, rt: Runtime, cfg: ModelConfig, ckpt, prefix: str, name: str, rope: RopeTable, v4: bool):
+        c = cfg
+        self.rt, self.cfg, self.name, self.rope, self.v4 = rt, cfg, name, rope, v4
+        blk, ab = c.weight_block, c.act_block
+        self.wq_a = Linear.load(rt, ckpt, f"{prefix}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
+        self.q_norm = RMSNorm.load(rt, ckpt, f"{prefix}.q_norm.weight", c.q_lora_rank, c.norm_eps)
+        self.wq_b = Linear.load(rt, ckpt, f"{prefix}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
+        self.wkv = Linear.load(rt, ckpt, f"{prefix}.wkv.weight", c.head_dim, c.dim, blk, ab)
+        self.kv_norm = RMSNorm.load(rt, ckpt, f"{prefix}.kv_norm.weight", c.head_dim, c.norm_eps)
+        self.sink = ckpt.tensor(f"{prefix}.attn_sink", (c.n_heads,), (torch.float32,))
+        self.out = GroupedOutput(rt, ckpt, prefix, c, ab)
+
+    def init_state(self, state: DecodeState, spare: int) -> None:
+        state.ring(self.name, self.cfg.window_size + spare, self.cfg.head_dim, self.rt.dtype)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Window keys of rows x [n, D] at `positions`: kv_norm(wkv(x)), RoPE, KV fake quantization."""
+        cos, sin = self.rope(positions)
+        k = self.rt.ops.rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if not self.rt.num.official:
+            return k
+        return nope_quant(k, self.cfg.rope_head_dim) if self.v4 else q8_pow2(k, 32).to(k.dtype)
+
+    def write(self, state: DecodeState, x: torch.Tensor, positions: torch.Tensor) -> None:
+        state.rings[self.name].write(positions, self.keys(x, positions))
+
+    def __call__(self, x: torch.Tensor, step: DraftStep) -> torch.Tensor:
+        c, ops = self.cfg, self.rt.ops
+        B = x.shape[0]
+        cos, sin = self.rope(step.positions)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, c.n_heads, c.head_dim)
+        if self.v4:
+            q = q_renorm(q, c.norm_eps, self.rt.num.official)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        block = self.keys(x, step.positions)
+        ring = step.state.rings[self.name]
+        ring_pos = ring.slot_positions(step.q + 1)
+        ring_ok = (ring_pos >= 0) & (ring_pos > step.q - c.window_size)
+        kv = torch.cat((ring.data.to(block.dtype), block))
+        mask = torch.cat((ring_ok, torch.ones(B, dtype=torch.bool))).unsqueeze(0).expand(B, -1)
+        p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+        o = ops.attention(q, kv, mask, None, None, self.sink, c.head_dim**-0.5, p_dtype)
+        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        return self.out(o)
+
+
+class DSpark:
+    """The DSpark block drafter (V4.1 staggered stages; 0731: V4 stages with an hc_head collapse)."""
+
+    kind = "dspark"
+
+    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense):
+        d = cfg.dspark
+        c = cfg
+        self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
+        self.v41 = isinstance(cfg, V41Config)
+        self.block_size, self.noise = d.block_size, d.noise_token_id
+        rope = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))
+        n_targets = len(d.target_layer_ids)
+        self.main_proj = Linear.load(rt, ckpt, "mtp.0.main_proj.weight", c.dim, c.dim * n_targets,
+                                     c.weight_block, c.act_block)
+        self.main_norm = RMSNorm.load(rt, ckpt, "mtp.0.main_norm.weight", c.dim, c.norm_eps)
+        self.stages = []
+        for s in range(d.n_stages):
+            p = f"mtp.{s}"
+            attn = DraftAttention(rt, c, ckpt, f"{p}.attn", f"dspark.{s}", rope, v4=not self.v41)
+            if self.v41:
+                ffn = moe_for(rt, c, ckpt, f"{p}.ffn", d.n_routed_experts, d.n_activated_experts)
+                self.stages.append(StaggeredBlock(rt, c, ckpt, p, attn, ffn))
+            else:
+                ffn = v4_moe(rt, c, ckpt, f"{p}.ffn", d.n_routed_experts, d.n_activated_experts, hashed=False)
+                self.stages.append(PlainBlock(rt, c, ckpt, p, attn, ffn))
+        last = f"mtp.{d.n_stages - 1}"
+        self.norm = RMSNorm.load(rt, ckpt, f"{last}.norm.weight", c.dim, c.norm_eps)
+        self.hc_head = None if self.v41 else HyperHead(rt, c, ckpt, f"{last}.")
+        embed_name, head_name = ("embed", "head") if self.v41 else ("markov_w1", "markov_w2")
+        self.markov_embed = ckpt.tensor(f"{last}.markov_head.{embed_name}.weight", (c.vocab_size, d.markov_rank))
+        self.markov_head = Dense.load(ckpt, f"{last}.markov_head.{head_name}.weight", c.vocab_size, d.markov_rank)
+        self.confidence = Dense.load(ckpt, f"{last}.confidence_head.proj.weight", 1, c.dim + d.markov_rank)
+
+    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
+        state = DecodeState(capacity, spare, self.rt.device)
+        for stage in self.stages:
+            stage.attn.init_state(state, spare)
+        return state
+
+    @staticmethod
+    def rows(out) -> torch.Tensor:
+        """What the drafter needs from a target forward: H, one row per position."""
+        return out.hidden
+
+    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:
+        """Ring rows for positions start .. start+n-1 (their H in `rows`); `tokens_next` is unused."""
+        n = rows.shape[0]
+        m = self.main_norm(self.main_proj(rows.to(self.rt.dtype)))
+        positions = torch.arange(start, start + n)
+        for stage in self.stages:
+            stage.attn.write(state, m, positions)
+        state.advance(tokens_next[:n])
+
+    def draft(self, state: DecodeState, q: int, anchor: int, row_q: torch.Tensor, k: int, temperature: float,
+              top_k: int = 0, top_p: float = 1.0, generator=None) -> Draft:
+        """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor`."""
+        c, ops = self.cfg, self.rt.ops
+        self.commit(state, row_q.unsqueeze(0), torch.tensor([anchor]), q)
+        B = self.block_size
+        ids = torch.tensor([anchor] + [self.noise] * (B - 1))
+        X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        step = DraftStep(state, q, torch.arange(q + 1, q + 1 + B), ids)
+        if self.v41:
+            pre = torch.zeros(B, c.hc_mult)
+            pre[:, 0] = 1.0
+            for stage in self.stages:
+                X, pre = stage(X, pre, step)
+            x = ops.hc_collapse(X, pre)
+        else:
+            for stage in self.stages:
+                X = stage(X, step)
+            x = self.hc_head(X)
+        base = self.head(self.norm(x).float(), torch.float32)  # [B, V]
+        out_ids, logits, marks = [], [], []
+        y = anchor
+        for i in range(k):
+            mu = self.markov_embed[y].to(self.rt.dtype)
+            li = base[i] + self.markov_head(mu.float().unsqueeze(0), torch.float32)[0]
+            logits.append(li)
+            marks.append(mu)
+            y = int(sampler.sample(li.unsqueeze(0), temperature, top_k, top_p, generator)[0])
+            out_ids.append(y)
+        conf = self.confidence(torch.cat((x[:k].float(), torch.stack(marks).float()), dim=-1), torch.float32)[:, 0]
+        return Draft(out_ids, torch.stack(logits), conf)
+
+
+class MTP:
+    """V4-Flash's one-layer MTP head, chained: draft i reads the previous draft's output streams."""
+
+    kind = "mtp"
+
+    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, plain_rope):
+        c = cfg
+        self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
+        L = c.n_layers  # the head's block is layer n_layers
+        blk, ab = c.weight_block, c.act_block
+        self.e_proj = Linear.load(rt, ckpt, "mtp.0.e_proj.weight", c.dim, c.dim, blk, ab)
+        self.h_proj = Linear.load(rt, ckpt, "mtp.0.h_proj.weight", c.dim, c.dim, blk, ab)
+        self.enorm = RMSNorm.load(rt, ckpt, "mtp.0.enorm.weight", c.dim, c.norm_eps)
+        self.hnorm = RMSNorm.load(rt, ckpt, "mtp.0.hnorm.weight", c.dim, c.norm_eps)
+        self.norm = RMSNorm.load(rt, ckpt, "mtp.0.norm.weight", c.dim, c.norm_eps)
+        self.hc_head = HyperHead(rt, c, ckpt, "mtp.0.")
+        attn = V4Attention(rt, c, ckpt, L, plain_rope, prefix="mtp.0.attn")
+        ffn = v4_moe(rt, c, ckpt, "mtp.0.ffn", c.n_routed_experts, c.n_activated_experts, hashed=False)
+        self.block = PlainBlock(rt, c, ckpt, "mtp.0", attn, ffn)
+
+    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
+        state = DecodeState(capacity, spare, self.rt.device)
+        self.block.attn.init_state(state, spare)
+        return state
+
+    @staticmethod
+    def rows(out) -> torch.Tensor:
+        return out.streams
+
+    def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
+        h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
+        return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
+
+    def _forward(self, state, streams, tokens, start) -> torch.Tensor:
+        n = tokens.numel()
+        step = Step(state, tokens, start, torch.arange(start, start + n), "own")
+        Y = self.block(self._inputs(streams, tokens), step)
+        state.advance(tokens)
+        return Y
+
+    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:
+        """Run the head over positions start.. (target streams `rows`, next tokens) to fill its ring."""
+        self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
+
+    def draft(self, state: DecodeState, q: int, anchor: int, row_q: torch.Tensor, k: int, temperature: float,
+              top_k: int = 0, top_p: float = 1.0, generator=None) -> Draft:
+        """Position q from the target's streams and the anchor; then k-1 chained steps whose ring rows
+        (speculative positions) are rewound before returning."""
+        streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
+        ids, logits = [], []
+        for i in range(k):
+            Y = self._forward(state, streams, torch.tensor([token]), q + i)
+            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)[0]
+            token = int(sampler.sample(li.unsqueeze(0), temperature, top_k, top_p, generator)[0])
+            ids.append(token)
+            logits.append(li)
+            streams = Y
+        state.rewind(q + 1)
+        return Draft(ids, torch.stack(logits))
+
+
+def load_drafter(cfg: ModelConfig, ckpt, rt: Runtime, model):
+    """The checkpoint's own drafter (None when it has none)."""
+    if cfg.dspark is not None:
+        return DSpark(cfg, ckpt, rt, model.embed, model.head)
+    if cfg.n_mtp_layers and not isinstance(cfg, V41Config):
+        return MTP(cfg, ckpt, rt, model.embed, model.head, model.plain_rope)
+    return None

@@ -1,0 +1,217 @@
+"""The generation loop, without threads or I/O: one request in, Engine API events out.
+
+A `Generator` owns one model's decode state across requests. For each request it
+1. validates it and turns it into token ids (text, chat messages or ids),
+2. reuses the state's longest matching token prefix (multi-turn chat) and prefills only the rest, in
+   chunks, reporting progress and checking `cancel` between chunks,
+3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
+   between cycles, until max_tokens, EOS or a stop string.
+"""
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kernels import sampling as sampler
+
+from .api import Done, Error, Progress, Request, Started, Tokens
+from .errors import ApplianceError, ContextLengthError, RequestError
+from .loader import LoadedModel
+from .tokenizer import StreamDecoder
+
+
+def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
+    """Chat messages -> prompt text, by the checkpoint's `chat_template` (tokenizer_config.json) when it
+    has one, else a plain `role: content` transcript ending with `assistant:`."""
+    cfg_path = Path(model_dir) / "tokenizer_config.json"
+    if cfg_path.is_file():
+        template = json.loads(cfg_path.read_text()).get("chat_template")
+        if template:
+            import jinja2
+
+            env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+            return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                    bos_token="", eos_token="")
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+class Generator:
+    def __init__(self, lm: LoadedModel, capacity: int | None = None, chunk: int = 256, index_keys: str = "own",
+                 spare: int = 16):
+        self.lm = lm
+        self.model = lm.model
+        self.cfg = lm.cfg
+        self.capacity = capacity or self.cfg.max_context
+        self.chunk = chunk
+        self.index_keys = index_keys
+        self.state = self.model.new_state(self.capacity, spare)
+        self.eos = self.cfg.eos_token_id
+
+    # --- request -> ids ------------------------------------------------------------------------------
+
+    def prompt_ids(self, req: Request) -> list[int]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.prompt is not None:
+            ids = self.lm.tokenizer.encode(req.prompt)
+        else:
+            ids = self.lm.tokenizer.encode(render_chat(req.messages, self.lm.model_dir, self.lm.tokenizer))
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens", field="prompt")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: {len(bad)} id(s) outside the vocabulary 0..{self.cfg.vocab_size - 1} "
+                               f"(first: {bad[0]})", field="input_ids", value=bad[0])
+        image = getattr(self.cfg, "image_token_id", None)
+        if image is not None and image in ids:
+            raise RequestError(f"input_ids: image token {image} found; this server is text only",
+                               field="input_ids", value=image)
+        if len(ids) + req.max_tokens > self.capacity:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds the context limit "
+                f"{self.capacity}", field="max_tokens" if len(ids) < self.capacity else "prompt", value=len(ids))
+        return ids
+
+    # --- prefill ---------------------------------------------------------------------------------------
+
+    def reusable_prefix(self, ids: list[int]) -> int:
+        """Positions of the current state that the new prompt can keep: the common token prefix, at most
+        len(ids) - 1 (the last prompt token is always processed, it produces the first logits)."""
+        st = self.state
+        n = min(st.length, len(ids) - 1)
+        if n <= 0:
+            return 0
+        have = st.tokens[:n]
+        want = torch.tensor(ids[:n], dtype=torch.long)
+        diff = (have != want).nonzero()
+        return n if diff.numel() == 0 else int(diff[0])
+
+    def prepare(self, ids: list[int]) -> int:
+        """Rewind (or reset) the state to the longest reusable prefix of `ids`; returns its length."""
+        cached = self.reusable_prefix(ids)
+        if cached < self.state.length:
+            if cached > 0 and cached >= self.state.length - self.state.spare:
+                self.state.rewind(cached)
+            else:  # the rings no longer hold what a rewind that far back needs
+                self.state.reset()
+                cached = 0
+        return cached
+
+    def prefill_chunks(self, ids: list[int], cancel=None) -> Iterator[int]:
+        """Process ids[state.length:] in chunks, yielding the positions done after each chunk; stops early
+        when `cancel` is set. The last chunk's logits end up in `self.logits` (None if cancelled)."""
+        self.logits = None
+        pos = self.state.length
+        while pos < len(ids):
+            if cancel is not None and cancel.is_set():
+                return
+            n = min(self.chunk, len(ids) - pos)
+            logits = self.forward(ids[pos:pos + n], "last")
+            pos += n
+            yield pos
+        self.logits = logits[-1]
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Prefill without events: the logits of the last prompt position."""
+        self.prepare(ids)
+        for _ in self.prefill_chunks(ids):
+            pass
+        return self.logits
+
+    def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
+        out = self.model.forward(torch.tensor(ids, dtype=torch.long), self.state, logits=logits,
+                                 index_keys=self.index_keys)
+        return out.logits
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self, req: Request, cancel=None) -> Iterator:
+        t0 = time.perf_counter()
+        try:
+            req.validate()
+            ids = self.prompt_ids(req)
+        except ApplianceError as e:
+            yield Error(req.id, e.code, e.message, e.field)
+            return
+        try:
+            yield from self._run(req, ids, cancel, t0)
+        except ApplianceError as e:
+            self.state.reset()
+            yield Error(req.id, e.code, e.message, e.field)
+
+    def _run(self, req: Request, ids: list[int], cancel, t0: float) -> Iterator:
+        cached = self.prepare(ids)
+        yield Started(req.id, len(ids), cached)
+        gen = torch.Generator().manual_seed(req.sampling.seed if req.sampling.seed is not None
+                                            else int(torch.randint(0, 2**62, ()).item()))
+        for done in self.prefill_chunks(ids, cancel):
+            if done < len(ids):
+                yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)
+        logits = self.logits
+        t_prefill = time.perf_counter()
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
+        if logits is None:
+            yield Done(req.id, "cancelled", usage, self._timings(t0, t_prefill, None, t_prefill, 0))
+            return
+        s = req.sampling
+        decoder = StreamDecoder(self.lm.tokenizer)
+        produced: list[int] = []
+        t_first = None
+        finish = "length"
+        text_so_far = ""
+        while True:
+            token = int(sampler.sample(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p, gen)[0])
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+            if token == self.eos and not req.ignore_eos:
+                finish = "stop"
+                break
+            produced.append(token)
+            piece = decoder.push([token])
+            stop_at = _find_stop(text_so_far + piece, req.stop, len(text_so_far))
+            if stop_at is not None:
+                piece = (text_so_far + piece)[len(text_so_far):stop_at]
+                yield Tokens(req.id, [token], piece, len(produced) - 1, [(now - t0) * 1e3])
+                finish = "stop"
+                break
+            text_so_far += piece
+            yield Tokens(req.id, [token], piece, len(produced) - 1, [(now - t0) * 1e3])
+            if len(produced) >= req.max_tokens:
+                break
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            logits = self.forward([token], "last")[-1]
+        tail = decoder.flush() if finish != "stop" or not req.stop else ""
+        if tail:
+            yield Tokens(req.id, [], tail, len(produced), [])
+        usage["completion_tokens"] = len(produced)
+        end = time.perf_counter()
+        yield Done(req.id, finish, usage, self._timings(t0, t_prefill, t_first, end, len(produced)))
+
+    @staticmethod
+    def _timings(t0, t_prefill, t_first, end, n) -> dict:
+        decode_ms = (end - t_first) * 1e3 if t_first else 0.0
+        return {
+            "queue_ms": 0.0,
+            "prefill_ms": (t_prefill - t0) * 1e3,
+            "ttft_ms": (t_first - t0) * 1e3 if t_first else None,
+            "decode_ms": decode_ms,
+            "tpot_ms": decode_ms / (n - 1) if n > 1 else None,
+            "tokens_per_s": (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else None,
+            "e2e_ms": (end - t0) * 1e3,
+        }
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, if one ends in the new part of `text`."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

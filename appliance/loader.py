@@ -1,0 +1,78 @@
+"""Load a model directory: config, tokenizer, checkpoint, the backbone and its drafter, on the reference
+or fast op path. Every problem with the directory surfaces here as a ModelLoadError naming the file."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.registry import resolve
+
+from .blocks import Numerics, Runtime
+from .config import ModelConfig, V41Config, load_config
+from .errors import ModelLoadError
+from .tokenizer import load_tokenizer
+from .weights import Checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    model: object  # V4Model | V41Model
+    tokenizer: object
+    checkpoint: Checkpoint
+    runtime: Runtime
+    model_dir: Path
+    drafter: object = None  # DSpark or MTP drafter when loaded
+
+
+def default_model_dir() -> Path:
+    """The tiny V4.1 checkpoint shipped inside the package (`appliance serve` without --model)."""
+    return Path(__file__).parent / "default_model"
+
+
+def make_runtime(numerics: str = "official", dtype: str = "float32", path: str = "reference",
+                 device: str = "cpu") -> Runtime:
+    if numerics not in ("official", "plain"):
+        raise ModelLoadError(f"numerics {numerics!r}: must be official or plain", field="numerics")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r}: must be one of {', '.join(DTYPES)}", field="dtype")
+    return Runtime(Numerics(numerics == "official", DTYPES[dtype]), resolve(path), torch.device(device))
+
+
+def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "reference",
+               device: str = "cpu", notice=print, load_drafter: bool = False) -> LoadedModel:
+    model_dir = Path(model_dir) if model_dir else default_model_dir()
+    cfg = load_config(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    ckpt = Checkpoint(model_dir)
+    rt = make_runtime(numerics, dtype, path, device)
+    if isinstance(cfg, V41Config):
+        from .model_v41 import V41Model
+
+        token_map = None
+        if cfg.engram is not None:
+            from .engram import build_token_map
+
+            token_map = build_token_map(model_dir / "tokenizer.json", cfg.engram.compressed_vocab_size)
+        if cfg.has_vision and notice:
+            notice(f"{model_dir}: vision_config present; this server is text only (image tokens are rejected)")
+        model = V41Model(cfg, ckpt, rt, token_map)
+    else:
+        from .model_v4 import V4Model
+
+        model = V4Model(cfg, ckpt, rt)
+    ignore = [r"^mtp\.\d+\.(embed|head)\.weight$"]  # exporters' duplicates of the backbone's
+    if not load_drafter:
+        ignore.append(r"^mtp\.")
+    if getattr(cfg, "has_vision", False):
+        ignore += [r"^vision\.", r"^aligner\.", r"^image_(start|end|newline)$", r"\.gate\.bias_vl$"]
+    drafter = None
+    if load_drafter:
+        from .drafters import load_drafter as build_drafter
+
+        drafter = build_drafter(cfg, ckpt, rt, model)
+    ckpt.finish(tuple(ignore))
+    return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter)

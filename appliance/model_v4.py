@@ -1,0 +1,276 @@
+"""DeepSeek-V4-Flash (April) and V4-Flash-0731 backbone, reference definition.
+
+Oracle: transformers 5.23 `DeepseekV4ForCausalLM` (with `--numerics plain`, which follows transformers'
+arithmetic), and the delta list of spec/deepseek-v4-flash.md for the `official` numerics. Layer kinds:
+- window: sliding-window attention only;
+- CSA (ratio 4): an overlapping compressor (each row pools 8 positions, [Ca | Cb] halves) and a lightning
+  indexer with its own overlapping compressor at index_head_dim; each query attends its top-k rows;
+- HCA (ratio 128 in the release): a plain compressor; every visible compressed row is attended.
+mHC is not staggered: each sub-block collapses its own input; the final collapse uses `hc_head`.
+The first `n_hash_layers` route experts by a token table (`tid2eid`).
+"""
+
+import math
+
+import torch
+
+from kernels.formats import q4_e8m0, q8_pow2
+
+from .blocks import Dense, GroupedOutput, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .compressor import Compressor
+from .config import V4Config
+from .rope import RopeTable, frequencies
+from .state import DecodeState
+from .step import Output, Step
+from .weights import Checkpoint
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Sylvester-ordered Walsh-Hadamard transform of the last dim, scaled by 1/sqrt(n) (n a power of 2)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    y = x.double()
+    h = 1
+    while h < n:
+        y = y.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y / math.sqrt(n)).to(x.dtype)
+
+
+def nope_quant(k: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """V4's KV fake quantization: FP8 with power-of-two scales per 64 of the non-RoPE dims; the RoPE dims
+    stay in the activation dtype."""
+    return torch.cat((q8_pow2(k[..., :-rope_dim], 64).to(k.dtype), k[..., -rope_dim:]), dim=-1)
+
+
+def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
+    """V4's per-head re-normalization of the query. Official: every step rounded to the activation dtype;
+    plain: transformers' (fp32 mean and rsqrt, rounded once)."""
+    if official:
+        dt = q.dtype
+        ms = q.square().mean(-1, keepdim=True, dtype=torch.float32).to(dt)
+        return q * torch.rsqrt(ms + eps).to(dt)
+    return q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+
+
+class V4Attention:
+    def __init__(self, rt: Runtime, cfg: V4Config, ckpt: Checkpoint, layer: int, rope: RopeTable,
+                 prefix: str | None = None):
+        """`layer` names the state buffers; `prefix` the tensors (default `layers.{layer}.attn`). Layers past
+        the backbone (the MTP head's) are window-only."""
+        p = prefix or f"layers.{layer}.attn"
+        c = cfg
+        self.rt, self.cfg, self.layer, self.rope = rt, cfg, layer, rope
+        self.kind = c.layer_kinds[layer] if layer < c.n_layers else "window"
+        self.ratio = c.compress_ratios[layer] if layer < c.n_layers else 0
+        blk, ab = c.weight_block, c.act_block
+        self.wq_a = Linear.load(rt, ckpt, f"{p}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
+        self.q_norm = RMSNorm.load(rt, ckpt, f"{p}.q_norm.weight", c.q_lora_rank, c.norm_eps)
+        self.wq_b = Linear.load(rt, ckpt, f"{p}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
+        self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
+        self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
+        self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
+        self.out = GroupedOutput(rt, ckpt, p, c, ab)
+        self.compressor = self.index_compressor = None
+        if self.kind != "window":
+            self.compressor = self._compressor(ckpt, f"{p}.compressor", c.head_dim, self.kind == "csa")
+        if self.kind == "csa":
+            self.index_compressor = self._compressor(ckpt, f"{p}.indexer.compressor", c.index_head_dim, True)
+            self.iq = Linear.load(rt, ckpt, f"{p}.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim,
+                                  c.q_lora_rank, blk, ab)
+            self.weights_proj = Dense.load(ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
+
+    def _compressor(self, ckpt, prefix, width, overlap) -> Compressor:
+        c = self.cfg
+        proj = width * (2 if overlap else 1)
+        return Compressor(
+            self.rt,
+            Dense.load(ckpt, f"{prefix}.wkv.weight", proj, c.dim),
+            Dense.load(ckpt, f"{prefix}.wgate.weight", proj, c.dim),
+            ckpt.tensor(f"{prefix}.ape", (self.ratio, proj), (torch.float32, torch.bfloat16)),
+            RMSNorm.load(self.rt, ckpt, f"{prefix}.norm.weight", width, c.norm_eps),
+            self.ratio, overlap, width)
+
+    def init_state(self, state: DecodeState, spare: int) -> None:
+        c, L, dt = self.cfg, self.layer, self.rt.dtype
+        state.ring(f"window.{L}", c.window_size + spare, c.head_dim, dt)
+        if self.compressor is not None:
+            self.compressor.ring(state, f"compressor.{L}", spare)
+            state.row_cache(f"kv.{L}", self.ratio, c.head_dim, dt)
+        if self.index_compressor is not None:
+            self.index_compressor.ring(state, f"index_compressor.{L}", spare)
+            state.row_cache(f"index_keys.{L}", self.ratio, c.index_head_dim, dt)
+
+    # --- numerics (official: FP8 on the 448 non-RoPE dims in blocks of 64; plain: none) ---------------
+
+    def _nope_quant(self, k: torch.Tensor) -> torch.Tensor:
+        return nope_quant(k, self.cfg.rope_head_dim) if self.rt.num.official else k
+
+    def _index_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_e8m0(hadamard(x), 32).to(x.dtype) if self.rt.num.official else x
+
+    def _q_renorm(self, q: torch.Tensor) -> torch.Tensor:
+        return q_renorm(q, self.cfg.norm_eps, self.rt.num.official)
+
+    # --- forward -------------------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        c, L, ops = self.cfg, self.layer, self.rt.ops
+        T = x.shape[0]
+        cos, sin = self.rope(step.positions)
+        c_q = self.q_norm(self.wq_a(x))
+        q = self._q_renorm(self.wq_b(c_q).view(T, c.n_heads, c.head_dim))
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        k = self._nope_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
+        ring = step.state.rings[f"window.{L}"]
+        win_kv, win_mask = window_gather(ring, step.start, k, step.positions, c.window_size)
+        ring.write(step.positions, k)
+        comp_kv, comp_index = None, None
+        if self.compressor is not None:
+            self._compress(x, step, self.compressor, f"compressor.{L}", f"kv.{L}", self._nope_quant)
+            comp_kv = step.state.rows[f"kv.{L}"].visible(step.bound)
+            if self.kind == "hca":  # every visible row
+                n_valid = (step.positions + 1) // self.ratio
+                rows = torch.arange(comp_kv.shape[0])
+                comp_index = torch.where(rows.unsqueeze(0) < n_valid.unsqueeze(1), rows.unsqueeze(0), -1)
+            else:
+                comp_index = self._index(x, c_q, step)
+        o = ops.attention(q, win_kv, win_mask, comp_kv, comp_index, self.sink, c.head_dim**-0.5, self._p_dtype())
+        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        return self.out(o)
+
+    def _p_dtype(self):
+        return self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+
+    def _compress(self, x, step: Step, comp: Compressor, ring_name, rows_name, quant) -> None:
+        ring = step.state.rings[ring_name]
+        proj = comp.project(x, step.positions)
+        latent, complete = comp.pool(ring, step.start, proj, step.positions)
+        ring.write(step.positions, proj)
+        row = step.positions // self.ratio
+        cos, sin = self.rope(row * self.ratio)
+        cache = step.state.rows[rows_name]
+        row_index = torch.where(complete, row, torch.full_like(row, cache.trash))
+        cache.write(row_index, quant(self.rt.ops.rope(latent, cos, sin)), step.positions)
+
+    def _index(self, x, c_q, step: Step) -> torch.Tensor:
+        c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
+        T = x.shape[0]
+        self._compress(x, step, self.index_compressor, f"index_compressor.{L}", f"index_keys.{L}",
+                       self._index_quant)
+        cos, sin = self.rope(step.positions)
+        qi = self.iq(c_q).view(T, c.index_n_heads, c.index_head_dim)
+        qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
+        scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
+        if self.rt.num.official:
+            w = (self.weights_proj(x, dt).float() * scale).to(dt)
+        else:
+            w = self.weights_proj(x, torch.float32) * scale
+        keys = step.state.rows[f"index_keys.{L}"].visible(step.bound)
+        n_valid = (step.positions + 1) // self.ratio
+        scores = ops.index_scores(qi, w, keys, n_valid, dt if self.rt.num.official else None)
+        topk = ops.index_select(scores, c.index_topk)
+        if step.probe is not None:
+            step.probe[f"index_topk.{L}"] = topk
+        return topk
+
+
+class PlainBlock:
+    """A V4 block: attention and MoE, each between its own mHC site (not staggered)."""
+
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE, captured: bool = False):
+        c = cfg
+        self.rt, self.attn, self.ffn, self.captured = rt, attn, ffn, captured
+        self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
+        self.ffn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.ffn_norm.weight", c.dim, c.norm_eps)
+        self.hc_attn = HyperSite(rt, ckpt, f"{prefix}.hc_attn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
+                                 c.hc_sinkhorn_iters)
+        self.hc_ffn = HyperSite(rt, ckpt, f"{prefix}.hc_ffn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
+                                c.hc_sinkhorn_iters)
+
+    def __call__(self, X: torch.Tensor, step) -> torch.Tensor:
+        ops = self.rt.ops
+        if self.captured:
+            step.captures.append(X.double().mean(1).to(X.dtype))
+        pre, post, comb = self.hc_attn.coeffs(X)
+        X = ops.hc_expand(self.attn(self.attn_norm(ops.hc_collapse(X, pre)), step), X, post, comb)
+        pre, post, comb = self.hc_ffn.coeffs(X)
+        X = ops.hc_expand(self.ffn(self.ffn_norm(ops.hc_collapse(X, pre)), step.tokens), X, post, comb)
+        return X
+
+
+def v4_moe(rt: Runtime, cfg: V4Config, ckpt: Checkpoint, prefix: str, n_experts: int, top_k: int,
+           hashed: bool) -> MoE:
+    return MoE(rt, ckpt, prefix, cfg.dim, cfg.moe_inter_dim, n_experts, top_k, cfg.score_func, cfg.route_scale,
+               cfg.swiglu_limit, cfg.weight_block, cfg.act_block, route_eps=0.0 if rt.num.official else 1e-20,
+               vocab_size=cfg.vocab_size, hashed=hashed, n_shared=cfg.n_shared_experts)
+
+
+class HyperHead:
+    """V4's final collapse of the hc copies: sigmoid weights from the stream, no Sinkhorn."""
+
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str):
+        c = cfg
+        self.rt, self.cfg = rt, cfg
+        self.fn = ckpt.tensor(f"{prefix}hc_head_fn", (c.hc_mult, c.hc_mult * c.dim), (torch.float32,))
+        self.base = ckpt.tensor(f"{prefix}hc_head_base", (c.hc_mult,), (torch.float32,))
+        self.scale = ckpt.tensor(f"{prefix}hc_head_scale", (1,), (torch.float32,))
+
+    def __call__(self, X: torch.Tensor) -> torch.Tensor:
+        pre = self.rt.ops.hc_head_pre(X, self.fn, self.base, self.scale, self.cfg.norm_eps, self.cfg.hc_eps)
+        return self.rt.ops.hc_collapse(X, pre)
+
+
+class V4Model:
+    family = "deepseek_v4"
+
+    def __init__(self, cfg: V4Config, ckpt: Checkpoint, rt: Runtime):
+        c = cfg
+        self.cfg, self.rt = cfg, rt
+        self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
+        self.head = Dense.load(ckpt, "head.weight", c.vocab_size, c.dim)
+        self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
+        self.hc_head = HyperHead(rt, c, ckpt, "")
+        round_to = None if rt.num.official else rt.dtype  # transformers rounds cos/sin to the model dtype
+        self.plain_rope = RopeTable(frequencies(c.rope_head_dim, c.rope_theta), round_to)
+        self.compressed_rope = RopeTable(frequencies(c.rope_head_dim, c.compress_rope_theta, c.rope_factor,
+                                                     c.original_seq_len, c.beta_fast, c.beta_slow), round_to)
+        self.layers = []
+        for L in range(c.n_layers):
+            attn = V4Attention(rt, c, ckpt, L, self.compressed_rope if c.compress_ratios[L] else self.plain_rope)
+            ffn = v4_moe(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts,
+                         L < c.n_hash_layers)
+            captured = bool(c.dspark) and L in c.dspark.target_layer_ids
+            self.layers.append(PlainBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, captured))
+
+    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
+        state = DecodeState(capacity, spare, self.rt.device)
+        for layer in self.layers:
+            layer.attn.init_state(state, spare)
+        return state
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embed[tokens].to(self.rt.dtype)
+        return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def final(self, X: torch.Tensor) -> torch.Tensor:
+        z = self.norm(self.hc_head(X))
+        return self.head(z, torch.float32)
+
+    def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
+                probe: dict | None = None, keep_streams: bool = False) -> Output:
+        T = tokens.numel()
+        state.check_room(T)
+        start = state.length
+        step = Step(state, tokens, start, torch.arange(start, start + T), index_keys, probe=probe)
+        X = self.embed_tokens(tokens)
+        for layer in self.layers:
+            X = layer(X, step)
+        rows = slice(-1, None) if logits == "last" else slice(None)
+        out = self.final(X[rows])
+        state.advance(tokens)
+        hidden = torch.cat(step.captures, dim=-1) if step.captures else None
+        return Output(out, hidden, X if keep_streams else None)

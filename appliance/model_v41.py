@@ -1,0 +1,282 @@
+"""DeepSeek-V4.1-Flash text model, reference definition.
+
+Oracle: the official reference implementation's outputs on tiny random weights (tests/data/v41-tiny-a,
+copied from the shared fixtures). What V4.1 changes against V4 (model_v4.py):
+- window attention on every layer; compressors of ratio 2 (no overlap, no position bias) and 1 only on the
+  KV-source layers, whose compressed rows the following layers read;
+- index keys projected from the compressed latent (`wk`, `k_norm`), owned by the KV sources; indexers on
+  the index-source layers; other layers reuse the most recent index source's top-k list;
+- two-level selection: the candidate source keeps the best blocks of rows, later re-indexing layers over
+  its keys only score inside them;
+- staggered mHC: a sub-block's `pre` collapses the *next* sub-block's input (one-hot start, no hc_head);
+- Engram on its layers; no hash-routed layers; RMSNorm eps 1e-20; no per-head q re-norm;
+- official numerics: FP8 activation quantization in blocks of 32 before FP8/FP4 GEMMs, window KV
+  fake-quantized to FP8 (all dims), compressed rows to FP4 with e4m3 scales, index q/k to FP4.
+
+One forward call processes T consecutive tokens with exactly the semantics of T single-token steps:
+each query sees its own window, its own visible compressed rows and its own top-k.
+"""
+
+import torch
+
+from kernels.formats import q4_e4m3, q4_e8m0, q8_pow2
+
+from .blocks import Dense, GroupedOutput, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .compressor import Compressor
+from .config import V41Config
+from .engram import Engram, EngramHash
+from .rope import RopeTable, frequencies
+from .state import DecodeState
+from .step import Output, Step
+from .weights import Checkpoint
+
+
+class V41Attention:
+    def __init__(self, rt: Runtime, cfg: V41Config, ckpt: Checkpoint, layer: int, rope: RopeTable):
+        p = f"layers.{layer}.attn"
+        c = cfg
+        self.rt, self.cfg, self.layer, self.rope = rt, cfg, layer, rope
+        self.ratio = c.compress_ratios[layer]
+        self.kv_source = c.kv_source_of(layer)
+        self.index_source = c.index_source_of(layer)
+        blk, ab = c.weight_block, c.act_block
+        self.wq_a = Linear.load(rt, ckpt, f"{p}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
+        self.q_norm = RMSNorm.load(rt, ckpt, f"{p}.q_norm.weight", c.q_lora_rank, c.norm_eps)
+        self.wq_b = Linear.load(rt, ckpt, f"{p}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
+        self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
+        self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
+        self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
+        self.out = GroupedOutput(rt, ckpt, p, c, ab)
+        self.compressor = None
+        if self.kv_source == layer:
+            gate = Dense.load(ckpt, f"{p}.compressor.wgate.weight", c.head_dim, c.dim) if self.ratio > 1 else None
+            self.compressor = Compressor(
+                rt, Dense.load(ckpt, f"{p}.compressor.wkv.weight", c.head_dim, c.dim), gate, None,
+                RMSNorm.load(rt, ckpt, f"{p}.compressor.norm.weight", c.head_dim, c.norm_eps),
+                self.ratio, overlap=False, width=c.head_dim)
+            self.wk = Dense.load(ckpt, f"{p}.indexer.wk.weight", c.index_head_dim, c.head_dim)
+            self.k_norm = RMSNorm.load(rt, ckpt, f"{p}.indexer.k_norm.weight", c.index_head_dim, c.norm_eps)
+        if self.index_source == layer:
+            self.iq = Linear.load(rt, ckpt, f"{p}.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim,
+                                  c.q_lora_rank, blk, ab)
+            self.weights_proj = Dense.load(ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def init_state(self, state: DecodeState, spare: int) -> None:
+        c, L, dt = self.cfg, self.layer, self.rt.dtype
+        state.ring(f"window.{L}", c.window_size + spare, c.head_dim, dt)
+        if self.compressor is not None:
+            self.compressor.ring(state, f"compressor.{L}", spare)
+            state.row_cache(f"kv.{L}", self.ratio, c.head_dim, dt)
+            state.row_cache(f"index_keys.{L}", self.ratio, c.index_head_dim, dt)
+
+    # --- numerics ------------------------------------------------------------------------------------
+
+    def _kv_quant(self, k):
+        return q8_pow2(k, 32).to(k.dtype) if self.rt.num.official else k
+
+    def _row_quant(self, row):
+        return q4_e4m3(row, 16).to(row.dtype) if self.rt.num.official else row
+
+    def _index_quant(self, x):
+        return q4_e8m0(x, 32).to(x.dtype) if self.rt.num.official else x
+
+    # --- forward -------------------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        c, L, ops = self.cfg, self.layer, self.rt.ops
+        T = x.shape[0]
+        cos, sin = self.rope(step.positions)
+        c_q = self.q_norm(self.wq_a(x))
+        q = self.wq_b(c_q).view(T, c.n_heads, c.head_dim)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        k = self._kv_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
+        ring = step.state.rings[f"window.{L}"]
+        win_kv, win_mask = window_gather(ring, step.start, k, step.positions, c.window_size)
+        ring.write(step.positions, k)
+
+        if self.compressor is not None:
+            self._compress(x, step)
+        if self.ratio == 0:
+            topk, comp_kv = None, None
+        else:
+            topk = self._index(x, c_q, step) if self.index_source == L else step.topk[self.index_source]
+            comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
+        o = ops.attention(q, win_kv, win_mask, comp_kv, topk, self.sink, c.head_dim**-0.5,
+                          self._p_dtype())
+        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        return self.out(o)
+
+    def _p_dtype(self):
+        return self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+
+    def _compress(self, x: torch.Tensor, step: Step) -> None:
+        """KV source: pool completed groups, then write their index key and their compressed row."""
+        c, L, ops = self.cfg, self.layer, self.rt.ops
+        ring = step.state.rings[f"compressor.{L}"]
+        proj = self.compressor.project(x, step.positions)
+        latent, complete = self.compressor.pool(ring, step.start, proj, step.positions)
+        ring.write(step.positions, proj)
+        row = step.positions // self.ratio
+        cos, sin = self.rope(row * self.ratio)  # a row's RoPE position is its group's first token
+        kv_rows = step.state.rows[f"kv.{L}"]
+        row_index = torch.where(complete, row, torch.full_like(row, kv_rows.trash))
+        keys = self.k_norm(self.wk(latent, self.rt.dtype))
+        keys = self._index_quant(ops.rope(keys, cos, sin))
+        step.state.rows[f"index_keys.{L}"].write(row_index, keys, step.positions)
+        kv_rows.write(row_index, self._row_quant(ops.rope(latent, cos, sin)), step.positions)
+
+    def _keys_owner(self, step: Step) -> int:
+        """Whose index keys this indexer scores. `own`: its KV source's. `reference`: on single-token
+        decode calls the released code scores a non-emitting owner against the cache published last (the
+        last KV source, in layer order, that emitted on this step before it, or on the previous step)."""
+        c, L = self.cfg, self.layer
+        if step.index_keys == "own" or not step.decode_call:
+            return self.kv_source
+        p = step.start
+        if self.kv_source == L and (p + 1) % self.ratio == 0:
+            return L
+
+        def emits(s, pos):
+            return (pos + 1) % c.compress_ratios[s] == 0
+
+        earlier = [s for s in c.kv_source_layers if s < L and emits(s, p)]
+        if earlier:
+            return earlier[-1]
+        previous = [s for s in c.kv_source_layers if emits(s, p - 1)]
+        return previous[-1] if previous else self.kv_source
+
+    def _index(self, x: torch.Tensor, c_q: torch.Tensor, step: Step) -> torch.Tensor:
+        c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
+        T = x.shape[0]
+        cos, sin = self.rope(step.positions)
+        qi = self.iq(c_q).view(T, c.index_n_heads, c.index_head_dim)
+        qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
+        scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
+        w = (self.weights_proj(x, dt).float() * scale).to(dt)
+        keys = step.state.rows[f"index_keys.{self._keys_owner(step)}"].visible(step.bound)
+        n_valid = (step.positions + 1) // self.ratio
+        official = self.rt.num.official
+        scores = ops.index_scores(qi, w, keys, n_valid, dt if official else None)
+        if L == c.candidate_source_layer:
+            step.candidates = ops.candidate_mask(scores, n_valid, c.candidate_block_size, c.candidate_topk_blocks)
+        elif 0 <= c.candidate_source_layer < L:  # level two: only inside the source's candidate blocks
+            scores = scores.masked_fill(~step.candidates[:, : scores.shape[1]], float("-inf"))
+        topk = ops.index_select(scores, c.index_topk)
+        step.topk[L] = topk
+        if step.probe is not None:
+            step.probe[f"index_topk.{L}"] = topk
+        return topk
+
+
+class StaggeredBlock:
+    """A V4.1 block: Engram (if any), then attention and MoE between staggered mHC sites."""
+
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE,
+                 engram: Engram | None = None, captured: bool = False):
+        c = cfg
+        self.rt, self.attn, self.ffn, self.engram, self.captured = rt, attn, ffn, engram, captured
+        self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
+        self.ffn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.ffn_norm.weight", c.dim, c.norm_eps)
+        self.hc_attn = HyperSite(rt, ckpt, f"{prefix}.hc_attn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
+                                 c.hc_sinkhorn_iters)
+        self.hc_ffn = HyperSite(rt, ckpt, f"{prefix}.hc_ffn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
+                                c.hc_sinkhorn_iters)
+
+    def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_ids=None):
+        """X [T, hc, D] entering the layer (before Engram), `pre` the collapse weights the previous
+        sub-block produced -> (X, pre for the next layer)."""
+        ops = self.rt.ops
+        if self.engram is not None:
+            X = self.engram(X, engram_ids)
+        if self.captured:  # DSpark reads the stream entering this layer, averaged over the copies
+            step.captures.append(X.double().mean(1).to(X.dtype))
+        a_pre, a_post, a_comb = self.hc_attn.coeffs(X)
+        a = self.attn(self.attn_norm(ops.hc_collapse(X, pre)), step)
+        X = ops.hc_expand(a, X, a_post, a_comb)
+        f_pre, f_post, f_comb = self.hc_ffn.coeffs(X)
+        f = self.ffn(self.ffn_norm(ops.hc_collapse(X, a_pre)))
+        X = ops.hc_expand(f, X, f_post, f_comb)
+        return X, f_pre
+
+
+def moe_for(rt: Runtime, cfg: V41Config, ckpt: Checkpoint, prefix: str, n_experts: int, top_k: int) -> MoE:
+    return MoE(rt, ckpt, prefix, cfg.dim, cfg.moe_inter_dim, n_experts, top_k, cfg.score_func, cfg.route_scale,
+               cfg.swiglu_limit, cfg.weight_block, cfg.act_block, route_eps=1e-20,
+               n_shared=cfg.n_shared_experts)
+
+
+class V41Model:
+    family = "deepseek_v41"
+
+    def __init__(self, cfg: V41Config, ckpt: Checkpoint, rt: Runtime, token_map: torch.Tensor | None):
+        c = cfg
+        self.cfg, self.rt = cfg, rt
+        self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
+        self.head = Dense.load(ckpt, "head.weight", c.vocab_size, c.dim)
+        self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
+        plain = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))
+        compressed = RopeTable(frequencies(c.rope_head_dim, c.compress_rope_theta, c.rope_factor,
+                                           c.original_seq_len, c.beta_fast, c.beta_slow))
+        self.engram_hash = None
+        engrams = {}
+        if c.engram is not None:
+            # without a token map (shape-only builds) the Engram layers exist but cannot run
+            self.engram_hash = None if token_map is None else EngramHash(token_map, c)
+            for layer, rows in zip(c.engram.layer_ids, c.engram.num_embeddings):
+                engrams[layer] = Engram(rt, ckpt, c, layer, rows)
+        self.layers = []
+        for L in range(c.n_layers):
+            attn = V41Attention(rt, c, ckpt, L, compressed if c.compress_ratios[L] else plain)
+            ffn = moe_for(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts)
+            captured = bool(c.dspark) and L in c.dspark.target_layer_ids
+            self.layers.append(StaggeredBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, engrams.get(L), captured))
+
+    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
+        state = DecodeState(capacity, spare, self.rt.device)
+        for layer in self.layers:
+            layer.attn.init_state(state, spare)
+        return state
+
+    def embed_tokens(self, tokens: torch.Tensor):
+        """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
+        e = self.embed[tokens].to(self.rt.dtype)
+        X = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(tokens.numel(), self.cfg.hc_mult)
+        pre[:, 0] = 1.0
+        return X, pre
+
+    def engram_ids(self, step: Step) -> dict[int, torch.Tensor]:
+        if self.engram_hash is None:
+            return {}
+        st, T = step.state, step.tokens.numel()
+        history = torch.cat((st.tokens[: step.start], step.tokens))
+        comp = self.engram_hash.compressed(history)
+        ids = {L: self.engram_hash.ids(comp, step.start, T, L) for L in self.cfg.engram.layer_ids}
+        if step.probe is not None:
+            step.probe["engram_ids"] = torch.stack([ids[L] for L in self.cfg.engram.layer_ids], dim=1)
+        return ids
+
+    def run_layers(self, X, pre, step: Step, first: int, last: int, engram_ids: dict):
+        for L in range(first, last):
+            X, pre = self.layers[L](X, pre, step, engram_ids.get(L))
+        return X, pre
+
+    def final(self, X, pre, rows: slice = slice(None)) -> torch.Tensor:
+        z = self.norm(self.rt.ops.hc_collapse(X[rows], pre[rows]))
+        return self.head(z.float(), torch.float32)
+
+    def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
+                probe: dict | None = None) -> Output:
+        """Process `tokens` at positions state.length.. and commit them to the state."""
+        T = tokens.numel()
+        state.check_room(T)
+        start = state.length
+        step = Step(state, tokens, start, torch.arange(start, start + T), index_keys, probe=probe)
+        X, pre = self.embed_tokens(tokens)
+        X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_ids(step))
+        out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))
+        state.advance(tokens)
+        hidden = torch.cat(step.captures, dim=-1) if step.captures else None
+        return Output(out, hidden)

@@ -1,0 +1,45 @@
+"""RoPE frequency tables, as the official code builds them (float32 throughout).
+
+f_i = 1 / theta^(2i/r); with YaRN (compressed layers) the pairs between the correction bounds are blended
+towards f_i / factor: f'_i = f_i / factor * ramp_i + f_i * (1 - ramp_i). No attention/mscale factor.
+The angle for position p is fl32(p * f_i); cos and sin are float32.
+"""
+
+import math
+
+import torch
+
+
+def frequencies(rope_dim: int, theta: float, factor: float = 1.0, original_seq_len: int = 65536,
+                beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """float32 [rope_dim / 2] inverse frequencies (YaRN when factor != 1)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if factor == 1.0:
+        return freqs
+
+    def correction_dim(rotations):
+        return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    smooth = 1 - ramp
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+class RopeTable:
+    """cos/sin for any position, computed on demand from the float32 frequencies."""
+
+    def __init__(self, freqs: torch.Tensor, round_to: torch.dtype | None = None):
+        self.freqs = freqs
+        self.round_to = round_to  # transformers rounds cos/sin to the activation dtype
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [...] -> cos, sin float32 [..., r/2]."""
+        phi = positions.to(torch.float32).unsqueeze(-1) * self.freqs.to(positions.device)
+        cos, sin = torch.cos(phi), torch.sin(phi)
+        if self.round_to is not None:
+            cos, sin = cos.to(self.round_to).float(), sin.to(self.round_to).float()
+        return cos, sin

@@ -1,0 +1,174 @@
+"""Decode state: every buffer preallocated at load for the maximum context, at fixed addresses.
+
+All state is indexed by absolute position, so it is rewindable without snapshots:
+- a `PositionRing` keeps the last `size` positions (slot = position mod size). Its size is what a reader
+  needs (the 128-token window, or a compressor's pooling span) plus `spare` positions, so that rewinding
+  up to `spare` positions leaves every slot a reader can still reach untouched;
+- a `RowCache` holds compressed rows (row j covers positions [j*m, (j+1)*m)); rows past the current
+  length are never visible (visibility is derived from the position) and are overwritten when regenerated;
+- `tokens` is the committed token history (Engram's n-grams, prefix reuse).
+Every write also goes to a `Journal` that keeps the overwritten values of the last `spare` positions, so
+`rewind(p)` restores the buffers exactly (not only what stays reachable): after a rejected draft the state
+is tensor for tensor what plain decoding of the accepted tokens leaves.
+"""
+
+import torch
+
+from .errors import StateError
+
+
+class Journal:
+    """Overwritten values, per written position, for the last `keep` positions."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
+        self.entries.append((data, index.clone(), data[index].clone(), positions.clone()))
+
+    def undo(self, position: int) -> None:
+        """Restore every value overwritten by a write for a position >= `position`, newest first."""
+        kept = []
+        for data, index, old, pos in reversed(self.entries):
+            undo = pos >= position
+            if bool(undo.any()):
+                data[index[undo]] = old[undo]
+            if not bool(undo.all()):
+                kept.append((data, index[~undo], old[~undo], pos[~undo]))
+        self.entries = kept[::-1]
+
+    def prune(self, length: int) -> None:
+        self.entries = [e for e in self.entries if int(e[3].max()) >= length - self.keep]
+
+
+class PositionRing:
+    """[size, width] rows; slot = position % size. Holds the last `size` positions written."""
+
+    def __init__(self, size: int, width: int, dtype: torch.dtype, device, journal: Journal, fill: float = 0.0):
+        self.size = size
+        self.journal = journal
+        self.fill = fill
+        self.data = torch.full((size, width), fill, dtype=dtype, device=device)
+
+    def slot_positions(self, start: int) -> torch.Tensor:
+        """Position held by each slot when positions [0, start) were written in order (-1 = never)."""
+        s = torch.arange(self.size, device=self.data.device)
+        q = (start - 1) - torch.remainder(start - 1 - s, self.size)
+        return torch.where(q >= 0, q, torch.full_like(q, -1))
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows for consecutive positions (only the last `size` can survive)."""
+        if positions.numel() > self.size:
+            positions, values = positions[-self.size:], values[-self.size:]
+        slots = positions % self.size
+        self.journal.record(self.data, slots, positions)
+        self.data[slots] = values.to(self.data.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class RowCache:
+    """Compressed rows for one layer: [capacity // ratio + 1, width]; the last row absorbs writes of
+    positions that complete no group (so writes never branch on the position)."""
+
+    def __init__(self, capacity: int, ratio: int, width: int, dtype: torch.dtype, device, journal: Journal):
+        self.ratio = ratio
+        self.journal = journal
+        self.rows = capacity // ratio
+        self.data = torch.zeros((self.rows + 1, width), dtype=dtype, device=device)
+
+    @property
+    def trash(self) -> int:
+        return self.rows
+
+    def write(self, row_index: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write rows `row_index` (the trash row for positions that complete no group)."""
+        self.journal.record(self.data, row_index, positions)
+        self.data[row_index] = values.to(self.data.dtype)
+
+    def visible(self, bound: int) -> torch.Tensor:
+        """Rows a query at position <= `bound` may see: [0, (bound + 1) // ratio)."""
+        return self.data[: (bound + 1) // self.ratio]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class DecodeState:
+    """One request's decode state for one model. `length` = positions committed so far."""
+
+    def __init__(self, capacity: int, spare: int, device):
+        self.capacity = capacity
+        self.spare = spare
+        self.device = device
+        self.length = 0
+        self.journal = Journal(spare)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.rings: dict[str, PositionRing] = {}
+        self.rows: dict[str, RowCache] = {}
+
+    def position(self) -> int:
+        return self.length
+
+    def rewind(self, position: int) -> None:
+        """Return to the state after `position` tokens. Possible for the last `spare` positions."""
+        if not 0 <= position <= self.length:
+            raise StateError(f"rewind({position}): state holds {self.length} positions", field="position",
+                             value=position)
+        if position == 0:
+            self.reset()
+            return
+        if position < self.length - self.spare:
+            raise StateError(f"rewind({position}): only the last {self.spare} of {self.length} positions can be "
+                             "rewound (rings keep no older rows); prefill again instead", field="position",
+                             value=position)
+        self.journal.undo(position)
+        self.tokens[position:self.length] = 0
+        self.length = position
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Commit `tokens` at the next positions (called by the model after writing their rows)."""
+        n = tokens.numel()
+        self.tokens[self.length:self.length + n] = tokens
+        self.length += n
+        self.journal.prune(self.length)
+
+    def reset(self) -> None:
+        """Back to an empty state (a cold start): every buffer as allocated."""
+        for r in self.rings.values():
+            r.data.fill_(r.fill)
+        for r in self.rows.values():
+            r.data.zero_()
+        self.tokens.zero_()
+        self.journal.entries.clear()
+        self.length = 0
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise StateError(f"{self.length} + {n} positions exceed the state capacity {self.capacity}",
+                             field="context", value=self.length + n)
+
+    def ring(self, name: str, size: int, width: int, dtype, fill: float = 0.0) -> PositionRing:
+        self.rings[name] = PositionRing(size, width, dtype, self.device, self.journal, fill)
+        return self.rings[name]
+
+    def row_cache(self, name: str, ratio: int, width: int, dtype) -> RowCache:
+        self.rows[name] = RowCache(self.capacity, ratio, width, dtype, self.device, self.journal)
+        return self.rows[name]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by name (for tests that compare states tensor by tensor); the trash row of
+        each row cache is scratch, not state."""
+        out = {"tokens": self.tokens}
+        out.update({f"ring.{k}": r.data for k, r in self.rings.items()})
+        out.update({f"rows.{k}": r.data[:-1] for k, r in self.rows.items()})
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return (self.tokens.numel() * 8 + sum(r.nbytes for r in self.rings.values())
+                + sum(r.nbytes for r in self.rows.values()))

@@ -1,0 +1,338 @@
+"""Tiny random checkpoints in the official names and formats (FP8 e4m3 + E8M0 block scales, FP4 e2m1
+experts, BF16 / F32 elsewhere) with a byte-level BPE tokenizer.json: small enough for CPU tests, shaped
+like the real models (every layer role, Engram, DSpark or MTP included).
+
+Weights are random with scales that keep activations O(1) so that the model's output depends on its
+input. The same seed writes byte-identical files (the embedded default model is one of these).
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kernels.formats import pack_fp4, pow2_ceil, round_e2m1
+
+from .engram import build_token_map
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A decode appliance serves one user as fast as it can. ",
+    "Speculative decoding drafts a few tokens and verifies them in one forward pass of the target model. ",
+    "Hello, world! Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation; quotes \"x\" and 'y'. ",
+    "Sparse attention keeps a window of recent tokens and a compressed memory of the distant past. ",
+]
+SPECIALS = ["<bos>", "<eos>", "<pad>", "<noise>"]
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """Byte-level BPE trained on a fixed corpus, padded with <unused_k> tokens to exactly vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    n = tok.get_vocab_size()
+    if n > vocab_size:
+        raise ValueError(f"tokenizer came out with {n} tokens > vocab_size {vocab_size}")
+    tok.add_special_tokens([f"<unused_{i}>" for i in range(vocab_size - n)])
+    tok.save(str(path))
+
+
+class _Writer:
+    """Collects tensors in official names and formats."""
+
+    def __init__(self, seed: int, block: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.block = block
+        self.t: dict[str, torch.Tensor] = {}
+
+    def randn(self, *shape, std=1.0):
+        return torch.randn(*shape, generator=self.g) * std
+
+    def dense(self, name, out_f, in_f, dtype=torch.bfloat16, gain=1.0):
+        self.t[name] = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).to(dtype)
+
+    def fp8(self, name, out_f, in_f, gain=1.0):
+        w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f))
+        b = self.block
+        ro, ri = -(-out_f // b), -(-in_f // b)
+        pad = torch.zeros(ro * b, ri * b)
+        pad[:out_f, :in_f] = w
+        blocks = pad.view(ro, b, ri, b)
+        scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
+        codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        self.t[f"{name}.weight"] = codes.view(ro * b, ri * b)[:out_f, :in_f].contiguous()
+        self.t[f"{name}.scale"] = _e8m0(scale)
+
+    def fp4(self, name, out_f, in_f, gain=1.0):
+        w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).view(out_f, in_f // 32, 32)
+        scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-8) / 6.0)
+        values = round_e2m1(w / scale.unsqueeze(-1)).view(out_f, in_f)
+        codes = _e2m1_codes(values)
+        self.t[f"{name}.weight"] = pack_fp4(codes)
+        self.t[f"{name}.scale"] = _e8m0(scale)
+
+    def norm(self, name, dim):
+        self.t[name] = (1.0 + self.randn(dim, std=0.1)).to(torch.bfloat16)
+
+    def f32(self, name, *shape, std=1.0, mean=0.0):
+        self.t[name] = (mean + self.randn(*shape, std=std)).float()
+
+
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    exp = torch.log2(scale).round().to(torch.int32) + 127
+    return exp.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    idx = (values.abs().unsqueeze(-1) == mags).float().argmax(-1)
+    return idx + 8 * (values < 0).to(idx.dtype) * (idx > 0).to(idx.dtype)
+
+
+def _hc(w: _Writer, prefix: str, hc: int, dim: int):
+    n = hc * (2 + hc)
+    w.f32(f"{prefix}_fn", n, hc * dim, std=0.5 / math.sqrt(hc * dim))
+    w.f32(f"{prefix}_base", n, std=0.5)
+    w.f32(f"{prefix}_scale", 3, std=0.1, mean=1.0)
+
+
+def _moe(w: _Writer, prefix: str, dim: int, inter: int, n_experts: int, fp4: bool, vocab=0, top_k=0, hashed=False):
+    w.dense(f"{prefix}.gate.weight", n_experts, dim, gain=2.0)
+    if hashed:
+        w.t[f"{prefix}.gate.tid2eid"] = torch.stack(
+            [torch.randperm(n_experts, generator=w.g)[:top_k] for _ in range(vocab)]).long()
+    else:
+        w.f32(f"{prefix}.gate.bias", n_experts, std=0.3)
+    expert = w.fp4 if fp4 else w.fp8
+    for e in range(n_experts):
+        expert(f"{prefix}.experts.{e}.w1", inter, dim, gain=2.0)
+        expert(f"{prefix}.experts.{e}.w2", dim, inter)
+        expert(f"{prefix}.experts.{e}.w3", inter, dim, gain=2.0)
+    for k, (o, i) in {"w1": (inter, dim), "w2": (dim, inter), "w3": (inter, dim)}.items():
+        w.fp8(f"{prefix}.shared_experts.{k}", o, i, gain=2.0 if k != "w2" else 1.0)
+
+
+def _attention(w: _Writer, p: str, c: dict):
+    dim, hd, heads = c["dim"], c["head_dim"], c["heads"]
+    w.fp8(f"{p}.wq_a", c["q_lora"], dim)
+    w.norm(f"{p}.q_norm.weight", c["q_lora"])
+    w.fp8(f"{p}.wq_b", heads * hd, c["q_lora"])
+    w.fp8(f"{p}.wkv", hd, dim)
+    w.norm(f"{p}.kv_norm.weight", hd)
+    w.fp8(f"{p}.wo_a", c["o_groups"] * c["o_lora"], heads * hd // c["o_groups"])
+    w.fp8(f"{p}.wo_b", dim, c["o_groups"] * c["o_lora"])
+    w.f32(f"{p}.attn_sink", heads, std=1.0)
+
+
+def _block_common(w: _Writer, p: str, c: dict):
+    w.norm(f"{p}.attn_norm.weight", c["dim"])
+    w.norm(f"{p}.ffn_norm.weight", c["dim"])
+    _hc(w, f"{p}.hc_attn", c["hc"], c["dim"])
+    _hc(w, f"{p}.hc_ffn", c["hc"], c["dim"])
+    _attention(w, f"{p}.attn", c)
+
+
+# --- DeepSeek-V4.1 -----------------------------------------------------------------------------------
+
+V41_SHAPE = dict(vocab=512, dim=64, layers=8, heads=4, head_dim=64, rope=16, q_lora=64, o_groups=2, o_lora=32,
+                 hc=4, inter=32, experts=8, top_k=2, window=16, ratios=[0, 0, 2, 2, 1, 1, 1, 1],
+                 kv_sources=[2, 4], index_sources=[2, 4, 6], candidate_source=4, candidate_blocks=2,
+                 candidate_block_size=4, index_heads=4, index_head_dim=32, index_topk=8, engram_layers=[1, 3],
+                 engram_heads=2, engram_head_dim=32, engram_ngram=4, engram_base=64, dspark_targets=[5, 6, 7],
+                 dspark_experts=4, dspark_top_k=2, markov_rank=32, block=32)
+
+
+def _write_v41(out: Path, seed: int) -> None:
+    c = V41_SHAPE
+    write_tokenizer(out / "tokenizer.json", c["vocab"])
+    tok = json.loads((out / "tokenizer.json").read_text())
+    noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
+    token_map = build_token_map(out / "tokenizer.json", expected_size=None)
+    compressed_vocab = int(token_map.max()) + 1
+    from .engram import primes
+
+    pr = primes(c["engram_layers"], c["engram_ngram"], c["engram_heads"], c["engram_base"])
+    rows = [sum(p) for p in pr.values()]
+    w = _Writer(seed, c["block"])
+    dim, hc = c["dim"], c["hc"]
+    w.dense("embed.weight", c["vocab"], dim, gain=math.sqrt(dim))
+    w.dense("head.weight", c["vocab"], dim, gain=2.0)
+    w.norm("norm.weight", dim)
+    for L in range(c["layers"]):
+        p = f"layers.{L}"
+        _block_common(w, p, c)
+        if L in c["kv_sources"]:
+            ratio = c["ratios"][L]
+            w.dense(f"{p}.attn.compressor.wkv.weight", c["head_dim"], dim)
+            if ratio > 1:
+                w.dense(f"{p}.attn.compressor.wgate.weight", c["head_dim"], dim)
+            w.norm(f"{p}.attn.compressor.norm.weight", c["head_dim"])
+            w.dense(f"{p}.attn.indexer.wk.weight", c["index_head_dim"], c["head_dim"])
+            w.norm(f"{p}.attn.indexer.k_norm.weight", c["index_head_dim"])
+        if L in c["index_sources"]:
+            w.fp8(f"{p}.attn.indexer.wq_b", c["index_heads"] * c["index_head_dim"], c["q_lora"])
+            w.dense(f"{p}.attn.indexer.weights_proj.weight", c["index_heads"], dim)
+        _moe(w, f"{p}.ffn", dim, c["inter"], c["experts"], fp4=True)
+        if L in c["engram_layers"]:
+            r = rows[c["engram_layers"].index(L)]
+            n_cols = (c["engram_ngram"] - 1) * c["engram_heads"]
+            w.fp8(f"{p}.engram.wkv", (hc + 1) * dim, n_cols * c["engram_head_dim"])
+            table = w.randn(r, c["engram_head_dim"]).view(r, -1, 32)
+            scale = pow2_ceil(table.abs().amax(-1).clamp(min=1e-8) / 448.0)
+            w.t[f"{p}.engram.embed.weight"] = (table / scale.unsqueeze(-1)).view(r, -1).to(torch.float8_e4m3fn)
+            w.t[f"{p}.engram.embed.scale"] = _e8m0(scale)
+            w.t[f"{p}.engram.q_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
+            w.t[f"{p}.engram.k_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
+    for s in range(3):
+        p = f"mtp.{s}"
+        _block_common(w, p, c)
+        _moe(w, f"{p}.ffn", dim, c["inter"], c["dspark_experts"], fp4=True)
+    w.fp8("mtp.0.main_proj", dim, dim * len(c["dspark_targets"]))
+    w.norm("mtp.0.main_norm.weight", dim)
+    w.norm("mtp.2.norm.weight", dim)
+    w.dense("mtp.2.markov_head.embed.weight", c["vocab"], c["markov_rank"], gain=math.sqrt(c["markov_rank"]))
+    w.dense("mtp.2.markov_head.head.weight", c["vocab"], c["markov_rank"], gain=0.5)
+    w.dense("mtp.2.confidence_head.proj.weight", 1, dim + c["markov_rank"])
+    save_file(w.t, str(out / "model.safetensors"))
+    text = {
+        "model_type": "deepseek_v41_text", "vocab_size": c["vocab"], "hidden_size": dim,
+        "num_hidden_layers": c["layers"], "num_nextn_predict_layers": 3, "num_attention_heads": c["heads"],
+        "num_key_value_heads": 1, "head_dim": c["head_dim"], "qk_rope_head_dim": c["rope"], "q_lora_rank": c["q_lora"],
+        "o_groups": c["o_groups"], "o_lora_rank": c["o_lora"], "rms_norm_eps": 1e-20, "sliding_window": c["window"],
+        "compress_ratios": c["ratios"] + [0, 0, 0], "kv_source_layer_ids": c["kv_sources"],
+        "index_source_layer_ids": c["index_sources"], "candidate_source_layer_id": c["candidate_source"],
+        "candidate_topk_blocks": c["candidate_blocks"], "candidate_block_size": c["candidate_block_size"],
+        "index_n_heads": c["index_heads"], "index_head_dim": c["index_head_dim"], "index_topk": c["index_topk"],
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                         "beta_slow": 1},
+        "max_position_embeddings": 4096, "n_routed_experts": c["experts"], "n_shared_experts": 1,
+        "num_experts_per_tok": c["top_k"], "moe_intermediate_size": c["inter"], "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+        "hc_mult": hc, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": c["engram_layers"],
+        "engram_num_embeddings": rows, "engram_max_ngram_size": c["engram_ngram"],
+        "engram_n_heads": c["engram_heads"], "engram_head_dim": c["engram_head_dim"],
+        "engram_vocab_size": c["engram_base"], "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": compressed_vocab, "dspark_block_size": 5, "dspark_noise_token_id": noise_id,
+        "dspark_target_layer_ids": c["dspark_targets"], "dspark_markov_rank": c["markov_rank"],
+        "dspark_n_routed_experts": c["dspark_experts"], "dspark_num_experts_per_tok": c["dspark_top_k"],
+        "bos_token_id": 0, "eos_token_id": 1,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [c["block"], c["block"]],
+                                "scale_fmt": "ue8m0", "activation_scheme": "dynamic", "expert_dtype": "fp4"},
+    }
+    config = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
+              "image_token_id": None, "bos_token_id": 0, "eos_token_id": 1}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# --- DeepSeek-V4 -------------------------------------------------------------------------------------
+
+V4_SHAPE = dict(vocab=512, dim=128, layers=5, heads=2, head_dim=128, rope=64, q_lora=128, o_groups=2, o_lora=64,
+                hc=4, inter=128, experts=8, top_k=2, window=16, ratios=[0, 4, 8, 4, 0], hash_layers=1,
+                index_heads=4, index_head_dim=64, index_topk=4, block=128, dspark_targets=[2, 3, 4], markov_rank=32)
+
+
+def _write_v4(out: Path, seed: int, drafter: str) -> None:
+    c = V4_SHAPE
+    write_tokenizer(out / "tokenizer.json", c["vocab"])
+    tok = json.loads((out / "tokenizer.json").read_text())
+    noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
+    w = _Writer(seed, c["block"])
+    dim, hc = c["dim"], c["hc"]
+    w.dense("embed.weight", c["vocab"], dim, gain=math.sqrt(dim))
+    w.dense("head.weight", c["vocab"], dim, gain=2.0)
+    w.norm("norm.weight", dim)
+    w.f32("hc_head_fn", hc, hc * dim, std=0.5 / math.sqrt(hc * dim))
+    w.f32("hc_head_base", hc, std=0.5)
+    w.f32("hc_head_scale", 1, std=0.1, mean=1.0)
+
+    def compressor(p, width, overlap, ratio):
+        proj = width * (2 if overlap else 1)
+        w.dense(f"{p}.wkv.weight", proj, dim)
+        w.dense(f"{p}.wgate.weight", proj, dim)
+        w.f32(f"{p}.ape", ratio, proj, std=0.5)
+        w.norm(f"{p}.norm.weight", width)
+
+    def block(p, ratio, hashed):
+        _block_common(w, p, c)
+        if ratio:
+            compressor(f"{p}.attn.compressor", c["head_dim"], ratio == 4, ratio)
+        if ratio == 4:
+            compressor(f"{p}.attn.indexer.compressor", c["index_head_dim"], True, ratio)
+            w.fp8(f"{p}.attn.indexer.wq_b", c["index_heads"] * c["index_head_dim"], c["q_lora"])
+            w.dense(f"{p}.attn.indexer.weights_proj.weight", c["index_heads"], dim)
+        _moe(w, f"{p}.ffn", dim, c["inter"], c["experts"], fp4=True, vocab=c["vocab"], top_k=c["top_k"],
+             hashed=hashed)
+
+    for L in range(c["layers"]):
+        block(f"layers.{L}", c["ratios"][L], L < c["hash_layers"])
+    n_stages = 3 if drafter == "dspark" else 1
+    for s in range(n_stages):
+        block(f"mtp.{s}", 0, False)
+    if drafter == "mtp":
+        w.fp8("mtp.0.e_proj", dim, dim)
+        w.fp8("mtp.0.h_proj", dim, dim)
+        w.norm("mtp.0.enorm.weight", dim)
+        w.norm("mtp.0.hnorm.weight", dim)
+        w.norm("mtp.0.norm.weight", dim)
+        w.f32("mtp.0.hc_head_fn", hc, hc * dim, std=0.5 / math.sqrt(hc * dim))
+        w.f32("mtp.0.hc_head_base", hc, std=0.5)
+        w.f32("mtp.0.hc_head_scale", 1, std=0.1, mean=1.0)
+    else:
+        w.fp8("mtp.0.main_proj", dim, dim * len(c["dspark_targets"]))
+        w.norm("mtp.0.main_norm.weight", dim)
+        w.norm("mtp.2.norm.weight", dim)
+        w.f32("mtp.2.hc_head_fn", hc, hc * dim, std=0.5 / math.sqrt(hc * dim))
+        w.f32("mtp.2.hc_head_base", hc, std=0.5)
+        w.f32("mtp.2.hc_head_scale", 1, std=0.1, mean=1.0)
+        w.dense("mtp.2.markov_head.markov_w1.weight", c["vocab"], c["markov_rank"], gain=math.sqrt(c["markov_rank"]))
+        w.dense("mtp.2.markov_head.markov_w2.weight", c["vocab"], c["markov_rank"], gain=0.5)
+        w.dense("mtp.2.confidence_head.proj.weight", 1, dim + c["markov_rank"])
+    save_file(w.t, str(out / "model.safetensors"))
+    config = {
+        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": c["vocab"],
+        "hidden_size": dim, "num_hidden_layers": c["layers"], "num_attention_heads": c["heads"],
+        "num_key_value_heads": 1, "head_dim": c["head_dim"], "qk_rope_head_dim": c["rope"], "q_lora_rank": c["q_lora"],
+        "o_groups": c["o_groups"], "o_lora_rank": c["o_lora"], "rms_norm_eps": 1e-6, "sliding_window": c["window"],
+        "compress_ratios": c["ratios"] + [0] * n_stages, "num_hash_layers": c["hash_layers"],
+        "index_n_heads": c["index_heads"], "index_head_dim": c["index_head_dim"], "index_topk": c["index_topk"],
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                         "beta_slow": 1},
+        "max_position_embeddings": 4096, "n_routed_experts": c["experts"], "n_shared_experts": 1,
+        "num_experts_per_tok": c["top_k"], "moe_intermediate_size": c["inter"], "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": hc,
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "num_nextn_predict_layers": 1, "bos_token_id": 0, "eos_token_id": 1,
+        "expert_dtype": "fp4",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [c["block"], c["block"]],
+                                "scale_fmt": "ue8m0", "activation_scheme": "dynamic"},
+    }
+    if drafter == "dspark":
+        config.update(dspark_block_size=5, dspark_noise_token_id=noise_id, dspark_target_layer_ids=c["dspark_targets"],
+                      dspark_markov_rank=c["markov_rank"])
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
+
+
+def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0) -> Path:
+    """Write a tiny random checkpoint to `out_dir` (created). `deepseek_v4` carries the April MTP head,
+    `deepseek_v4_0731` the 3-stage DSpark drafter on the V4 backbone."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if family == "deepseek_v41":
+        _write_v41(out, seed)
+    elif family == "deepseek_v4":
+        _write_v4(out, seed, "mtp")
+    elif family == "deepseek_v4_0731":
+        _write_v4(out, seed, "dspark")
+    else:
+        raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
+    return out

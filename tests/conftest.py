@@ -1,0 +1,40 @@
+"""Shared test fixtures: tiny checkpoints (written once per session), the official-reference fixture data,
+and the CPU/GPU switch (without CUDA, Triton kernels run under the interpreter)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DATA = Path(__file__).parent / "data"
+FIXTURE = DATA / "v41-tiny-a"
+FIXTURE_EXPECTED = DATA / "v41-tiny-a-expected"
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    from appliance.tiny import FAMILIES, write_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: write_tiny(root / f, f, seed=0) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def expected():
+    from safetensors.torch import load_file
+
+    return load_file(str(FIXTURE_EXPECTED / "expected.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def fixture_model():
+    from appliance.loader import load_model
+
+    return load_model(FIXTURE, load_drafter=True, notice=None)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
