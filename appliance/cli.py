@@ -266,3 +266,7 @@ def _print_info(cfg, report, human):
 
 def run():
     main()
+
+
+# Command groups that live in their own modules register themselves on `main` when imported.
+from . import cli_bench  # noqa: E402,F401

@@ -1,0 +1,10 @@
+"""`appliance bench ...`: measurements printed side by side (medians, ratios), never pass/fail."""
+
+import click
+
+from .cli import friendly, main, model_options  # noqa: F401
+
+
+@main.group()
+def bench():
+    """Benchmarks: decode speed, forward vs end-to-end, prefill, kernels."""

@@ -1,0 +1,154 @@
+"""The Engine API: the one narrow waist between the server (or CLI) and the model.
+
+    engine = Engine.load(model_dir, devices="cpu", draft="none")
+    for event in engine.generate(Request(...), cancel):   # Started, Progress*, Tokens*, Done | Error
+        ...
+
+One engine thread owns the device and all decode state; requests reach it through a queue, and events
+come back through a callback or the iterator `generate` returns. Neither call blocks the caller's thread
+on device work: `submit` returns at once, and `generate` only waits on its own event queue. Only one
+request runs at a time (one user per box); `submit` while busy is refused with `busy` unless queueing is
+asked for.
+
+Cancellation: `cancel.set()` stops a prefill between chunks and a decode between cycles; the request
+then ends with `Done(finish_reason="cancelled")` and the engine is free for the next request.
+"""
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .api import Done, Error, Progress, Request, Started, Tokens
+from .errors import ApplianceError
+
+
+@dataclass
+class EngineInfo:
+    """What the server tells clients about the model (no tensors)."""
+
+    model: str
+    family: str
+    max_context: int
+    vocab_size: int
+    draft: str
+    device: str
+
+
+@dataclass
+class _Job:
+    request: Request
+    cancel: threading.Event
+    emit: Callable
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(self, generator, info: EngineInfo, warmup: bool = True):
+        self.generator = generator
+        self.info = info
+        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._busy = threading.Lock()
+        self._running: _Job | None = None
+        self.heartbeat = time.monotonic()  # advanced by the engine thread whenever it makes progress
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        if warmup:
+            self._warmup()
+        self.ready.set()
+
+    # --- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_dir=None, devices: str = "cpu", draft: str = "none", numerics: str = "official",
+             dtype: str = "float32", path: str = "reference", chunk: int = 256, context: int | None = None,
+             index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None) -> "Engine":
+        """Read config and weights, check the memory plan, build the decode state, warm up."""
+        from .generate import Generator
+        from .loader import load_model
+        from .memory import plan_context
+
+        say = status or (lambda m: None)
+        say("loading weights")
+        lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices.split(":")[0],
+                        notice=say, load_drafter=draft != "none")
+        capacity = plan_context(lm, context)
+        say(f"allocating decode state for {capacity} tokens")
+        gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys)
+        info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
+                          vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
+        say("warming up")
+        return cls(gen, info, warmup=warmup)
+
+    def _warmup(self) -> None:
+        """One real generation end to end (readiness means a request has gone through)."""
+        req = Request(id="warmup", input_ids=[self.generator.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
+        events = list(self.generate(req))
+        if not isinstance(events[-1], Done):
+            raise ApplianceError(f"warm-up generation failed: {events[-1]}", code="internal")
+        self.generator.state.reset()
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None or not self._inbox.empty()
+
+    def submit(self, request: Request, emit: Callable, cancel: threading.Event | None = None,
+               wait: bool = False) -> threading.Event:
+        """Queue a request; `emit(event)` is called from the engine thread for each event. Returns the
+        cancel event. Without `wait`, a busy engine answers at once with Error(code="busy")."""
+        cancel = cancel or threading.Event()
+        if not wait and self.busy:
+            emit(Error(request.id, "busy", "another generation is running on this box", retryable=True))
+            return cancel
+        self._inbox.put(_Job(request, cancel, emit))
+        return cancel
+
+    def generate(self, request: Request, cancel: threading.Event | None = None, wait: bool = True) -> Iterator:
+        """Blocking iterator over the request's events (for the CLI, tests and benchmarks)."""
+        events: queue.Queue = queue.Queue()
+        self.submit(request, events.put, cancel, wait=wait)
+        while True:
+            event = events.get()
+            yield event
+            if isinstance(event, (Done, Error)):
+                return
+
+    def close(self) -> None:
+        if self._running is not None:
+            self._running.cancel.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # --- the engine thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._inbox.get()
+            if job is None:
+                return
+            self._running = job
+            try:
+                self._serve(job)
+            finally:
+                self._running = None
+                self.heartbeat = time.monotonic()
+
+    def _serve(self, job: _Job) -> None:
+        queue_ms = (time.perf_counter() - job.submitted) * 1e3
+        try:
+            for event in self.generator.run(job.request, job.cancel):
+                self.heartbeat = time.monotonic()
+                if isinstance(event, Done):
+                    event.timings["queue_ms"] = queue_ms
+                job.emit(event)
+        except Exception as e:  # an engine fault must still end the request with exactly one Error
+            self.generator.state.reset()
+            job.emit(Error(job.request.id, "internal", f"engine fault: {type(e).__name__}: {e}"))
+
+
+__all__ = ["Engine", "EngineInfo", "Request", "Started", "Progress", "Tokens", "Done", "Error"]

@@ -1,0 +1,77 @@
+"""Memory plans: does a model, its decode state for a context length, the graph buffers and headroom fit a
+device? The plan names every part in bytes; a plan that does not fit names the largest part and the
+shortfall. The engine's maximum context is the config's, capped by what the plan lets fit."""
+
+import os
+from dataclasses import dataclass
+
+from .errors import MemoryPlanError
+from .info import state_bytes, weight_bytes
+
+GRAPH_BUFFERS = 64 << 20  # static inputs/outputs and scratch of the captured decode cycle (upper estimate)
+HEADROOM = 0.08  # of device memory, for the allocator, NCCL and the CUDA context
+
+
+@dataclass
+class MemoryPlan:
+    context: int
+    parts: dict[str, int]  # name -> bytes
+    capacity: int  # device bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def check(self) -> None:
+        if not self.fits:
+            part, size = max(self.parts.items(), key=lambda kv: kv[1])
+            raise MemoryPlanError(
+                f"memory plan for a {self.context}-token context does not fit: needs {self.total} bytes, "
+                f"the device has {self.capacity}; short by {self.total - self.capacity} bytes "
+                f"(largest part: {part}, {size} bytes)", field=part, value=self.total - self.capacity)
+
+
+def device_plan(cfg, context: int, device_bytes: int, ranks: int = 1) -> MemoryPlan:
+    """Packed formats (what the kernels store) on one of `ranks` devices: weights on the device split
+    evenly (Engram tables stay in host memory), the decode state for `context` tokens, graph buffers and
+    headroom."""
+    w = weight_bytes(cfg)
+    s = state_bytes(cfg)
+    parts = {
+        "weights": w["by_where"].get("device", 0) // ranks,
+        "decode_state": int(s["per_token_packed"] * context + s["constant_packed"]) // ranks,
+        "graph_buffers": GRAPH_BUFFERS,
+        "headroom": int(device_bytes * HEADROOM),
+    }
+    return MemoryPlan(context, parts, device_bytes)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_context(lm, requested: int | None = None, budget: int | None = None) -> int:
+    """The engine's context limit: the config's maximum (or `requested`), capped by memory.
+
+    On CPU the reference path holds the state in the activation dtype; a `requested` context that does
+    not fit raises MemoryPlanError, an unrequested one is capped to what fits."""
+    cfg = lm.cfg
+    limit = cfg.max_context if requested is None else requested
+    if requested is not None and requested > cfg.max_context:
+        raise MemoryPlanError(f"context {requested} exceeds the model's maximum {cfg.max_context}",
+                              field="context", value=requested)
+    per_token = state_bytes(cfg)["per_token_reference_bf16"] * (4 if lm.runtime.dtype.itemsize == 4 else 2) / 2
+    per_token += 8  # the token history
+    capacity = budget if budget is not None else int(host_memory_bytes() * 0.5)
+    need = int(per_token * limit)
+    if need > capacity:
+        if requested is not None:
+            raise MemoryPlanError(
+                f"decode state for a {requested}-token context needs {need} bytes, the budget is {capacity}; "
+                f"short by {need - capacity} bytes (part: decode_state)", field="decode_state", value=need - capacity)
+        limit = int(capacity // per_token)
+    return limit
