@@ -1,6 +1,5 @@
 """`appliance bench ...`: measurements printed side by side (medians, ratios), never pass/fail."""
 
-import click
 
 from .cli import friendly, main, model_options  # noqa: F401
 

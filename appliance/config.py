@@ -349,9 +349,11 @@ def _parse_hf_v4(r: _Reader) -> V4Config:
     if dspark is not None:
         n_mtp = dspark.n_stages  # 0731 still says 1 while storing 3 stages
     if len(kinds) < n:
-        raise ConfigError(r.path, "layer_types", f"{len(kinds)} entries for {n} layers")
+        field = "compress_ratios" if "compress_ratios" in r.data else "layer_types"
+        raise ConfigError(r.path, field, f"{len(kinds)} entries for {n} layers")
     cfg = V4Config(family="deepseek_v4", compress_ratios=tuple(ratios[:n]), n_mtp_layers=n_mtp, dspark=dspark,
-                   n_hash_layers=n_hash, layer_kinds=kinds, **common, **_hf_rope(r), **_hf_quant(r, default_act_block=128))
+                   n_hash_layers=n_hash, layer_kinds=kinds, **common, **_hf_rope(r),
+                   **_hf_quant(r, default_act_block=128))
     _check_common(cfg, ratios, r.path)
     return cfg
 

@@ -113,7 +113,7 @@ class V41Attention:
 
     def _compress(self, x: torch.Tensor, step: Step) -> None:
         """KV source: pool completed groups, then write their index key and their compressed row."""
-        c, L, ops = self.cfg, self.layer, self.rt.ops
+        L, ops = self.layer, self.rt.ops
         ring = step.state.rings[f"compressor.{L}"]
         proj = self.compressor.project(x, step.positions)
         latent, complete = self.compressor.pool(ring, step.start, proj, step.positions)

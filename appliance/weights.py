@@ -204,6 +204,7 @@ class Checkpoint:
         scale_name = name.replace(".weight", ".scale") if name.endswith(".weight") else name + ".scale"
         if name not in self._refs:
             self.problems.append(f"missing {name} [{out_features}, {in_features}]")
+            self.consumed.add(scale_name)  # an orphan scale is part of the same problem
             return None
         dtype = self._dtypes[name]
         stored = self._shapes[name]
@@ -224,6 +225,7 @@ class Checkpoint:
         if want_scale is not None:
             if scale_name not in self._refs:
                 self.problems.append(f"missing {scale_name} {list(want_scale)} (scale of {dtype} {name})")
+                self.consumed.add(name)
                 return None
             if self._shapes[scale_name] != want_scale:
                 self.problems.append(f"mis-shaped {scale_name}: stored {list(self._shapes[scale_name])}, "

@@ -2,8 +2,18 @@
 
 import torch
 
-from kernels.formats import (dequant_fp4, dequant_fp8, e8m0_to_float, pack_fp4, pow2_ceil, q4_e4m3, q4_e8m0,
-                             q8_pow2, round_e2m1, unpack_fp4)
+from kernels.formats import (
+    dequant_fp4,
+    dequant_fp8,
+    e8m0_to_float,
+    pack_fp4,
+    pow2_ceil,
+    q4_e4m3,
+    q4_e8m0,
+    q8_pow2,
+    round_e2m1,
+    unpack_fp4,
+)
 
 
 def e8m0(exponents):
