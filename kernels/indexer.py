@@ -6,9 +6,24 @@ each rounded to that dtype (bf16 on the device; the activation dtype in general)
 select: the k' = min(k, n_valid) largest scores, indices ascending, -1 in unused slots. Exact ties (the
 ReLU makes zero scores common) go to the lower row index, whatever the length of the row: a query selects
 the same rows in a prefill chunk, a verify block or a single decode step.
+
+Kernels:
+- `fast_scores`: one program per block of keys, looping over the query rows, so each key is read once.
+  The dot products accumulate in float64 for float32 operands (the FP4-quantized operands of `official`
+  numerics make them exact) and in float32 for bfloat16 operands (the official kernel's precision; exact
+  float32 products); relu, weights and the head sum in float64 with the reference's roundings.
+  Tolerance: float32 operands: bit-identical in practice (float64 summation order only); bfloat16
+  operands: one rounding of `round_dtype` where the float32 dot differs.
+- `fast_select`: exact top-k by radix selection on the float bit patterns (32 counting passes for the
+  k-th largest value, then one compaction pass in row order), so the tie rule is the reference's: the
+  lower index wins. Bit-identical.
+- `fast_candidate_mask`: block maxima (with the forced newest block), the same top-k kernel over blocks,
+  and the expansion to rows. Bit-identical.
 """
 
 import torch
+
+from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
@@ -62,3 +77,219 @@ def candidate_mask(scores: torch.Tensor, n_valid: torch.Tensor, block: int, top_
 def _top(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries per row, ties to the lower index."""
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+# --- Triton kernels --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(v, RD: tl.constexpr):
+    """float64 -> round_dtype (0 none, 1 float32, 2 bfloat16) -> float64."""
+    if RD == 1:
+        v = v.to(tl.float32).to(tl.float64)
+    elif RD == 2:
+        v = round_out(v, True).to(tl.float64)
+    return v
+
+
+@triton.jit
+def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
+                   w_ptr,   # head weights [M, nh] (float32 / bfloat16), contiguous
+                   k_ptr,   # keys [N, dI], row stride stride_k
+                   nv_ptr,  # int64 n_valid [M]
+                   s_ptr,   # out float32 [M, N]
+                   M, N, NH, DI, stride_k, rows_per_prog,
+                   RD: tl.constexpr, DOT_F64: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+    keys = tl.program_id(0) * BN + tl.arange(0, BN)
+    kmask = keys < N
+    heads = tl.arange(0, BH)
+    hmask = heads < NH
+    dcols = tl.arange(0, BD)
+    dmask = dcols < DI
+    kt = tl.load(k_ptr + keys[:, None] * stride_k + dcols[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
+    m_lo = tl.program_id(1) * rows_per_prog
+    for m in range(m_lo, tl.minimum(M, m_lo + rows_per_prog)):
+        q = tl.load(q_ptr + (m * NH + heads[:, None]) * DI + dcols[None, :], mask=hmask[:, None] & dmask[None, :],
+                    other=0.0)
+        if DOT_F64:
+            d = tl.dot(q.to(tl.float64), tl.trans(kt.to(tl.float64)))
+        else:  # float32 FMA dot ("ieee"): the interpreter's bfloat16 dot is wrong
+            d = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee").to(tl.float64)
+        w = tl.load(w_ptr + m * NH + heads, mask=hmask, other=0.0).to(tl.float64)
+        d = _round_to(d, RD)
+        u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
+        s = _round_to(tl.sum(u, axis=0), RD).to(tl.float32)
+        nv = tl.load(nv_ptr + m)
+        s = tl.where(keys < nv, s, float("-inf"))
+        tl.store(s_ptr + m * N + keys, s, mask=kmask)
+
+
+_ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+
+
+def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                round_dtype: torch.dtype | None) -> torch.Tensor:
+    """The kernel for `scores` (same signature and result)."""
+    require_dtype(q, "q", (torch.float32, torch.bfloat16))
+    require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
+    m, nh, di = q.shape
+    require(tuple(w.shape) == (m, nh), "w.shape", tuple(w.shape), f"must be {(m, nh)}")
+    require_dtype(w, "w", (torch.float32, torch.bfloat16))
+    require(keys.dim() == 2 and keys.shape[1] == di, "keys.shape", tuple(keys.shape), f"must be [N, {di}]")
+    require_dtype(keys, "keys", (torch.float32, torch.bfloat16))
+    require_rows(keys, "keys")
+    require(tuple(n_valid.shape) == (m,), "n_valid.shape", tuple(n_valid.shape), f"must be {(m,)}")
+    require(round_dtype in _ROUND, "round_dtype", round_dtype, "must be None, float32 or bfloat16")
+    require(di <= 1024 and nh <= 256, "q.shape", tuple(q.shape), "supports nh <= 256 heads of dI <= 1024")
+    dev = device_of(q, w, keys, n_valid)
+    n = keys.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32, device=dev)
+    if m == 0 or n == 0:
+        return out
+    q, w, nv = q.contiguous(), w.contiguous(), n_valid.to(torch.int64).contiguous()
+    dot_f64 = not (q.dtype == keys.dtype == torch.bfloat16)
+    if INTERPRET:
+        bn, rows = min(pow2(n), 256), m
+    else:
+        bn, rows = 32 if dot_f64 else 64, 8
+    _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
+        q, w, keys, nv, out, m, n, nh, di, keys.stride(0), rows,
+        RD=_ROUND[round_dtype], DOT_F64=dot_f64, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
+        BD=pow2(di, 16 if not INTERPRET else 1))
+    return out
+
+
+@triton.jit
+def _order_key(v):
+    """float32 -> int64 in [0, 2^32) with the same order (-0 counts as +0, as in comparisons)."""
+    bits = (v + 0.0).to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return key.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row stride stride_x
+                 out_ptr,  # int64 [R, k] out: selected indices ascending, then -1
+                 R, N, k, stride_x, BR: tl.constexpr, BN: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    # 1. the k-th largest key T: the largest T with count(key >= T) >= k, one bit at a time
+    thr = tl.zeros((BR,), dtype=tl.int64)
+    for b in range(31, -1, -1):
+        cand = thr | (1 << b)
+        cnt = tl.zeros((BR,), dtype=tl.int64)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            m = rmask[:, None] & (cols[None, :] < N)
+            key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+            cnt += tl.sum((m & (key >= cand[:, None])).to(tl.int64), axis=1)
+        thr = tl.where(cnt >= k, cand, thr)
+    # 2. in row order: every key > T, and the first (k - count(> T)) keys == T; -inf picks become -1
+    gt = tl.zeros((BR,), dtype=tl.int64)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        m = rmask[:, None] & (cols[None, :] < N)
+        key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+        gt += tl.sum((m & (key > thr[:, None])).to(tl.int64), axis=1)
+    need = k - gt
+    neg_inf = _order_key(tl.full((1,), float("-inf"), dtype=tl.float32))
+    eq_seen = tl.zeros((BR,), dtype=tl.int64)
+    written = tl.zeros((BR,), dtype=tl.int64)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        m = rmask[:, None] & (cols[None, :] < N)
+        key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+        eq = (m & (key == thr[:, None])).to(tl.int64)
+        eq_rank = eq_seen[:, None] + tl.cumsum(eq, axis=1) - eq
+        sel = m & ((key > thr[:, None]) | ((eq != 0) & (eq_rank < need[:, None]))) & (key != neg_inf)
+        pos = written[:, None] + tl.cumsum(sel.to(tl.int64), axis=1) - 1
+        tl.store(out_ptr + rows[:, None] * k + pos, cols[None, :].to(tl.int64) + tl.zeros_like(pos), mask=sel)
+        eq_seen += tl.sum(eq, axis=1)
+        written += tl.sum(sel.to(tl.int64), axis=1)
+    for j0 in range(0, k, BN):
+        cols = j0 + tl.arange(0, BN)
+        m = rmask[:, None] & (cols[None, :] < k) & (cols[None, :] >= written[:, None])
+        tl.store(out_ptr + rows[:, None] * k + cols[None, :], tl.full((BR, BN), -1, dtype=tl.int64), mask=m)
+
+
+def topk_ascending(x: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 [R, N] -> int64 [R, k] (k <= N): the k largest (ties to the lower index), ascending, -1
+    for -inf picks. The kernel behind `fast_select`, also used by the router and the sampler."""
+    r, n = x.shape
+    out = torch.empty((r, k), dtype=torch.int64, device=x.device)
+    if r == 0 or k == 0:
+        return out
+    if INTERPRET:
+        bn = min(pow2(n), 1024)
+        br = min(pow2(r), max(1, 4096 // bn))
+    else:
+        bn, br = 1024, 1
+    _topk_kernel[(triton.cdiv(r, br),)](x, out, r, n, k, x.stride(0), BR=br, BN=bn)
+    return out
+
+
+def fast_select(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The kernel for `select` (same signature and result)."""
+    require_dtype(scores, "scores", (torch.float32,))
+    require(scores.dim() == 2, "scores.dim()", scores.dim(), "must be 2 ([M, N])")
+    require(k >= 0, "k", k, "must be >= 0")
+    require_rows(scores, "scores")
+    device_of(scores)
+    return topk_ascending(scores, min(k, scores.shape[-1]))
+
+
+@triton.jit
+def _block_max_kernel(s_ptr,   # float32 scores [M, N], contiguous
+                      nv_ptr,  # int64 n_valid [M]
+                      b_ptr,   # out float32 [M, NB] block scores
+                      N, NB, block, BB: tl.constexpr, BL: tl.constexpr):
+    m = tl.program_id(0)
+    blocks = tl.program_id(1) * BB + tl.arange(0, BB)
+    bmask = blocks < NB
+    rows = blocks[:, None] * block + tl.arange(0, BL)[None, :]
+    v = tl.load(s_ptr + m * N + rows, mask=bmask[:, None] & (tl.arange(0, BL)[None, :] < block) & (rows < N),
+                other=float("-inf"))
+    bs = tl.max(v, axis=1)
+    nv = tl.load(nv_ptr + m)
+    last = tl.maximum((nv - 1) // block, 0)  # n_valid >= 0, so floor division is plain division here
+    last = tl.where(nv >= 1, last, 0)
+    bs = tl.where(blocks == last, float("inf"), bs)
+    bs = tl.where((blocks > last) | (nv == 0), float("-inf"), bs)
+    tl.store(b_ptr + m * NB + blocks, bs, mask=bmask)
+
+
+@triton.jit
+def _expand_kernel(keep_ptr,  # uint8 [M, NB]: 1 for kept blocks
+                   out_ptr,   # out bool-as-uint8 [M, N]
+                   N, NB, block, BN: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < N
+    kept = tl.load(keep_ptr + m * NB + cols // block, mask=cmask, other=0)
+    tl.store(out_ptr + m * N + cols, kept, mask=cmask)
+
+
+def fast_candidate_mask(scores: torch.Tensor, n_valid: torch.Tensor, block: int, top_blocks: int) -> torch.Tensor:
+    """The kernels for `candidate_mask` (same signature and result)."""
+    require_dtype(scores, "scores", (torch.float32,))
+    require(scores.dim() == 2, "scores.dim()", scores.dim(), "must be 2 ([M, N])")
+    require(block >= 1, "block", block, "must be >= 1")
+    require(top_blocks >= 0, "top_blocks", top_blocks, "must be >= 0")
+    m, n = scores.shape
+    require(tuple(n_valid.shape) == (m,), "n_valid.shape", tuple(n_valid.shape), f"must be {(m,)}")
+    dev = device_of(scores, n_valid)
+    mask = torch.empty((m, n), dtype=torch.bool, device=dev)
+    nb = triton.cdiv(n, block)
+    if m == 0 or n == 0:
+        return mask
+    scores, nv = scores.contiguous(), n_valid.to(torch.int64).contiguous()
+    bs = torch.empty((m, nb), dtype=torch.float32, device=dev)
+    bl = pow2(block)
+    bb = max(1, min(pow2(nb), (8192 if INTERPRET else 1024) // bl))
+    _block_max_kernel[(m, triton.cdiv(nb, bb))](scores, nv, bs, n, nb, block, BB=bb, BL=bl)
+    top = topk_ascending(bs, min(top_blocks, nb))
+    keep = torch.zeros((m, nb + 1), dtype=torch.uint8, device=dev)
+    keep.scatter_(1, torch.where(top < 0, nb, top), 1)  # -1 picks land in the spare column
+    bn = min(pow2(n), 4096 if INTERPRET else 1024)
+    _expand_kernel[(m, triton.cdiv(n, bn))](keep, mask.view(torch.uint8), n, nb + 1, block, BN=bn)
+    return mask

@@ -8,9 +8,17 @@ coeffs: from one site's parameters (fn [hc*(2+hc), hc*D], base, scale [3]) compu
            then (iters - 1) x (row, column) normalizations.
 collapse: x = sum_j pre_j X_j.   expand: X'_k = post_k y + sum_j comb[j, k] X_j (comb transposed).
 All interior arithmetic in float64, coefficients returned as float32, streams rounded once.
+
+Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_expand`): float64 throughout, like the
+reference. coeffs: split over the hc*D inputs (float64 partial projections and sums of squares, added in
+split order), then one program per row for the sigmoids and Sinkhorn. Tolerance: coefficients within a
+few float32 ulps (2^-21 relative; in practice identical: only float64 summation order differs); streams
+within one rounding of X's dtype.
 """
 
 import torch
+
+from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -53,3 +61,233 @@ def expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     """y [M, D] (sub-block output), X [M, hc, D] -> [M, hc, D] in X.dtype."""
     mixed = torch.matmul(comb.double().transpose(-1, -2), X.double())
     return (post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed).to(X.dtype)
+
+
+# --- Triton kernels --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _project_kernel(x_ptr,     # streams X viewed [M, n] (n = hc*D; float32 / bfloat16), row stride stride_x
+                    fn_ptr,    # float32 [J, n] projection, contiguous
+                    part_ptr,  # float64 [S, M, J + 1]: per split, the J partial dots and the sum of squares
+                    M, n, J, stride_x, chunk,  # chunk: inputs per split (a multiple of BC)
+                    BM: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr):
+    pid_s = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    js = tl.arange(0, BJ)
+    jmask = js < J
+    c_lo = pid_s * chunk
+    c_end = tl.minimum(n, c_lo + chunk)
+    dots = tl.zeros((BM, BJ), dtype=tl.float64)
+    ss = tl.zeros((BM,), dtype=tl.float64)
+    for c0 in range(c_lo, c_end, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < c_end
+        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float64)
+        f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float64)
+        dots += tl.sum(v[:, None, :] * f[None, :, :], axis=2)
+        ss += tl.sum(v * v, axis=1)
+    base = part_ptr + (pid_s * M + rows) * (J + 1)
+    tl.store(base[:, None] + js[None, :], dots, mask=rmask[:, None] & jmask[None, :])
+    tl.store(base + J, ss, mask=rmask)
+
+
+@triton.jit
+def _sigmoid64(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _coeffs_kernel(part_ptr,   # float64 [S, M, J + 1] from _project_kernel
+                   base_ptr,   # float32 [J] base
+                   scale_ptr,  # float32 [3] (coeffs) or [1] (head) scales
+                   eps_ptr,    # float64 [2]: norm_eps, hc_eps
+                   pre_ptr,    # float32 [M, hc] out
+                   post_ptr,   # float32 [M, hc] out (coeffs only)
+                   comb_ptr,   # float32 [M, hc, hc] out (coeffs only)
+                   M, n, hc, iters,
+                   SPLITS: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    J = hc if HEAD else hc * (2 + hc)
+    norm_eps = tl.load(eps_ptr)
+    hc_eps = tl.load(eps_ptr + 1)
+    i = tl.arange(0, BHC)
+    imask = i < hc
+    vm = rmask[:, None] & imask[None, :]                                   # [BM, BHC]
+    cm = rmask[:, None, None] & imask[None, :, None] & imask[None, None, :]  # [BM, BHC, BHC]
+    cidx = 2 * hc + i[:, None] * hc + i[None, :]
+    # the J projections: [BM, BHC] (pre, post) and [BM, BHC, BHC] (comb), splits added in order
+    d_pre = tl.zeros((BM, BHC), dtype=tl.float64)
+    d_post = tl.zeros((BM, BHC), dtype=tl.float64)
+    d_comb = tl.zeros((BM, BHC, BHC), dtype=tl.float64)
+    ss = tl.zeros((BM,), dtype=tl.float64)
+    for s in range(SPLITS):
+        row = part_ptr + (s * M + rows) * (J + 1)
+        d_pre += tl.load(row[:, None] + i[None, :], mask=vm, other=0.0)
+        if not HEAD:
+            d_post += tl.load(row[:, None] + hc + i[None, :], mask=vm, other=0.0)
+            d_comb += tl.load(row[:, None, None] + cidx[None, :, :], mask=cm, other=0.0)
+        ss += tl.load(row + J, mask=rmask, other=0.0)
+    rho = (1.0 / tl.sqrt(ss / n + norm_eps))[:, None]
+    # the projection is a float32 tensor in the official code: round it once
+    m_pre = (d_pre * rho).to(tl.float32).to(tl.float64)
+    s0 = tl.load(scale_ptr).to(tl.float64)
+    b_pre = tl.load(base_ptr + i, mask=imask, other=0.0).to(tl.float64)[None, :]
+    pre = _sigmoid64(m_pre * s0 + b_pre) + hc_eps
+    tl.store(pre_ptr + rows[:, None] * hc + i[None, :], pre.to(tl.float32), mask=vm)
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1).to(tl.float64)
+        s2 = tl.load(scale_ptr + 2).to(tl.float64)
+        m_post = (d_post * rho).to(tl.float32).to(tl.float64)
+        b_post = tl.load(base_ptr + hc + i, mask=imask, other=0.0).to(tl.float64)[None, :]
+        post = 2.0 * _sigmoid64(m_post * s1 + b_post)
+        tl.store(post_ptr + rows[:, None] * hc + i[None, :], post.to(tl.float32), mask=vm)
+        m_comb = (d_comb * rho[:, :, None]).to(tl.float32).to(tl.float64)
+        b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0).to(tl.float64)
+        c = tl.where(cm, m_comb * s2 + b_comb[None, :, :], float("-inf"))
+        mx = tl.max(c, axis=2)
+        e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
+        z = tl.sum(e, axis=2)
+        c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)  # (padding rows: no 0/0)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c.to(tl.float32), mask=cm)
+
+
+def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
+    require_dtype(X, "X", (torch.float32, torch.bfloat16))
+    require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
+    m, hc, d = X.shape
+    n = hc * d
+    j = hc if head else hc * (2 + hc)
+    require(tuple(fn.shape) == (j, n), "fn.shape", tuple(fn.shape), f"must be {(j, n)}")
+    require(tuple(base.shape) == (j,), "base.shape", tuple(base.shape), f"must be {(j,)}")
+    require(scale.numel() >= (1 if head else 3), "scale.numel()", scale.numel(), "must be >= 3 (1 for the head)")
+    for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+        require_dtype(t, name, (torch.float32,))
+        require(t.is_contiguous(), f"{name}.stride", t.stride(), "must be contiguous")
+    dev = device_of(X, fn, base, scale)
+    x2 = X.reshape(m, n)
+    require_rows(x2, "X")
+    pre = torch.empty((m, hc), dtype=torch.float32, device=dev)
+    post = torch.empty((m, hc), dtype=torch.float32, device=dev)
+    comb = torch.empty((m, hc, hc), dtype=torch.float32, device=dev)
+    if m == 0:
+        return pre, post, comb
+    bj = pow2(j)
+    if INTERPRET:
+        bm, bc = min(pow2(m), 16), min(pow2(n), 512)
+        chunk = max(bc, pow2(n))
+    else:  # ~2 programs per SM, each a contiguous slice of the hc*D inputs; depends on n only
+        bm, bc = min(pow2(m), 4), 64
+        chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
+    splits = triton.cdiv(n, chunk)
+    part = torch.empty((splits, m, j + 1), dtype=torch.float64, device=dev)
+    _project_kernel[(splits, triton.cdiv(m, bm))](x2, fn, part, m, n, j, x2.stride(0), chunk, BM=bm, BJ=bj, BC=bc)
+    eps = torch.tensor([norm_eps, hc_eps], dtype=torch.float64, device=dev)
+    bm2 = min(pow2(m), 64) if INTERPRET else 1
+    _coeffs_kernel[(triton.cdiv(m, bm2),)](part, base, scale, eps, pre, post, comb, m, n, hc, iters,
+                                           SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc))
+    return pre, post, comb
+
+
+def fast_coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels for `coeffs` (same signature and result)."""
+    require(iters >= 1, "iters", iters, "must be >= 1")
+    return _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head=False)
+
+
+def fast_head_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                  hc_eps: float) -> torch.Tensor:
+    """The kernels for `head_pre` (same signature and result)."""
+    return _coeffs(X, fn, base, scale, norm_eps, hc_eps, 1, head=True)[0]
+
+
+@triton.jit
+def _collapse_kernel(x_ptr,    # X [M, hc, D] (float32 / bfloat16), contiguous
+                     pre_ptr,  # float32 [M, hc]
+                     y_ptr,    # out [M, D] in X's dtype
+                     M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = rmask[:, None] & (cols[None, :] < D)
+    acc = tl.zeros((BM, BD), dtype=tl.float64)
+    for j in range(hc):
+        p = tl.load(pre_ptr + rows * hc + j, mask=rmask, other=0.0).to(tl.float64)
+        acc += p[:, None] * tl.load(x_ptr + (rows[:, None] * hc + j) * D + cols[None, :], mask=mask,
+                                    other=0.0).to(tl.float64)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], round_out(acc, OUT_BF16), mask=mask)
+
+
+def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The kernel for `collapse` (same signature and result)."""
+    require_dtype(X, "X", (torch.float32, torch.bfloat16))
+    require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
+    m, hc, d = X.shape
+    require(tuple(pre.shape) == (m, hc), "pre.shape", tuple(pre.shape), f"must be {(m, hc)}")
+    require_dtype(pre, "pre", (torch.float32,))
+    dev = device_of(X, pre)
+    X, pre = X.contiguous(), pre.contiguous()
+    y = torch.empty((m, d), dtype=X.dtype, device=dev)
+    if m and d:
+        bd = min(pow2(d), 8192 if INTERPRET else 1024)
+        bm = max(1, min(pow2(m), 16384 // bd)) if INTERPRET else 1
+        _collapse_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](X, pre, y, m, hc, d,
+                                                                   OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BD=bd)
+    return y
+
+
+@triton.jit
+def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), contiguous
+                   x_ptr,     # X [M, hc, D], contiguous
+                   post_ptr,  # float32 [M, hc]
+                   comb_ptr,  # float32 [M, hc, hc]
+                   out_ptr,   # out [M, hc, D] in X's dtype
+                   M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = rmask[:, None] & (cols[None, :] < D)
+    k = tl.arange(0, BHC)
+    kmask = rmask[:, None] & (k[None, :] < hc)
+    y = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=cmask, other=0.0).to(tl.float64)
+    post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0).to(tl.float64)
+    mixed = tl.zeros((BM, BHC, BD), dtype=tl.float64)
+    for j in range(hc):  # out stream k takes column k of comb
+        cj = tl.load(comb_ptr + (rows[:, None] * hc + j) * hc + k[None, :], mask=kmask, other=0.0).to(tl.float64)
+        xj = tl.load(x_ptr + (rows[:, None] * hc + j) * D + cols[None, :], mask=cmask, other=0.0).to(tl.float64)
+        mixed += cj[:, :, None] * xj[:, None, :]
+    out = post[:, :, None] * y[:, None, :] + mixed
+    tl.store(out_ptr + (rows[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
+             round_out(out, OUT_BF16), mask=kmask[:, :, None] & cmask[:, None, :])
+
+
+def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The kernel for `expand` (same signature and result)."""
+    require_dtype(X, "X", (torch.float32, torch.bfloat16))
+    require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
+    m, hc, d = X.shape
+    require(tuple(y.shape) == (m, d), "y.shape", tuple(y.shape), f"must be {(m, d)}")
+    require_dtype(y, "y", (torch.float32, torch.bfloat16))
+    require(tuple(post.shape) == (m, hc), "post.shape", tuple(post.shape), f"must be {(m, hc)}")
+    require(tuple(comb.shape) == (m, hc, hc), "comb.shape", tuple(comb.shape), f"must be {(m, hc, hc)}")
+    require_dtype(post, "post", (torch.float32,))
+    require_dtype(comb, "comb", (torch.float32,))
+    device_of(y, X, post, comb)
+    y, X, post, comb = y.contiguous(), X.contiguous(), post.contiguous(), comb.contiguous()
+    out = torch.empty_like(X)
+    if m and d:
+        bd = min(pow2(d), 4096 if INTERPRET else 512)
+        bm = max(1, min(pow2(m), 16384 // (bd * pow2(hc)))) if INTERPRET else 1
+        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](y, X, post, comb, out, m, hc, d,
+                                                                 OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
+                                                                 BHC=pow2(hc), BD=bd)
+    return out

@@ -8,12 +8,42 @@ experts: per row and selected expert e (SwiGLU with clamps):
     official: o_e = w2_e(round(weight_e * h)), y = sum over experts in increasing id (float32) + shared
     plain:    o_e = w2_e(round(h)) * weight_e (transformers' order)
 Each selected expert's weights are read once, however many rows chose it.
+
+Kernels:
+- `fast_route`: the router product by the linear kernel (float64 accumulation, float32 result, the float64
+  gate read in the narrowest dtype that holds it exactly, checked once per weight), then one program per
+  row: score function in float64 rounded to float32, top-k by repeated argmax (ties to the lower expert
+  id), weights normalized in float32. Tolerance: logits bit-identical; weights within 4 float32 ulps
+  (2^-21 relative: torch's float32 softplus/sigmoid/softmax and sum order differ by an ulp); indices
+  equal unless two biased scores are within that.
+- `fast`: pairs (row, expert) sorted by expert on the device (no host sync); one program per expert group
+  and block of outputs reads that expert's weights once for all its rows (gate and up fused with SwiGLU,
+  then down), weights found through a device table of expert pointers; then the rows' expert outputs are
+  added in increasing expert id in float32, plus the shared expert, as the reference does. GEMMs
+  accumulate in float64 in a fixed order (see linear.py). Tolerance: bit-identical with quantized
+  operands except where torch's float32 silu differs from the correctly rounded one by an ulp (then one
+  rounding of x's dtype, propagated through w2); checked at 2^-20 relative to the largest output.
+Experts that are None (not held by this shard) contribute zero in the kernels.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from . import linear
+from ._triton import (
+    INTERPRET,
+    bf16_rne,
+    device_of,
+    pow2,
+    require,
+    require_dtype,
+    round_out,
+    tl,
+    triton,
+)
+from .linear import PackedWeight, act_tile, check_act_block, check_weight, kernel_args, weight_tile
 
 
 def route(x: torch.Tensor, gate64: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -78,3 +108,338 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
     if shared is not None:
         y = y + expert_reference(x, *shared, act_block, limit, None, weight_before_w2).float()
     return y.to(x.dtype)
+
+
+# --- Triton kernels: router ------------------------------------------------------------------------------
+
+_SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+_router_weights: dict[int, tuple[weakref.ref, PackedWeight]] = {}
+
+
+def router_weight(gate64: torch.Tensor) -> PackedWeight:
+    """gate64 [D, E] float64 -> the same values as a dense [E, D] weight in bfloat16 or float32 when
+    that holds them exactly (the checkpoint stores BF16), made once per tensor (before graph capture)."""
+    hit = _router_weights.get(id(gate64))
+    if hit is not None and hit[0]() is gate64:
+        return hit[1]
+    w = gate64.t()
+    for dt in (torch.bfloat16, torch.float32, torch.float64):
+        c = w.to(dt)
+        if dt == torch.float64 or torch.equal(c.double(), w):
+            break
+    pw = PackedWeight("router", (w.shape[0], w.shape[1]), "dense", c.contiguous())
+    _router_weights[id(gate64)] = (weakref.ref(gate64), pw)
+    weakref.finalize(gate64, _router_weights.pop, id(gate64), None)
+    return pw
+
+
+@triton.jit
+def _log1p64(y):
+    u = 1.0 + y
+    return tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
+
+
+@triton.jit
+def _route_kernel(l_ptr,     # float32 router logits [M, E], contiguous
+                  bias_ptr,  # float32 [E] selection bias (HAS_BIAS)
+                  hash_ptr,  # int64 [M, K] hash-routing table rows (HASH)
+                  w_ptr,     # out float32 [M, K] weights
+                  i_ptr,     # out int64 [M, K] expert ids (descending biased score, ties to the lower id)
+                  E, route_scale, norm_eps,
+                  SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
+                  BE: tl.constexpr, BK: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    cmask = cols < E
+    lg = tl.load(l_ptr + m * E + cols, mask=cmask, other=0.0)
+    l64 = lg.to(tl.float64)
+    if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold 20
+        sp = tl.where(lg > 20.0, l64, _log1p64(tl.exp(l64))).to(tl.float32)
+        s = tl.sqrt(sp.to(tl.float64)).to(tl.float32)  # float64 sqrt rounded once = float32 sqrt
+    elif SCORE == 1:
+        s = (1.0 / (1.0 + tl.exp(-l64))).to(tl.float32)
+    else:
+        ex = tl.where(cmask, tl.exp(l64 - tl.max(tl.where(cmask, l64, float("-inf")), axis=0)), 0.0)
+        s = (ex / tl.sum(ex, axis=0)).to(tl.float32)
+    slots = tl.arange(0, BK)
+    idx = tl.zeros((BK,), dtype=tl.int64)
+    w = tl.zeros((BK,), dtype=tl.float32)
+    if HASH:
+        idx = tl.load(hash_ptr + m * K + slots, mask=slots < K, other=0)
+        for j in tl.static_range(K):
+            e = tl.sum(tl.where(slots == j, idx, 0))
+            w = tl.where(slots == j, tl.sum(tl.where(cols == e, s, 0.0)), w)
+    else:
+        b = s
+        if HAS_BIAS:
+            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
+        b = tl.where(cmask, b, float("-inf"))
+        for j in tl.static_range(K):
+            best = tl.max(b, axis=0)
+            e = tl.min(tl.where(b == best, cols, BE), axis=0)
+            idx = tl.where(slots == j, e.to(tl.int64), idx)
+            w = tl.where(slots == j, tl.sum(tl.where(cols == e, s, 0.0)), w)
+            b = tl.where(cols == e, float("-inf"), b)
+    w = w / (tl.sum(w, axis=0) + norm_eps) * route_scale
+    tl.store(w_ptr + m * K + slots, w, mask=slots < K)
+    tl.store(i_ptr + m * K + slots, idx, mask=slots < K)
+
+
+def fast_route(x: torch.Tensor, gate64: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str,
+               route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
+    """The kernels for `route` (same signature and result)."""
+    require_dtype(x, "x", (torch.float32, torch.bfloat16))
+    require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
+    m, d = x.shape
+    require(gate64.dim() == 2 and gate64.shape[0] == d, "gate64.shape", tuple(gate64.shape), f"must be [{d}, E]")
+    require_dtype(gate64, "gate64", (torch.float64,))
+    e = gate64.shape[1]
+    require(score_func in _SCORES, "score_func", score_func, f"must be one of {', '.join(_SCORES)}")
+    require(1 <= top_k <= min(e, 64), "top_k", top_k, f"must be in 1..{min(e, 64)}")
+    require(e <= 4096, "experts", e, "must be <= 4096")
+    if bias is not None:
+        require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
+    if hash_idx is not None:
+        require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
+    dev = device_of(x, gate64)
+    logits = linear.fast(x, router_weight(gate64), None, torch.float32)
+    w = torch.empty((m, top_k), dtype=torch.float32, device=dev)
+    idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
+    if m:
+        b = logits if bias is None else bias.float().contiguous()
+        h = idx if hash_idx is None else hash_idx.to(torch.int64).contiguous()
+        _route_kernel[(m,)](logits, b, h, w, idx, e, route_scale, norm_eps, SCORE=_SCORES[score_func],
+                            HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k, BE=pow2(e), BK=pow2(top_k))
+    return w, idx
+
+
+# --- Triton kernels: experts -----------------------------------------------------------------------------
+
+_W_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.int8,
+             torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}
+
+
+class ExpertTable:
+    """Device table of the experts' weight addresses, int64 [E, 6]: w1, w1 scale, w3, w3 scale, w2, w2
+    scale (0 for experts not held), with the layout every expert shares (checked once)."""
+
+    def __init__(self, experts, device):
+        held = [e for e in experts if e is not None]
+        require(len(held) > 0, "experts", "all None", "at least one expert must be held")
+        w1, w2, w3 = held[0]
+        self.i, self.d = check_weight(w1, "w1")
+        require(check_weight(w3, "w3") == (self.i, self.d), "w3.shape", w3.shape, f"must equal w1.shape {w1.shape}")
+        require(check_weight(w2, "w2") == (self.d, self.i), "w2.shape", w2.shape, f"must be {(self.d, self.i)}")
+        self.up = kernel_args(w1)[2:]   # stride_wn, stride_sn, FMT, BO, BI (w1 and w3)
+        self.down = kernel_args(w2)[2:]
+        self.wdt_up, self.wdt_down = _W_DTYPES[w1.data.dtype], _W_DTYPES[w2.data.dtype]
+        rows = []
+        for n, ex in enumerate(experts):
+            if ex is None:
+                rows.append([0] * 6)
+                continue
+            a1, a2, a3 = ex
+            for name, w, want in (("w1", a1, self.up), ("w3", a3, self.up), ("w2", a2, self.down)):
+                check_weight(w, f"experts[{n}].{name}")
+                require(kernel_args(w)[2:] == want and w.shape == (a1.shape if name != "w2" else w2.shape),
+                        f"experts[{n}].{name}", f"{w.format} {w.shape}", "must match expert 0's format and layout")
+            rows.append([t for w in (a1, a3, a2) for t in kernel_args(w)[:2]])
+        self.table = torch.tensor([[t.data_ptr() if not isinstance(t, int) else t for t in r] for r in rows],
+                                  dtype=torch.int64, device=device)
+        self.refs = [t for r in rows for t in r if not isinstance(t, int)]  # keep the storage alive
+
+
+_tables: dict[int, tuple[weakref.ref, ExpertTable]] = {}
+
+
+def expert_table(experts, key) -> ExpertTable:
+    """One table per `key` (the model's expert list or shared-expert tuple), made on first use (before
+    graph capture) and dropped with the weights."""
+    first = next((e for e in experts if e is not None), (None,))[0]
+    hit = _tables.get(id(key))
+    if hit is not None and hit[0]() is first:
+        return hit[1]
+    require(first is not None, "experts", "all None", "at least one expert must be held")
+    t = ExpertTable(experts, first.data.device)
+    _tables[id(key)] = (weakref.ref(first), t)
+    weakref.finalize(first, _tables.pop, id(key), None)
+    return t
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
+                    tab_ptr,    # int64 [E, 6] expert weight addresses (ExpertTable)
+                    e_ptr,      # int64 [P] expert of each pair, pairs sorted by (expert, row)
+                    row_ptr,    # int64 [P] row of each pair
+                    pw_ptr,     # float32 [P] routing weight of each pair (APPLY_W == 1)
+                    first_ptr,  # int64 [P] first pair of the pair's expert group (the group leader works)
+                    end_ptr,    # int64 [P] one past the group's last pair
+                    h_ptr,      # out [P, I] in x's dtype: the rounded SwiGLU activations, per pair
+                    P, PAIRS, D, I, stride_x, stride_wn, stride_sn, limit,  # PAIRS: pairs per program
+                    FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+                    ACT_BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr,
+                    X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
+        if tl.load(first_ptr + p) == p:
+            end = tl.load(end_ptr + p)
+            base = tab_ptr + tl.load(e_ptr + p) * 6
+            a1 = tl.load(base)
+            w1 = a1.to(tl.pointer_type(WDT))
+            s1 = tl.load(base + 1).to(tl.pointer_type(tl.uint8))
+            w3 = tl.load(base + 2).to(tl.pointer_type(WDT))
+            s3 = tl.load(base + 3).to(tl.pointer_type(tl.uint8))
+            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+            n_mask = offs_n < I
+            for r0 in range(p, end, BM):
+                prs = r0 + tl.arange(0, BM)
+                pm = prs < end
+                rows = tl.load(row_ptr + prs, mask=pm, other=0)
+                acc_g = tl.zeros((BM, BN), dtype=tl.float64)
+                acc_u = tl.zeros((BM, BN), dtype=tl.float64)
+                if a1 != 0:
+                    for k0 in range(0, D, BK):
+                        a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
+                        wg = weight_tile(w1, s1, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
+                        acc_g += tl.sum(a[:, None, :] * wg[None, :, :], axis=2)
+                        wu = weight_tile(w3, s3, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
+                        acc_u += tl.sum(a[:, None, :] * wu[None, :, :], axis=2)
+                g = round_out(acc_g, X_BF16).to(tl.float32)
+                u = round_out(acc_u, X_BF16).to(tl.float32)
+                if HAS_LIMIT:
+                    u = tl.minimum(tl.maximum(u, -limit), limit)
+                    g = tl.minimum(g, limit)
+                g64 = g.to(tl.float64)
+                h = (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
+                if APPLY_W == 1:
+                    h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[:, None] * h
+                if X_BF16:
+                    h = bf16_rne(h)
+                tl.store(h_ptr + prs[:, None] * I + offs_n[None, :], h, mask=pm[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), contiguous
+                 tab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
+                 o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
+                 P, PAIRS, I, D, stride_wn, stride_sn,  # PAIRS: pairs per program
+                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+                 ACT_BLOCK: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
+        if tl.load(first_ptr + p) == p:
+            end = tl.load(end_ptr + p)
+            base = tab_ptr + tl.load(e_ptr + p) * 6
+            a2 = tl.load(base + 4)
+            w2 = a2.to(tl.pointer_type(WDT))
+            s2 = tl.load(base + 5).to(tl.pointer_type(tl.uint8))
+            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+            n_mask = offs_n < D
+            for r0 in range(p, end, BM):
+                prs = r0 + tl.arange(0, BM)
+                pm = prs < end
+                acc = tl.zeros((BM, BN), dtype=tl.float64)
+                if a2 != 0:
+                    for k0 in range(0, I, BK):
+                        a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
+                        w = weight_tile(w2, s2, offs_n, n_mask, k0, I, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
+                        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+                o = round_out(acc, X_BF16).to(tl.float32)
+                if APPLY_W == 2:  # o * weight in x's dtype
+                    pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
+                    if X_BF16:
+                        o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[:, None]).to(tl.float32)
+                    else:
+                        o = o * pw[:, None]
+                tl.store(o_ptr + prs[:, None] * D + offs_n[None, :], o, mask=pm[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(o_ptr,       # float32 [P, D] routed outputs per pair
+                    pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
+                    shared_ptr,  # float32 [M, D] shared expert output (HAS_SHARED)
+                    y_ptr,       # out [M, D] in x's dtype
+                    D, K, HAS_SHARED: tl.constexpr, X_BF16: tl.constexpr, BD: tl.constexpr):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cols < D
+    y = tl.zeros((BD,), dtype=tl.float32)
+    for j in range(K):
+        y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + m * D + cols, mask=cmask, other=0.0)
+    if X_BF16:
+        tl.store(y_ptr + m * D + cols, bf16_rne(y), mask=cmask)
+    else:
+        tl.store(y_ptr + m * D + cols, y, mask=cmask)
+
+
+def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
+    """Run the pairs (sorted by expert) through their experts -> float32 [P, D] outputs."""
+    p, dev = e.numel(), x.device
+    first = torch.searchsorted(e, e)
+    end = torch.searchsorted(e, e, right=True)
+    m, d, i = x.shape[0], table.d, table.i
+    if INTERPRET:
+        bk = max(min(pow2(max(d, i)), 256), act_block, 32)
+        bm, bn_up, bn_down = min(pow2(m), 32), min(pow2(i), 128), min(pow2(d), 128)
+    else:
+        bk = max(64, act_block)
+        bm = min(pow2(m), 8)
+        bn_up = max(16, 4096 // (bm * bk))
+        bn_down = max(16, 8192 // (bm * bk))
+    pairs = p if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
+    xb = x.dtype == torch.bfloat16
+    h = torch.empty((p, i), dtype=x.dtype, device=dev)
+    swn, ssn, fmt, bo, bi = table.up
+    _gate_up_kernel[(triton.cdiv(p, pairs), triton.cdiv(i, bn_up))](
+        x, table.table, e, rows, pw, first, end, h, p, pairs, d, i, x.stride(0), swn, ssn, float(limit),
+        FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_up, ACT_BLOCK=act_block, HAS_LIMIT=limit > 0, APPLY_W=apply_w,
+        X_BF16=xb, BM=bm, BN=bn_up, BK=bk)
+    o = torch.empty((p, d), dtype=torch.float32, device=dev)
+    swn, ssn, fmt, bo, bi = table.down
+    _down_kernel[(triton.cdiv(p, pairs), triton.cdiv(d, bn_down))](
+        h, table.table, e, pw, first, end, o, p, pairs, i, d, swn, ssn, FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_down,
+        ACT_BLOCK=act_block, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_down, BK=bk)
+    return o
+
+
+def fast(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts, shared,
+         act_block: int | None, limit: float, weight_before_w2: bool) -> torch.Tensor:
+    """The kernels for `reference` (same signature and result)."""
+    require_dtype(x, "x", (torch.float32, torch.bfloat16))
+    require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
+    m, d = x.shape
+    require(indices.dim() == 2 and indices.shape[0] == m, "indices.shape", tuple(indices.shape), f"must be [{m}, k]")
+    require(tuple(weights.shape) == tuple(indices.shape), "weights.shape", tuple(weights.shape),
+            f"must equal indices.shape {tuple(indices.shape)}")
+    require_dtype(weights, "weights", (torch.float32,))
+    require_dtype(indices, "indices", (torch.int64, torch.int32))
+    table = expert_table(experts, experts)
+    require(table.d == d, "x.shape[1]", d, f"must equal the experts' input size {table.d}")
+    ab = check_act_block(act_block, d)
+    if ab:
+        check_act_block(ab, table.i)
+    dev = device_of(x, weights, indices, table.table)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    k = indices.shape[1]
+    y = torch.empty((m, d), dtype=x.dtype, device=dev)
+    if m == 0:
+        return y
+    flat_e = indices.reshape(-1).to(torch.int64)
+    rows = torch.arange(m, device=dev).repeat_interleave(k)
+    order = torch.argsort(flat_e * m + rows, stable=True)
+    e, r, pw = flat_e[order].contiguous(), rows[order].contiguous(), weights.reshape(-1)[order].contiguous()
+    routed = _experts(x, table, e, r, pw, ab, limit, 1 if weight_before_w2 else 2)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=dev)
+    pos = inv.view(m, k).gather(1, indices.to(torch.int64).argsort(dim=-1, stable=True)).contiguous()
+    out_shared = routed
+    if shared is not None:
+        st = expert_table([shared], shared)
+        zeros = torch.zeros(m, dtype=torch.int64, device=dev)
+        out_shared = _experts(x, st, zeros, torch.arange(m, device=dev), pw, ab, limit, 0)
+    bd = min(pow2(d), 8192 if INTERPRET else 1024)
+    _combine_kernel[(m, triton.cdiv(d, bd))](routed, pos, out_shared, y, d, k, HAS_SHARED=shared is not None,
+                                            X_BF16=x.dtype == torch.bfloat16, BD=bd)
+    return y

@@ -1,11 +1,16 @@
 """The op registry: the model's only way to reach its math. `resolve("reference")` gives the plain torch
-definitions; `resolve("fast")` gives the Triton kernels where they exist. The two paths run the same
-model code and differ only here."""
+definitions; `resolve("fast")` gives the Triton kernels (every op has one; `Ops.describe()` says which
+function serves each op). The two paths run the same model code and differ only here.
 
-from dataclasses import dataclass, fields
-from typing import Callable
+Without a CUDA device "fast" runs the kernels under Triton's interpreter (kernels/_triton.py sets
+TRITON_INTERPRET=1 before Triton is first imported): correct and very slow, for tests. If Triton cannot
+run here at all, resolve("fast") raises with the reason; it never falls back to the reference ops.
+"""
 
-from . import attention, indexer, linear, mhc, moe, rmsnorm, rope
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from . import _triton, attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
@@ -24,9 +29,23 @@ class Ops:
     candidate_mask: Callable
     moe_route: Callable
     moe: Callable
+    sample: Callable = field(default=sampling.sample)  # sampling.sample's signature
 
     def names(self) -> list[str]:
         return [f.name for f in fields(self) if f.name != "path"]
+
+    def kernels(self) -> list[str]:
+        """The ops served by a Triton kernel (the rest are torch references)."""
+        return [n for n in self.names() if getattr(self, n) in _KERNELS]
+
+    def describe(self) -> str:
+        """One line per op: whether a kernel or the torch reference serves it, and which function."""
+        lines = [f"op path {self.path!r}:"]
+        for n in self.names():
+            f = getattr(self, n)
+            kind = "kernel" if f in _KERNELS else "reference"
+            lines.append(f"  {n:<15} {kind:<9} {f.__module__}.{f.__qualname__}")
+        return "\n".join(lines)
 
 
 REFERENCE = Ops(
@@ -44,10 +63,36 @@ REFERENCE = Ops(
     candidate_mask=indexer.candidate_mask,
     moe_route=moe.route,
     moe=moe.reference,
+    sample=sampling.sample,
 )
+
+FAST = Ops(
+    path="fast",
+    linear=linear.fast,
+    rmsnorm=rmsnorm.fast,
+    rope=rope.fast,
+    hc_coeffs=mhc.fast_coeffs,
+    hc_head_pre=mhc.fast_head_pre,
+    hc_collapse=mhc.fast_collapse,
+    hc_expand=mhc.fast_expand,
+    attention=attention.fast,
+    index_scores=indexer.fast_scores,
+    index_select=indexer.fast_select,
+    candidate_mask=indexer.fast_candidate_mask,
+    moe_route=moe.fast_route,
+    moe=moe.fast,
+    sample=sampling.fast_sample,
+)
+
+_KERNELS = frozenset(getattr(FAST, n) for n in FAST.names() if getattr(FAST, n) is not getattr(REFERENCE, n))
 
 
 def resolve(path: str) -> Ops:
     if path == "reference":
         return REFERENCE
+    if path == "fast":
+        reason = _triton.ready()
+        if reason is not None:
+            raise RuntimeError(f"op path 'fast': {reason}")
+        return FAST
     raise ValueError(f"op path {path!r}: must be 'reference' or 'fast'")
