@@ -270,3 +270,5 @@ def run():
 
 # Command groups that live in their own modules register themselves on `main` when imported.
 from . import cli_bench  # noqa: E402,F401
+
+from . import cli_serve  # noqa: E402,F401  # isort: skip

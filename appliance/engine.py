@@ -24,6 +24,8 @@ from pathlib import Path
 from .api import Done, Error, Progress, Request, Started, Tokens
 from .errors import ApplianceError
 
+HEARTBEAT_IDLE_S = 1.0  # an idle engine thread still advances `heartbeat` this often
+
 
 @dataclass
 class EngineInfo:
@@ -128,7 +130,11 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            job = self._inbox.get()
+            try:
+                job = self._inbox.get(timeout=HEARTBEAT_IDLE_S)
+            except queue.Empty:  # idle and responsive: the heartbeat (systemd's watchdog) keeps advancing
+                self.heartbeat = time.monotonic()
+                continue
             if job is None:
                 return
             self._running = job

@@ -1,0 +1,120 @@
+"""What happens before the websocket upgrade, without I/O: which path is asked for, whether the caller holds
+the token, whether a browser origin is allowed.
+
+Auth is on when a token is configured. Scripts send `Authorization: Bearer <token>`; browsers, which cannot
+set headers on a websocket, offer the subprotocol `bearer.<base64url token>` next to `decode.v1` (the
+server never selects it, so it is not echoed back). Tokens are compared in constant time (equal-length
+digests, `hmac.compare_digest`) and never accepted in the URL.
+"""
+
+import base64
+import binascii
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from appliance.errors import ApplianceError
+
+from .protocol import PATH, PROTOCOL
+
+HTTP_ROUTES = ("/healthz", "/readyz", "/metrics")
+BEARER_PREFIX = "bearer."
+
+
+def read_token(path) -> str:
+    """The token in `path` (surrounding whitespace stripped). Refuses an empty file."""
+    p = Path(path)
+    try:
+        token = p.read_text().strip()
+    except OSError as e:
+        raise ApplianceError(f"--token-file {p}: cannot read it ({e.strerror})", field="token_file") from None
+    if not token:
+        raise ApplianceError(f"--token-file {p}: is empty; put the token on one line", field="token_file")
+    if any(c.isspace() for c in token):
+        raise ApplianceError(f"--token-file {p}: the token contains whitespace; use one word (e.g. "
+                             f"`openssl rand -hex 32`)", field="token_file")
+    return token
+
+
+def offered_subprotocols(headers) -> list[str]:
+    return [p.strip() for value in headers.get_all("Sec-WebSocket-Protocol") for p in value.split(",")
+            if p.strip()]
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def token_matches(candidate: bytes, token: str) -> bool:
+    # Digests first, so the compare takes the same time whatever the candidate's length.
+    return hmac.compare_digest(_digest(candidate), _digest(token.encode()))
+
+
+def bearer_from_subprotocol(protocol: str) -> bytes | None:
+    if not protocol.startswith(BEARER_PREFIX):
+        return None
+    raw = protocol[len(BEARER_PREFIX):]
+    try:
+        return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+    except (binascii.Error, ValueError):
+        return None
+
+
+def authorized(headers, token: str | None) -> bool:
+    """True when no token is configured, or the request carries it (header or subprotocol)."""
+    if token is None:
+        return True
+    ok = False
+    auth = headers.get("Authorization")
+    if auth is not None:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            ok |= token_matches(value.strip().encode(), token)
+    for proto in offered_subprotocols(headers):
+        candidate = bearer_from_subprotocol(proto)
+        if candidate is not None:
+            ok |= token_matches(candidate, token)
+    return ok
+
+
+def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:
+    """Requests without an Origin header (scripts, the probe) pass; a browser's origin must be listed
+    (`*` lists every origin). With no --origin at all, browsers are refused."""
+    if origin is None:
+        return True
+    return "*" in allowed or origin.rstrip("/") in {a.rstrip("/") for a in allowed}
+
+
+def select_subprotocol(offered) -> str | None:
+    """decode.v1 when offered; a client that offers nothing still connects (plain tools)."""
+    return PROTOCOL if PROTOCOL in offered else None
+
+
+@dataclass
+class Verdict:
+    """An HTTP answer instead of the upgrade (`status`, `text`), or None fields to go on with it."""
+
+    status: int | None = None
+    text: str = ""
+    www_authenticate: bool = False
+
+
+def check_upgrade(path: str, headers, token: str | None, origins: tuple[str, ...]) -> Verdict:
+    """Decide a request for the websocket path (everything that is not one of HTTP_ROUTES)."""
+    url = urlsplit(path)
+    if url.path != PATH:
+        return Verdict(404, f"no such path {url.path}: the websocket is at {PATH}; also /healthz, /readyz, "
+                            f"/metrics\n")
+    query = parse_qs(url.query)
+    if any(k.lower() in ("token", "access_token", "bearer") for k in query):
+        return Verdict(400, "tokens never go in the URL: send `Authorization: Bearer <token>` or offer the "
+                            "subprotocol bearer.<base64url token>\n")
+    origin = headers.get("Origin")
+    if not origin_allowed(origin, origins):
+        return Verdict(403, f"origin {origin} is not allowed: start the server with --origin {origin}\n")
+    if not authorized(headers, token):
+        return Verdict(401, "unauthorized: send `Authorization: Bearer <token>` (the server's --token-file) "
+                            "or offer the subprotocol bearer.<base64url token>\n", www_authenticate=True)
+    return Verdict()

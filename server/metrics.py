@@ -1,0 +1,81 @@
+"""Prometheus metrics (`GET /metrics`), all named `decode_*`, in a registry of their own (so two servers in
+one process, as in tests, never collide). Latencies are in seconds with buckets from 0.5 ms: a decode
+step on the target box is a few milliseconds, and a bucket floor above that would hide it."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from appliance.api import Done, Error
+
+# 0.5 ms .. 10 min: decode steps at the bottom, long prefills at the top.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ACCEPTED_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+
+        def hist(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("decode_ttft_seconds", "Time to first token on the server (engine queue included)")
+        self.itl = hist("decode_inter_token_seconds", "Gap between consecutive generated tokens")
+        self.tpot = hist("decode_tpot_seconds", "Mean time per output token of a request, first token excluded")
+        self.e2e = hist("decode_e2e_seconds", "Request time from engine submit to done")
+        self.prefill = hist("decode_prefill_seconds", "Prefill time of a request")
+        self.accepted = hist("decode_accepted_length", "Mean accepted length per decode cycle of a request "
+                             "(speculative decoding)", ACCEPTED_BUCKETS)
+        self.prompt_tokens = Counter("decode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("decode_cached_prompt_tokens", "Prompt tokens reused from the previous "
+                                     "request's state", registry=r)
+        self.generated_tokens = Counter("decode_generated_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("decode_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("decode_errors", "Error frames sent, by error code", ["code"], registry=r)
+        self.busy = Counter("decode_busy_rejections", "Connections or generates refused because the box was busy",
+                            registry=r)
+        self.connections = Gauge("decode_connections", "Open websocket connections", registry=r)
+        self.queued = Gauge("decode_queued_connections", "Connections waiting for the box (--on-busy queue)",
+                            registry=r)
+        self.running = Gauge("decode_running_requests", "Requests in the engine (0 or 1)", registry=r)
+        self.ready = Gauge("decode_ready", "1 once the engine is loaded and warmed up", registry=r)
+        self.heartbeat_age = Gauge("decode_engine_heartbeat_age_seconds", "Seconds since the engine thread last "
+                                   "made progress", registry=r)
+        for reason in FINISH_REASONS:  # export zeros so rates work from the first scrape
+            self.requests.labels(reason)
+
+    def observe_tokens(self, gaps_ms: list[float]) -> None:
+        for g in gaps_ms:
+            self.itl.observe(g / 1e3)
+
+    def observe_end(self, event) -> None:
+        """A request's terminal event (Done or Error)."""
+        if isinstance(event, Error):
+            self.requests.labels("error").inc()  # its error frame is counted in `errors` when sent
+            return
+        assert isinstance(event, Done)
+        self.requests.labels(event.finish_reason).inc()
+        t = event.timings
+        queue = (t.get("queue_ms") or 0.0) / 1e3
+        if t.get("ttft_ms") is not None:
+            self.ttft.observe(queue + t["ttft_ms"] / 1e3)
+        if t.get("tpot_ms") is not None:
+            self.tpot.observe(t["tpot_ms"] / 1e3)
+        if t.get("prefill_ms") is not None:
+            self.prefill.observe(t["prefill_ms"] / 1e3)
+        if t.get("e2e_ms") is not None:
+            self.e2e.observe(queue + t["e2e_ms"] / 1e3)
+        u = event.usage
+        self.prompt_tokens.inc(u.get("prompt_tokens", 0))
+        self.cached_tokens.inc(u.get("cached_tokens", 0))
+        self.generated_tokens.inc(u.get("completion_tokens", 0))
+        spec = event.speculative or {}
+        if spec.get("mean_accepted") is not None:
+            self.accepted.observe(spec["mean_accepted"])
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
