@@ -1,5 +1,6 @@
 """The asyncio layer: it moves decode.v1 frames between websockets and the Engine API, and nothing more.
-Parsing, limits and error frames are `server.protocol`; auth and routes are `server.gate`.
+Parsing, limits and error frames are `server.protocol`; auth and routes are `server.gate`; one connection
+is a `server.session.Session`.
 
 One user per box: the connection that holds the box may generate; another connection gets
 `hello{state: busy}`, `error{busy}` and close 1013 (or, with `--on-busy queue`, waits in line and hears
@@ -7,43 +8,26 @@ One user per box: the connection that holds the box may generate; another connec
 disconnects, so one user's session (and the prefix of its last request kept in the engine's state) is
 never interleaved with another's.
 
-Each connection has three tasks: a reader (client frames -> engine calls), a writer (the only place
-frames are sent: engine events and server frames from one queue, in order, with `seq` stamped at
-encoding) and a timer (prefill keepalive, idle timeout). The engine calls `emit` on its own thread;
-`loop.call_soon_threadsafe` moves each event into the writer's queue, so the decode loop never waits on
-a socket. When the client reads slowly, `send` blocks, events pile up in the queue and the writer sends
-them as one merged `delta` (exact per-token `t_ms` kept, nothing dropped).
-
-What cancel does, by stage (`cancel` frame or a dropped connection alike):
-- queued in the engine behind another request: the engine starts it, sees the flag before the first
-  prefill chunk and answers `started` then `done{cancelled}` with zero output;
-- tokenising/validating the prompt: not interruptible (short); the flag is seen right after;
-- prefill: the generator checks the flag between chunks, so the engine is free within one chunk;
-- decode: checked between cycles, so at most one more token (or one speculative block) arrives;
-- after `done`: nothing to cancel; a late cancel for a finished id is ignored.
-In every case the request ends with exactly one `done` (finish_reason `cancelled`, partial usage) or
-`error`; after a disconnect the writer still consumes that terminal event (metrics), sending nothing.
+Lifecycle: bind the port first (so /healthz answers and /readyz says 503 during the load), load the engine
+on a thread, then READY=1; SIGTERM drains (see `App._stop`).
 """
 
 import asyncio
-import collections
 import logging
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
-
-from appliance.api import Done, Error, Progress, Started, Tokens
 
 from . import gate, notify
 from . import protocol as proto
 from .gpu import GpuSampler
 from .metrics import CONTENT_TYPE, Metrics
+from .session import Box, Session
 
 log = logging.getLogger("appliance.server")
 
@@ -68,329 +52,6 @@ def _version() -> str:
         return version("decode-appliance")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-# --- one user per box --------------------------------------------------------------------------------
-
-
-class Box:
-    """Who holds the box, and (queue mode) who waits for it, first come first served."""
-
-    def __init__(self):
-        self.owner: Session | None = None
-        self.waiting: list[tuple[Session, asyncio.Future]] = []
-
-    def try_take(self, s: "Session") -> bool:
-        if self.owner is None and not self.waiting:
-            self.owner = s
-            return True
-        return False
-
-    def wait_for(self, s: "Session") -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((s, fut))
-        s.tell_position(len(self.waiting))
-        return fut
-
-    def leave(self, s: "Session") -> None:
-        if self.owner is s:
-            self.owner = None
-        self.waiting = [(w, f) for w, f in self.waiting if w is not s]
-        while self.owner is None and self.waiting:
-            w, fut = self.waiting.pop(0)
-            if not fut.done():
-                self.owner = w
-                fut.set_result(True)
-        for i, (w, _) in enumerate(self.waiting):
-            w.tell_position(i + 1)
-
-
-# --- one connection ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Running:
-    id: str
-    timings: str
-    max_tokens: int
-    cancel: threading.Event
-    submitted: float
-    processed: int = 0
-    total: int | None = None
-    produced: int = 0
-    first_t: float | None = None  # t_ms of the first token
-    last_t: float | None = None  # t_ms of the latest token
-    gaps: list[float] = field(default_factory=list)
-
-
-@dataclass
-class _Close:
-    code: int
-    reason: str
-
-
-_STOP = object()
-
-
-class Session:
-    def __init__(self, app: "App", ws):
-        self.app = app
-        self.ws = ws
-        self.loop = asyncio.get_running_loop()
-        self.frames = proto.Frames()
-        self.out: asyncio.Queue = asyncio.Queue()
-        self.running: Running | None = None
-        self.idle = asyncio.Event()
-        self.idle.set()
-        self.recent: collections.deque[str] = collections.deque(maxlen=16)  # finished ids
-        self.last_sent = self.last_activity = time.monotonic()
-        self.ending = False
-        self.gone = False
-        self.position = None
-        self.n_requests = 0
-
-    # --- lifecycle ---
-
-    async def run(self) -> None:
-        app = self.app
-        app.sessions.add(self)
-        app.metrics.connections.inc()
-        writer = asyncio.create_task(self.write_loop())
-        timer = None
-        try:
-            if await self.admit():
-                timer = asyncio.create_task(self.timer_loop())
-                await self.read_loop()
-            else:
-                await self._drain_reads()
-        finally:
-            self.ending = True
-            if self.running is not None:  # a dropped connection cancels, prefill included
-                self.running.cancel.set()
-            else:
-                self.out.put_nowait(_STOP)
-            app.box.leave(self)
-            if timer is not None:
-                timer.cancel()
-            await writer  # returns after the running request's terminal event, if any
-            app.sessions.discard(self)
-            app.metrics.connections.dec()
-
-    async def admit(self) -> bool:
-        app = self.app
-        if app.state != "ready":
-            self.send(proto.hello("loading" if app.state == "loading" else "busy", app.model_name,
-                                  app.version, app.limits))
-            self.send(proto.error_frame("not_ready", f"the server is {app.state} ({app.status}); retry "
-                                        f"when /readyz answers 200", retry_after_ms=1000))
-            self.close(proto.CLOSE_TRY_AGAIN, f"not ready: {app.state}")
-            return False
-        if app.box.try_take(self):
-            self.send(proto.hello("ready", app.model_name, app.version, app.limits))
-            return True
-        self.send(proto.hello("busy", app.model_name, app.version, app.limits))
-        if app.config.on_busy != "queue":
-            app.metrics.busy.inc()
-            self.send(proto.error_frame("busy", "another user holds this box (one user per box); retry later",
-                                        retry_after_ms=app.retry_after_ms()))
-            self.close(proto.CLOSE_TRY_AGAIN, "busy: one user per box")
-            return False
-        app.metrics.queued.inc()
-        try:
-            turn = app.box.wait_for(self)
-            closed = asyncio.ensure_future(self.ws.wait_closed())
-            await asyncio.wait([turn, closed], return_when=asyncio.FIRST_COMPLETED)
-            closed.cancel()
-        finally:
-            app.metrics.queued.dec()
-        if not turn.done() or app.state != "ready":
-            return False
-        self.last_activity = time.monotonic()
-        self.send(proto.queued(0))
-        return True
-
-    async def _drain_reads(self) -> None:
-        """A refused connection: read until our close completes (the client may still be sending)."""
-        try:
-            async for _ in self.ws:
-                pass
-        except ConnectionClosed:
-            pass
-
-    # --- outgoing ---
-
-    def send(self, frame: dict) -> None:
-        self.out.put_nowait(frame)
-
-    def close(self, code: int, reason: str) -> None:
-        self.out.put_nowait(_Close(code, reason))
-
-    def tell_position(self, position: int) -> None:
-        if position != self.position:
-            self.position = position
-            self.send(proto.queued(position))
-
-    def emit(self, event) -> None:
-        """Called by the engine thread for each event of this connection's request."""
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, event)
-        except RuntimeError:  # the loop is gone (process exiting): nobody to tell
-            pass
-
-    async def write_loop(self) -> None:
-        while True:
-            items = [await self.out.get()]
-            while not self.out.empty():
-                items.append(self.out.get_nowait())
-            for item in self._frames(items):
-                if item is _STOP:
-                    return
-                if isinstance(item, _Close):
-                    await self._close(item)
-                else:
-                    await self._send(item)
-
-    def _frames(self, items: list):
-        """Server frames pass as they are; each run of engine events is accounted for, then converted
-        (adjacent Tokens merged into one delta). A terminal event while the session ends stops the writer."""
-        events: list = []
-        for item in items + [None]:
-            if isinstance(item, Started | Progress | Tokens | Done | Error):
-                events.append(item)
-                continue
-            if events:
-                timings = self.running.timings if self.running is not None else "final"
-                terminal = self._account(events)
-                yield from proto.event_frames(events, timings)
-                events = []
-                if terminal and self.ending:
-                    yield _STOP
-                    return
-            if item is not None:
-                yield item
-
-    def _account(self, events: list) -> bool:
-        r = self.running
-        terminal = False
-        for ev in events:
-            if r is None:
-                break
-            if isinstance(ev, Started):
-                r.total, r.processed = ev.prompt_tokens, ev.cached_tokens
-            elif isinstance(ev, Progress):
-                r.processed, r.total = ev.processed, ev.total
-            elif isinstance(ev, Tokens):
-                for t in ev.t_ms:
-                    if r.last_t is not None:
-                        r.gaps.append(t - r.last_t)
-                    if r.first_t is None:
-                        r.first_t = t
-                    r.last_t = t
-                r.produced += len(ev.ids)
-                self.app.metrics.observe_tokens(r.gaps)
-                r.gaps.clear()
-            elif isinstance(ev, Done | Error):
-                self.app.metrics.observe_end(ev)
-                self.app.metrics.running.set(0)
-                self.recent.append(r.id)
-                self.running = None
-                self.idle.set()
-                self.last_activity = time.monotonic()
-                terminal = True
-        return terminal
-
-    async def _send(self, frame: dict) -> None:
-        if frame["type"] == "error":  # every error frame is counted here, engine errors included
-            self.app.metrics.errors.labels(frame["error"]["code"]).inc()
-        text = self.frames.encode(frame)
-        if self.gone:
-            return
-        try:
-            await self.ws.send(text)
-        except ConnectionClosed:
-            self.gone = True
-        self.last_sent = time.monotonic()
-
-    async def _close(self, c: _Close) -> None:
-        if self.gone:
-            return
-        try:
-            await self.ws.close(c.code, c.reason)
-        except ConnectionClosed:
-            pass
-        self.gone = True
-
-    # --- incoming ---
-
-    async def read_loop(self) -> None:
-        try:
-            async for message in self.ws:
-                self.last_activity = time.monotonic()
-                self.handle(message)
-        except ConnectionClosed:
-            pass
-
-    def handle(self, message) -> None:
-        app = self.app
-        try:
-            cmd = proto.parse(message, app.limits)
-        except proto.ProtocolError as e:
-            self.send(proto.error_for(e))
-            if e.close_code is not None:
-                self.close(e.close_code, e.message[:120])
-            return
-        if isinstance(cmd, proto.Generate):
-            self.start(cmd.request)
-        elif isinstance(cmd, proto.Cancel):
-            self.cancel(cmd.id)
-        else:
-            self.send(proto.pong(cmd.t, round(time.time() * 1e3, 3)))
-
-    def start(self, req) -> None:
-        app = self.app
-        if self.running is not None:
-            app.metrics.busy.inc()
-            self.send(proto.error_frame("busy", f"request {self.running.id!r} is still running on this "
-                                        f"connection: wait for its done, or cancel it", request_id=req.id or None,
-                                        retry_after_ms=app.retry_after_ms()))
-            return
-        if app.state != "ready":
-            self.send(proto.error_frame("not_ready", f"the server is {app.state}", request_id=req.id or None,
-                                        retry_after_ms=1000))
-            return
-        self.n_requests += 1
-        req.id = req.id or f"req-{self.n_requests}"
-        self.running = Running(req.id, req.timings, req.max_tokens, threading.Event(), time.monotonic())
-        self.idle.clear()
-        app.metrics.running.set(1)
-        # wait=True: the box is ours, so the engine can only be finishing a cancelled request of the
-        # previous holder (within one chunk); this request queues behind it instead of failing.
-        app.engine.submit(req, self.emit, self.running.cancel, wait=True)
-
-    def cancel(self, rid: str | None) -> None:
-        r = self.running
-        if r is not None and rid in (None, r.id):
-            r.cancel.set()
-        elif rid is not None and rid not in self.recent:
-            now = f"running: {r.id!r}" if r else "nothing is running"
-            self.send(proto.error_frame("invalid_request", f"cancel id={rid!r}: no such request ({now})",
-                                        param="id"))
-
-    # --- timers ---
-
-    async def timer_loop(self) -> None:
-        cfg = self.app.config
-        tick = min(0.25, cfg.keepalive_s / 4)
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            r = self.running
-            if r is not None and r.first_t is None and now - self.last_sent >= cfg.keepalive_s:
-                self.send(proto.keepalive(r.id, r.processed, r.total, (now - r.submitted) * 1e3))
-                self.last_sent = now  # one keepalive per interval even if the writer is blocked
-            elif r is None and cfg.idle_timeout_s and now - self.last_activity >= cfg.idle_timeout_s:
-                self.close(proto.CLOSE_IDLE, f"idle for {cfg.idle_timeout_s:g} s")
-                return
 
 
 # --- the server --------------------------------------------------------------------------------------

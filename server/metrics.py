@@ -10,7 +10,7 @@ from appliance.api import Done, Error
 # 0.5 ms .. 10 min: decode steps at the bottom, long prefills at the top.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-ACCEPTED_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+ACCEPTED_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 12.0, 16.0)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -27,8 +27,9 @@ class Metrics:
         self.tpot = hist("decode_tpot_seconds", "Mean time per output token of a request, first token excluded")
         self.e2e = hist("decode_e2e_seconds", "Request time from engine submit to done")
         self.prefill = hist("decode_prefill_seconds", "Prefill time of a request")
-        self.accepted = hist("decode_accepted_length", "Mean accepted length per decode cycle of a request "
-                             "(speculative decoding)", ACCEPTED_BUCKETS)
+        self.accepted = hist("decode_accepted_length", "Draft tokens accepted per speculative decode cycle "
+                             "(the target's own token not counted; as done.speculative.mean_accepted)",
+                             ACCEPTED_BUCKETS)
         self.prompt_tokens = Counter("decode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("decode_cached_prompt_tokens", "Prompt tokens reused from the previous "
                                      "request's state", registry=r)
@@ -74,7 +75,12 @@ class Metrics:
         self.cached_tokens.inc(u.get("cached_tokens", 0))
         self.generated_tokens.inc(u.get("completion_tokens", 0))
         spec = event.speculative or {}
-        if spec.get("mean_accepted") is not None:
+        histogram = spec.get("acceptance_histogram")  # cycles by number of accepted drafts
+        if histogram:
+            for accepted, cycles in enumerate(histogram):
+                for _ in range(int(cycles)):
+                    self.accepted.observe(accepted)
+        elif spec.get("mean_accepted") is not None:
             self.accepted.observe(spec["mean_accepted"])
 
     def exposition(self) -> bytes:

@@ -1,11 +1,10 @@
 """`appliance probe --plot F.png`: the inter-token-gap histogram (log-spaced bins, log counts) beside a
 per-request timeline (send at 0, a tick per token, TTFT marked). matplotlib is the optional `plot` extra."""
 
-import math
-
 from appliance.errors import ApplianceError
 
 from .probe import ProbeRun
+from .probe_stats import percentile
 
 
 def _pyplot():
@@ -35,7 +34,7 @@ def plot(run: ProbeRun, path) -> None:
         ax1.set_yscale("log")
         ordered = sorted(gaps)
         for p, style in ((50, "-"), (99, "--")):
-            x = ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+            x = percentile(ordered, p)
             ax1.axvline(x, color="black", linestyle=style, linewidth=1, label=f"p{p} {x:.2f} ms")
         ax1.legend()
     else:
@@ -53,6 +52,7 @@ def plot(run: ProbeRun, path) -> None:
             ax2.scatter([r.ttft_ms], [i], marker="o", s=18, color="tab:red", zorder=3)
     ax2.set_xlabel("ms since the request was sent (red: first token)")
     ax2.set_ylabel("request")
+    ax2.yaxis.get_major_locator().set_params(integer=True)
     ax2.set_title("per-request timeline")
     fig.suptitle(f"{run.hello.get('model')} via {run.config.url}")
     fig.tight_layout()

@@ -15,7 +15,8 @@ from websockets.exceptions import ConnectionClosed
 
 from appliance.api import Done, Error, Started, Tokens
 from appliance.engine import EngineInfo
-from server.app import App, Running, ServerConfig, Session
+from server.app import App, ServerConfig
+from server.session import Running, Session
 from tests.server_harness import Datagrams
 
 
