@@ -29,8 +29,6 @@ from .gpu import GpuSampler
 from .metrics import CONTENT_TYPE, Metrics
 from .session import Box, Session
 
-log = logging.getLogger("appliance.server")
-
 
 @dataclass
 class ServerConfig:

@@ -72,9 +72,11 @@ def test_streaming_sends_deltas_then_exactly_one_done_with_the_ids_of_appliance_
     assert token_ids(frames) == json.loads(r.stdout)["ids"]
 
 
-def test_hello_announces_the_limits_and_the_vocabulary(server):
-    with open_ws(server) as ws:
+def test_hello_announces_the_limits_and_the_vocabulary_and_compression_stays_off(server):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with connect(server.url, subprotocols=["decode.v1"], additional_headers=auth, compression="deflate") as ws:
         hello = recv(ws)
+        assert "Sec-WebSocket-Extensions" not in ws.response.headers  # permessage-deflate refused
     assert hello["seq"] == 1 and hello["model"] == "default_model" and hello["server_version"]
     limits = hello["limits"]
     assert limits["max_context"] == 4096 and limits["vocab_size"] == 512

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from server import notify, service
 from server.gpu import GpuSampler
-from tests.server_harness import ROOT, Datagrams
+from tests.server_harness import ROOT, Datagrams, child_env
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="systemd-analyze missing (scripts/setup-venv.sh installs it)")
@@ -220,10 +220,12 @@ def test_without_a_gpu_no_gpu_series_exist(nvml):
     assert "decode_gpu_" not in generate_latest(registry).decode()
 
 
-def test_appliance_serve_refuses_bad_options_with_one_line(tmp_path):
-    for args, text in ((["--port", "70000"], "--port 70000"), (["--chunk", "0"], "--chunk 0"),
-                       (["--keepalive", "3"], "at least every 2 s"), (["--model", str(tmp_path / "no")], "no such"),
-                       (["--token-file", str(tmp_path / "none")], "--token-file")):
+def test_appliance_serve_refuses_bad_options_with_one_line_whether_given_as_flags_or_env_file_variables(tmp_path):
+    cases = [(["--port", "70000"], {}, "--port 70000"), (["--chunk", "0"], {}, "--chunk 0"),
+             (["--keepalive", "3"], {}, "at least every 2 s"), (["--model", str(tmp_path / "no")], {}, "no such"),
+             (["--token-file", str(tmp_path / "none")], {}, "--token-file"),
+             ([], {"APPLIANCE_CHUNK": "0"}, "--chunk 0"), ([], {"APPLIANCE_MODEL": str(tmp_path / "no")}, "no such")]
+    for args, env, text in cases:
         r = subprocess.run([sys.executable, "-m", "appliance", "serve", *args], capture_output=True, text=True,
-                           cwd=ROOT, timeout=60)
-        assert r.returncode == 2 and text in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+                           cwd=ROOT, env=child_env(**env), timeout=60)
+        assert r.returncode == 2 and text in r.stderr and r.stderr.count("\n") == 1, (args, env, r.stderr)
