@@ -65,7 +65,8 @@ class Engine:
     # --- construction --------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_dir=None, devices: str = "cpu", draft: str = "none", numerics: str = "official",
+    def load(cls, model_dir=None, devices: str = "cpu", draft: str = "none", draft_tokens: int = 3,
+             numerics: str = "official",
              dtype: str = "float32", path: str = "reference", chunk: int = 256, context: int | None = None,
              index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None) -> "Engine":
         """Read config and weights, check the memory plan, build the decode state, warm up."""
@@ -79,7 +80,8 @@ class Engine:
                         notice=say, load_drafter=draft != "none")
         capacity = plan_context(lm, context)
         say(f"allocating decode state for {capacity} tokens")
-        gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys)
+        gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
+                        draft_tokens=draft_tokens)
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
         say("warming up")

@@ -20,6 +20,7 @@ from kernels import sampling as sampler
 from .api import Done, Error, Progress, Request, Started, Tokens
 from .errors import ApplianceError, ContextLengthError, RequestError
 from .loader import LoadedModel
+from .speculative import DraftStats, make_speculator
 from .tokenizer import StreamDecoder
 
 
@@ -40,7 +41,7 @@ def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
 
 class Generator:
     def __init__(self, lm: LoadedModel, capacity: int | None = None, chunk: int = 256, index_keys: str = "own",
-                 spare: int = 16):
+                 spare: int = 16, draft: str = "none", draft_tokens: int = 3):
         self.lm = lm
         self.model = lm.model
         self.cfg = lm.cfg
@@ -49,6 +50,9 @@ class Generator:
         self.index_keys = index_keys
         self.state = self.model.new_state(self.capacity, spare)
         self.eos = self.cfg.eos_token_id
+        self.spec = make_speculator(self, lm, draft, draft_tokens, index_keys)
+        self.keep_streams = self.spec is not None and self.spec.drafter.kind == "mtp"
+        self.stats = DraftStats(draft, draft_tokens)
 
     # --- request -> ids ------------------------------------------------------------------------------
 
@@ -98,6 +102,8 @@ class Generator:
             else:  # the rings no longer hold what a rewind that far back needs
                 self.state.reset()
                 cached = 0
+        if self.spec is not None:
+            self.spec.sync(self.state.length)
         return cached
 
     def prefill_chunks(self, ids: list[int], cancel=None) -> Iterator[int]:
@@ -109,10 +115,12 @@ class Generator:
             if cancel is not None and cancel.is_set():
                 return
             n = min(self.chunk, len(ids) - pos)
-            logits = self.forward(ids[pos:pos + n], "last")
+            out = self.forward_out(ids[pos:pos + n], "last")
+            if self.spec is not None:
+                self.spec.observe(out, pos, ids[pos:pos + n])
             pos += n
             yield pos
-        self.logits = logits[-1]
+        self.logits = out.logits[-1]
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Prefill without events: the logits of the last prompt position."""
@@ -121,10 +129,21 @@ class Generator:
             pass
         return self.logits
 
+    def forward_out(self, ids: list[int], logits: str = "all"):
+        return self.model.forward(torch.tensor(ids, dtype=torch.long), self.state, logits=logits,
+                                  index_keys=self.index_keys, keep_streams=self.keep_streams)
+
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
-        out = self.model.forward(torch.tensor(ids, dtype=torch.long), self.state, logits=logits,
-                                 index_keys=self.index_keys)
-        return out.logits
+        return self.forward_out(ids, logits).logits
+
+    def cycle(self, token: int, sampling, generator) -> list[int]:
+        """Process `token` (the next position) and return the tokens that follow it: one without a
+        drafter, the accepted drafts and one more with one."""
+        if self.spec is not None:
+            return self.spec.cycle(token, sampling, generator)
+        logits = self.forward([token], "last")
+        s = sampling
+        return [int(sampler.sample(logits[-1:], s.temperature, s.top_k, s.top_p, generator)[0])]
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -157,41 +176,48 @@ class Generator:
             yield Done(req.id, "cancelled", usage, self._timings(t0, t_prefill, None, t_prefill, 0))
             return
         s = req.sampling
+        self.stats = DraftStats(self.stats.draft, self.stats.k)
         decoder = StreamDecoder(self.lm.tokenizer)
         produced: list[int] = []
         t_first = None
         finish = "length"
         text_so_far = ""
-        while True:
-            token = int(sampler.sample(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p, gen)[0])
+        pending = [int(sampler.sample(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p, gen)[0])]
+        while finish == "length":
             now = time.perf_counter()
-            if t_first is None:
-                t_first = now
-            if token == self.eos and not req.ignore_eos:
-                finish = "stop"
-                break
-            produced.append(token)
-            piece = decoder.push([token])
-            stop_at = _find_stop(text_so_far + piece, req.stop, len(text_so_far))
-            if stop_at is not None:
-                piece = (text_so_far + piece)[len(text_so_far):stop_at]
-                yield Tokens(req.id, [token], piece, len(produced) - 1, [(now - t0) * 1e3])
-                finish = "stop"
-                break
+            t_first = t_first or now
+            ids, piece = [], ""
+            for token in pending:
+                if token == self.eos and not req.ignore_eos:
+                    finish = "stop"
+                    break
+                ids.append(token)
+                text = decoder.push([token])
+                stop_at = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
+                if stop_at is not None:
+                    piece = (text_so_far + piece + text)[len(text_so_far):stop_at]
+                    finish = "stop"
+                    break
+                piece += text
+                if len(produced) + len(ids) >= req.max_tokens:
+                    break
+            if ids or piece:
+                yield Tokens(req.id, ids, piece, len(produced), [(now - t0) * 1e3] * len(ids))
+            produced += ids
             text_so_far += piece
-            yield Tokens(req.id, [token], piece, len(produced) - 1, [(now - t0) * 1e3])
-            if len(produced) >= req.max_tokens:
+            if finish != "length" or len(produced) >= req.max_tokens:
                 break
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
-            logits = self.forward([token], "last")[-1]
+            pending = self.cycle(pending[-1], s, gen)
         tail = decoder.flush() if finish != "stop" or not req.stop else ""
         if tail:
             yield Tokens(req.id, [], tail, len(produced), [])
         usage["completion_tokens"] = len(produced)
         end = time.perf_counter()
-        yield Done(req.id, finish, usage, self._timings(t0, t_prefill, t_first, end, len(produced)))
+        spec = self.stats.as_dict() if self.spec is not None else None
+        yield Done(req.id, finish, usage, self._timings(t0, t_prefill, t_first, end, len(produced)), spec)
 
     @staticmethod
     def _timings(t0, t_prefill, t_first, end, n) -> dict:

@@ -42,6 +42,17 @@ def make_runtime(numerics: str = "official", dtype: str = "float32", path: str =
     return Runtime(Numerics(numerics == "official", DTYPES[dtype]), resolve(path), torch.device(device))
 
 
+def set_cpu_threads(cfg: ModelConfig) -> int:
+    """Intra-op threads for the CPU path. Decode is hundreds of tiny ops per token: for small models one
+    thread is fastest, and more threads spin against each other (and against anything else on the box),
+    which made a tiny model 10x slower on a loaded 2-core machine. APPLIANCE_THREADS overrides."""
+    import os
+
+    n = int(os.environ.get("APPLIANCE_THREADS", 0)) or (1 if cfg.dim <= 2048 else os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return n
+
+
 def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "reference",
                device: str = "cpu", notice=print, load_drafter: bool = False) -> LoadedModel:
     model_dir = Path(model_dir) if model_dir else default_model_dir()
@@ -49,6 +60,8 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
     tokenizer = load_tokenizer(model_dir)
     ckpt = Checkpoint(model_dir)
     rt = make_runtime(numerics, dtype, path, device)
+    if rt.device.type == "cpu":
+        set_cpu_threads(cfg)
     if isinstance(cfg, V41Config):
         from .model_v41 import V41Model
 

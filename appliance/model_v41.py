@@ -268,7 +268,7 @@ class V41Model:
         return self.head(z.float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None) -> Output:
+                probe: dict | None = None, keep_streams: bool = False) -> Output:
         """Process `tokens` at positions state.length.. and commit them to the state."""
         T = tokens.numel()
         state.check_room(T)
@@ -279,4 +279,4 @@ class V41Model:
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))
         state.advance(tokens)
         hidden = torch.cat(step.captures, dim=-1) if step.captures else None
-        return Output(out, hidden)
+        return Output(out, hidden, X if keep_streams else None)

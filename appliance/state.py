@@ -22,24 +22,30 @@ class Journal:
 
     def __init__(self, keep: int):
         self.keep = keep
-        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (buffer, written indices, overwritten values, their positions, the newest position as an int)
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
-        self.entries.append((data, index.clone(), data[index].clone(), positions.clone()))
+        self.entries.append((data, index.clone(), data[index].clone(), positions.clone(), int(positions.max())))
 
     def undo(self, position: int) -> None:
         """Restore every value overwritten by a write for a position >= `position`, newest first."""
         kept = []
-        for data, index, old, pos in reversed(self.entries):
+        for data, index, old, pos, newest in reversed(self.entries):
+            if newest < position:
+                kept.append((data, index, old, pos, newest))
+                continue
             undo = pos >= position
-            if bool(undo.any()):
-                data[index[undo]] = old[undo]
+            data[index[undo]] = old[undo]
             if not bool(undo.all()):
-                kept.append((data, index[~undo], old[~undo], pos[~undo]))
+                keep = ~undo
+                kept.append((data, index[keep], old[keep], pos[keep], int(pos[keep].max())))
         self.entries = kept[::-1]
 
     def prune(self, length: int) -> None:
-        self.entries = [e for e in self.entries if int(e[3].max()) >= length - self.keep]
+        oldest = length - self.keep
+        if self.entries and self.entries[0][4] < oldest:
+            self.entries = [e for e in self.entries if e[4] >= oldest]
 
 
 class PositionRing:
@@ -135,6 +141,14 @@ class DecodeState:
         n = tokens.numel()
         self.tokens[self.length:self.length + n] = tokens
         self.length += n
+        self.journal.prune(self.length)
+
+    def skip_to(self, position: int) -> None:
+        """Advance to `position` without writing: for positions whose rows no reader can reach any more
+        (a drafter only reads its last window). Their token history stays 0."""
+        if position < self.length:
+            raise StateError(f"skip_to({position}) is behind the state ({self.length})", field="position")
+        self.length = position
         self.journal.prune(self.length)
 
     def reset(self) -> None:

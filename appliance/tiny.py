@@ -238,11 +238,14 @@ V4_SHAPE = dict(vocab=512, dim=128, layers=5, heads=2, head_dim=128, rope=64, q_
                 index_heads=4, index_head_dim=64, index_topk=4, block=128, dspark_targets=[2, 3, 4], markov_rank=32)
 
 
-def _write_v4(out: Path, seed: int, drafter: str) -> None:
-    c = V4_SHAPE
-    write_tokenizer(out / "tokenizer.json", c["vocab"])
-    tok = json.loads((out / "tokenizer.json").read_text())
-    noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
+def _write_v4(out: Path, seed: int, drafter: str, vocab: int | None) -> None:
+    c = dict(V4_SHAPE, vocab=vocab or V4_SHAPE["vocab"])
+    if c["vocab"] >= 300:
+        write_tokenizer(out / "tokenizer.json", c["vocab"])
+        tok = json.loads((out / "tokenizer.json").read_text())
+        noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
+    else:  # too small for a byte-level tokenizer: an ids-only model (sampling tests)
+        noise_id = c["vocab"] - 1
     w = _Writer(seed, c["block"])
     dim, hc = c["dim"], c["hc"]
     w.dense("embed.weight", c["vocab"], dim, gain=math.sqrt(dim))
@@ -322,17 +325,20 @@ def _write_v4(out: Path, seed: int, drafter: str) -> None:
 FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
 
 
-def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0) -> Path:
+def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0, vocab: int | None = None) -> Path:
     """Write a tiny random checkpoint to `out_dir` (created). `deepseek_v4` carries the April MTP head,
-    `deepseek_v4_0731` the 3-stage DSpark drafter on the V4 backbone."""
+    `deepseek_v4_0731` the 3-stage DSpark drafter on the V4 backbone. `vocab` (V4 families only) below 300
+    writes an ids-only model without tokenizer.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if family == "deepseek_v41":
+        if vocab is not None:
+            raise ValueError("vocab: the V4.1 tiny model keeps its tokenizer (Engram needs it)")
         _write_v41(out, seed)
     elif family == "deepseek_v4":
-        _write_v4(out, seed, "mtp")
+        _write_v4(out, seed, "mtp", vocab)
     elif family == "deepseek_v4_0731":
-        _write_v4(out, seed, "dspark")
+        _write_v4(out, seed, "dspark", vocab)
     else:
         raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
     return out

@@ -1,0 +1,209 @@
+"""Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward, and the
+accepted prefix plus one target token are committed. Lossless: greedy output equals plain greedy decoding
+token for token (the target's forward is batch invariant: a verified row equals a single-step row
+bitwise), and sampled output has the target's distribution.
+
+One cycle, given the committed positions 0..N-1 and the anchor token `a` the target chose for position N:
+  1. draft: the drafter writes its ring row of position N-1 and proposes d_1..d_k for N+1..N+k;
+  2. verify: one target forward over [a, d_1..d_k] at positions N..N+k gives L_1..L_{k+1};
+  3. accept: greedy - the longest prefix with d_i = argmax L_i, then b = argmax L_{j+1};
+     sampling - accept d_i with probability min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw b from
+     normalize(max(0, p_i - r_i)); if all k pass, b ~ p_{k+1};
+  4. commit: rewind the target to N+j+1 (a and j drafts), give the drafter the rows of N..N+j-1, and keep
+     the row of N+j for the next draft. Nothing computed for rejected tokens survives (the state's journal
+     restores every overwritten slot).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import sampling as sampler
+
+from .errors import RequestError
+
+
+@dataclass
+class DraftStats:
+    draft: str
+    k: int
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)  # cycles by number of accepted drafts (0..k)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.histogram) <= accepted:
+            self.histogram += [0] * (accepted + 1 - len(self.histogram))
+        self.histogram[accepted] += 1
+
+    def as_dict(self) -> dict:
+        return {"draft": self.draft, "draft_tokens": self.k, "cycles": self.cycles, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "mean_accepted": self.accepted / self.cycles if self.cycles else 0.0,
+                "tokens_per_cycle": (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0,
+                "acceptance_histogram": self.histogram}
+
+
+def accept(target: torch.Tensor, drafts: list[int], draft_logits: torch.Tensor, sampling,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """target logits [k+1, V] (row i verifies draft i+1), drafts (k), draft_logits [k, V] -> (j, b):
+    the number of accepted drafts and the next token."""
+    k = len(drafts)
+    if sampling.temperature == 0:
+        best = target.argmax(-1).tolist()
+        j = 0
+        while j < k and drafts[j] == best[j]:
+            j += 1
+        return j, best[j]
+    p = sampler.distribution(target, sampling.temperature, sampling.top_k, sampling.top_p)
+    r = sampler.distribution(draft_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=generator)
+        if u * r[i, d] < p[i, d]:  # accept with probability min(1, p/r)
+            continue
+        residual = (p[i] - r[i]).clamp(min=0)
+        total = residual.sum()
+        residual = p[i] if total <= 0 else residual / total
+        return i, int(sampler.draw(residual.unsqueeze(0), generator)[0])
+    return k, int(sampler.draw(p[k].unsqueeze(0), generator)[0])
+
+
+class Speculator:
+    """The drafter, its state kept one position behind the target's, and the cycle."""
+
+    def __init__(self, generator, drafter, mode: str, k: int):
+        self.gen = generator
+        self.drafter = drafter
+        self.mode = mode  # "dspark" | "mtp" | "adaptive"
+        self.k = k
+        target_state = generator.state
+        self.state = drafter.new_state(target_state.capacity, target_state.spare)
+        # the drafter's input rows (DSpark: H; MTP: the final streams) of the target's last positions,
+        # kept in the target's state so that rewinds restore them too
+        self.rows = None
+        self.step_cost: list[float] | None = None  # verify ms per width 1..k+1 (adaptive)
+        self.force_accept: int | None = None  # benchmarks: accept exactly this many drafts per cycle
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def sync(self, length: int) -> None:
+        """Bring the drafter's state to `length - 1` committed rows after the target rewound to `length`."""
+        want = max(length - 1, 0)
+        if want < self.state.length:
+            if want >= self.state.length - self.state.spare and want > 0:
+                self.state.rewind(want)
+            else:
+                self.state.reset()
+
+    def observe(self, out, start: int, tokens: list[int], upto: int | None = None) -> None:
+        """After a target forward over positions start..start+n-1: keep their rows and give the drafter
+        every row whose next token is now known, up to `upto` (exclusive; default start+n-1)."""
+        rows = self.drafter.rows(out)
+        n = min(rows.shape[0], self.gen.state.length - start)  # rows of rejected positions are dropped
+        rows = rows[:n]
+        if self.rows is None:
+            self.row_shape = tuple(rows.shape[1:])
+            self.rows = self.gen.state.ring("draft_rows", self.gen.state.spare + 2, rows[0].numel(), rows.dtype)
+        self.rows.write(torch.arange(start, start + n), rows.reshape(n, -1))
+        end = start + n - 1 if upto is None else upto
+        first = self.state.length
+        if first >= end:
+            return
+        window = self.drafter.cfg.window_size + self.state.spare
+        if end - first > window:  # only the last `window` rows can reach a draft: skip the rest
+            first = end - window
+            self.state.skip_to(first)
+        positions = torch.arange(first, end)
+        history = self.gen.state.tokens
+        nxt = torch.tensor([tokens[p - start + 1] if p + 1 >= start else int(history[p + 1]) for p in positions])
+        self.drafter.commit(self.state, self._rows_at(positions), nxt, first)
+
+    def _rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.rows.data[positions % self.rows.size].reshape(len(positions), *self.row_shape)
+
+    def cycle(self, anchor: int, sampling, generator) -> list[int]:
+        """One speculative cycle (see the module docstring). Returns the new tokens after `anchor`."""
+        N = self.gen.state.length
+        q = N - 1
+        row_q = self._rows_at(torch.tensor([q]))[0]
+        adaptive = self.mode == "adaptive" and self.drafter.kind == "dspark"
+        k = self.drafter.cfg.dspark.block_size if adaptive else self.k  # adaptive: trim the whole block
+        d = self.drafter.draft(self.state, q, anchor, row_q, k, sampling.temperature, sampling.top_k,
+                               sampling.top_p, generator)
+        drafts, dlogits = d.ids, d.logits
+        if adaptive:
+            n = self.adaptive_length(d.confidence)
+            drafts, dlogits = drafts[:n], dlogits[:n]
+        tokens = [anchor] + drafts
+        out = self.gen.forward_out(tokens)
+        j, b = accept(out.logits, drafts, dlogits, sampling, generator)
+        if self.force_accept is not None:
+            j = min(self.force_accept, len(drafts))
+            b = int(out.logits[j].argmax())
+        self.gen.state.rewind(N + j + 1)
+        self.observe(out, N, tokens + [b], upto=N + j)
+        self.gen.stats.record(len(drafts), j)
+        return drafts[:j] + [b]
+
+    def calibrate(self, repeats: int = 5) -> list[float]:
+        """Measure the verify cost per width (1 .. block + 1 rows) on this device, in ms (median), on a
+        scratch state: the table `--draft adaptive` trims drafts with."""
+        import time
+
+        model = self.gen.model
+        widths = self.drafter.cfg.dspark.block_size + 1 if self.drafter.kind == "dspark" else self.k + 1
+        state = model.new_state(64 + widths * repeats, self.gen.state.spare)
+        model.forward(torch.zeros(32, dtype=torch.long), state)
+        cost = [0.0]
+        for w in range(1, widths + 1):
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                model.forward(torch.zeros(w, dtype=torch.long), state)
+                times.append((time.perf_counter() - t) * 1e3)
+                state.rewind(32)
+            cost.append(sorted(times)[len(times) // 2])
+        self.step_cost = cost
+        return cost
+
+    def adaptive_length(self, confidence: torch.Tensor | None) -> int:
+        """The draft length with the most expected tokens per unit of verify time: draft i survives with
+        prob prod_{m<=i} sigmoid(c_{m-1}); a cycle of length l yields 1 + sum of survivals."""
+        if confidence is None or not self.step_cost:
+            return self.k
+        survive = torch.cumprod(torch.sigmoid(confidence.double()), 0).tolist()
+        best, best_rate = 1, -1.0
+        for n in range(1, min(len(survive), len(self.step_cost) - 1) + 1):
+            rate = (1 + sum(survive[:n])) / self.step_cost[n]
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
+def make_speculator(generator, lm, draft: str, k: int, index_keys: str):
+    """`draft`: none | dspark | mtp | adaptive | auto (the checkpoint's own drafter)."""
+    if draft == "none":
+        return None
+    d = lm.drafter
+    if d is None:
+        if draft == "auto":
+            return None
+        raise RequestError(f"--draft {draft}: this checkpoint has no drafter (mtp.* tensors)", field="draft")
+    if draft in ("dspark", "mtp") and d.kind != draft:
+        raise RequestError(f"--draft {draft}: this checkpoint's drafter is {d.kind}", field="draft")
+    if index_keys == "reference":
+        raise RequestError("--index-keys reference reproduces the released single-token decode; it cannot be "
+                           "verified in blocks: use --draft none with it", field="draft")
+    block = d.cfg.dspark.block_size if d.kind == "dspark" else 8
+    if not 1 <= k <= block:
+        raise RequestError(f"--draft-tokens {k}: must be 1..{block}", field="draft_tokens")
+    mode = "adaptive" if draft == "adaptive" else d.kind
+    spec = Speculator(generator, d, mode, k)
+    if mode == "adaptive":
+        spec.calibrate()
+    return spec

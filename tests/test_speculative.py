@@ -1,0 +1,170 @@
+"""Speculative decoding is lossless: greedy output with drafting equals plain greedy decoding token for
+token, sampled output has the target's distribution, a verified block equals single steps bitwise, and
+rollback leaves exactly the state plain decoding of the accepted tokens leaves."""
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from appliance.api import Request, Sampling
+from appliance.generate import Generator
+from appliance.loader import load_model
+from appliance.speculative import Speculator, accept
+from appliance.tiny import write_tiny
+from kernels import sampling as sampler
+
+from .oracle import OracleDrafter
+
+FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
+
+
+@pytest.fixture(scope="module")
+def drafter_models(tiny_dirs):
+    return {f: load_model(tiny_dirs[f], load_drafter=True, notice=None) for f in FAMILIES}
+
+
+def greedy(lm, prompt, n, **kw):
+    g = Generator(lm, capacity=1024, **kw)
+    ids, done = [], None
+    for event in g.run(Request(input_ids=prompt, max_tokens=n, ignore_eos=True)):
+        ids += getattr(event, "ids", [])
+        done = event
+    return ids, done
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_with_drafting_equals_no_drafting_over_256_tokens(drafter_models, family):
+    lm = drafter_models[family]
+    prompt = torch.randint(0, lm.cfg.vocab_size, (23,)).tolist()
+    want, _ = greedy(lm, prompt, 256)
+    for draft, k in [("auto", 1), ("auto", 2), ("auto", 3), ("auto", 4), ("auto", 5), ("adaptive", 5)]:
+        got, done = greedy(lm, prompt, 256, draft=draft, draft_tokens=k)
+        assert got == want, f"{family} --draft {draft} k={k}: first mismatch at {_first_mismatch(got, want)}"
+        assert done.speculative["cycles"] > 0 and done.speculative["drafted"] >= done.speculative["cycles"]
+
+
+def _first_mismatch(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_partially_accepted_drafts_still_give_the_plain_greedy_output(drafter_models, family):
+    lm = drafter_models[family]
+    prompt = torch.randint(0, lm.cfg.vocab_size, (17,)).tolist()
+    want, _ = greedy(lm, prompt, 48)
+    g = Generator(lm, capacity=1024)
+    g.spec = Speculator(g, OracleDrafter(lm, g.state, corrupt=0.3, seed=random.randrange(1 << 20)), "oracle", 4)
+    got = []
+    for event in g.run(Request(input_ids=prompt, max_tokens=48, ignore_eos=True)):
+        got += getattr(event, "ids", [])
+    assert got == want
+    hist = g.stats.histogram
+    assert g.stats.accepted > 0 and sum(hist[1:-1]) > 0, f"no partial acceptance exercised: {hist}"
+
+
+def test_an_oracle_drafter_that_proposes_the_targets_own_samples_is_always_accepted(drafter_models):
+    lm = drafter_models["deepseek_v4"]
+    g = Generator(lm, capacity=1024)
+    g.spec = Speculator(g, OracleDrafter(lm, g.state), "oracle", 3)
+    req = Request(input_ids=[3, 4, 5, 6], max_tokens=40, ignore_eos=True,
+                  sampling=Sampling(temperature=1.0, seed=random.randrange(1 << 30)))
+    events = list(g.run(req))
+    assert g.stats.drafted > 0 and g.stats.accepted == g.stats.drafted, g.stats.as_dict()
+    assert type(events[-1]).__name__ == "Done"
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    d = write_tiny(tmp_path_factory.mktemp("v24"), "deepseek_v4_0731", seed=7, vocab=24)
+    return load_model(d, load_drafter=True, notice=None)
+
+
+def _chi2(samples, p, label):
+    counts = torch.bincount(samples, minlength=len(p)).double()
+    expected = p.double() * len(samples)
+    keep = expected >= 5  # pool the rare tokens into one bin
+    obs = torch.cat((counts[keep], counts[~keep].sum(0, keepdim=True)))
+    exp = torch.cat((expected[keep], expected[~keep].sum(0, keepdim=True)))
+    if exp[-1] < 5:
+        obs = torch.cat((obs[:-2], obs[-2:].sum(0, keepdim=True)))
+        exp = torch.cat((exp[:-2], exp[-2:].sum(0, keepdim=True)))
+    result = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
+    assert result.pvalue > 0.001, f"{label}: chi-square p = {result.pvalue:.2g}"
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=8), Sampling(1.3, top_p=0.8)],
+                         ids=["T1", "T0.7-topk8", "T1.3-topp0.8"])
+def test_sampling_with_and_without_drafting_follows_the_target_distribution(small_vocab, sampling):
+    lm, trials = small_vocab, 20000
+    model = lm.model
+    state = model.new_state(64)
+    prompt = torch.randint(0, 24, (12,))
+    out = model.forward(prompt, state, logits="last")
+    anchor = int(out.logits[-1].argmax())
+    target = model.forward(torch.tensor([anchor]), state, logits="last").logits  # L_1: predicts the next token
+    p = sampler.distribution(target, sampling.temperature, sampling.top_k, sampling.top_p)[0]
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    plain = sampler.draw(p.unsqueeze(0).expand(trials, -1).contiguous(), g)
+    _chi2(plain, p, "without drafting")
+    state.rewind(12)
+    dstate = lm.drafter.new_state(64)
+    lm.drafter.commit(dstate, out.hidden[:11], prompt[1:], 0)
+    d = lm.drafter.draft(dstate, 11, anchor, out.hidden[11], 3, sampling.temperature, sampling.top_k,
+                         sampling.top_p, g)
+    first = []
+    rows = target.expand(4, -1)  # only the first verify row decides the first token's distribution
+    for _ in range(trials):
+        drafts = [int(sampler.sample(d.logits[i:i + 1], sampling.temperature, sampling.top_k, sampling.top_p, g)[0])
+                  for i in range(3)]
+        j, b = accept(rows, drafts, d.logits, sampling, g)
+        first.append(drafts[0] if j > 0 else b)
+    _chi2(torch.tensor(first), p, "with drafting")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(drafter_models, family):
+    lm = drafter_models[family]
+    m = lm.model
+    tokens = torch.randint(0, lm.cfg.vocab_size, (40,))
+    a, b = m.new_state(128), m.new_state(128)
+    m.forward(tokens[:34], a)
+    m.forward(tokens[:34], b)
+    block = m.forward(tokens[34:], a, keep_streams=True)
+    singles = [m.forward(tokens[i:i + 1], b, keep_streams=True) for i in range(34, 40)]
+    assert torch.equal(block.logits, torch.cat([s.logits for s in singles]))
+    if block.hidden is not None:
+        assert torch.equal(block.hidden, torch.cat([s.hidden for s in singles]))
+    assert torch.equal(block.streams, torch.cat([s.streams for s in singles]))
+    for name, t in a.buffers().items():
+        assert torch.equal(t, b.buffers()[name]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_after_random_accept_lengths_leaves_the_plain_decoding_state(drafter_models, family):
+    lm = drafter_models[family]
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    prompt = torch.randint(0, lm.cfg.vocab_size, (21,)).tolist()
+    spec = Generator(lm, capacity=256, draft="auto", draft_tokens=4)
+    logits = spec.prefill(prompt)
+    committed = list(prompt)
+    token = int(logits.argmax())
+    for _ in range(25):
+        spec.spec.force_accept = rng.randrange(0, 5)
+        new = spec.cycle(token, Sampling(), None)
+        committed.append(token)
+        committed += new[:-1]
+        token = new[-1]
+    plain = Generator(lm, capacity=256, draft="auto", draft_tokens=4)
+    plain.prefill(prompt)
+    for t in committed[len(prompt):]:  # plain decoding of the accepted tokens, one per step
+        out = plain.forward_out([t])
+        plain.spec.observe(out, plain.state.length - 1, [t])
+    assert spec.state.length == plain.state.length == len(committed)
+    for name, t in plain.state.buffers().items():
+        assert torch.equal(spec.state.buffers()[name], t), f"{family} (seed {seed}): target {name}"
+    for name, t in plain.spec.state.buffers().items():
+        assert torch.equal(spec.spec.state.buffers()[name], t), f"{family} (seed {seed}): drafter {name}"
