@@ -272,3 +272,4 @@ def run():
 from . import cli_bench  # noqa: E402,F401
 
 from . import cli_serve  # noqa: E402,F401  # isort: skip
+from . import bench  # noqa: E402,F401  (registers `bench decode | forward | prefill`)

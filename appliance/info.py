@@ -125,3 +125,45 @@ def human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1000
     return f"{n}"
+
+
+def step_bytes(cfg: ModelConfig, context: int) -> dict:
+    """Bytes one decode step (one token) reads at a context depth, packed formats: every weight except the
+    routed experts (only the selected k per layer) and the drafter, the Engram rows it gathers, and the
+    decode state it reads (window rings, the selected compressed rows, every index key it scores, every
+    visible HCA row)."""
+    ckpt = inventory(cfg)
+    weights = 0
+    for name in ckpt.tensors:
+        if name.startswith("mtp.") or ".engram.embed." in name:
+            continue
+        n = ckpt.nbytes(name)
+        if ".experts." in name and ".shared_experts." not in name:
+            n = n * cfg.n_activated_experts / cfg.n_routed_experts
+        weights += n
+    engram = 0
+    if isinstance(cfg, V41Config) and cfg.engram:
+        e = cfg.engram
+        engram = len(e.layer_ids) * (e.max_ngram - 1) * e.n_heads * (e.head_dim + e.head_dim // 32)
+    hd, r, ihd, w = cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim, cfg.window_size
+    state = 0.0
+    if isinstance(cfg, V41Config):
+        kv_row, index_row = hd // 2 + hd // 16, ihd // 2 + ihd // 32
+        state += cfg.n_layers * min(w, context) * (hd + hd // 32)
+        for L in range(cfg.n_layers):
+            m = cfg.compress_ratios[L]
+            if m:
+                state += min(cfg.index_topk, context // m) * kv_row
+                if cfg.index_source_of(L) == L:
+                    state += (context // m) * index_row
+    else:
+        kv_row, index_row = (hd - r) + 2 * r + (hd - r) // 64, ihd // 2 + ihd // 32
+        state += cfg.n_layers * min(w, context) * kv_row
+        for L, kind in enumerate(cfg.layer_kinds):
+            m = cfg.compress_ratios[L]
+            if kind == "csa":
+                state += min(cfg.index_topk, context // m) * kv_row + (context // m) * index_row
+            elif kind == "hca":
+                state += (context // m) * kv_row
+    return {"weights": int(weights), "engram_rows": engram, "state": int(state),
+            "total": int(weights + engram + state)}

@@ -1,0 +1,293 @@
+"""`appliance bench decode | forward | prefill`: where decode time goes, measured side by side in one run.
+
+- forward: the model's own time for one decode cycle (on CUDA, events around the step; on CPU the wall
+  time of the eager step);
+- decode: end-to-end tokens/s of the generation loop (sampling, drafting, acceptance, detokenization,
+  events); `rest ms` = cycle - target forward is the host overhead (plus the drafter's time when drafting);
+- bytes read per step (weights that a token touches + decode state read) and, on a GPU, the fraction of the
+  device copy bandwidth measured once per run: the roofline of decode.
+Medians and p90 over steps; every number is printed with the context depth it was taken at.
+"""
+
+import json
+import statistics
+import time
+
+import click
+import torch
+
+from .api import Request, Sampling
+from .cli import friendly, model_options
+from .cli_bench import bench
+from .info import step_bytes
+
+
+def _quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "n": len(xs)}
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of a large device-to-device copy (read + write counted), measured once; None on CPU."""
+    if device.type != "cuda":
+        return None
+    n = 1 << 28
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n / statistics.median(times)
+
+
+class _Timer:
+    """Device time of a region: CUDA events on a GPU, wall time on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.b.record()
+            torch.cuda.synchronize()
+            self.ms = self.a.elapsed_time(self.b)
+        else:
+            self.ms = (time.perf_counter() - self.t) * 1e3
+
+
+def measure_decode(gen, context: int, tokens: int, force_accept: int | None = None, seed: int = 0) -> dict:
+    """Prefill `context` random ids, then generate `tokens` greedily (EOS ignored). Times every model
+    forward (device time) and every decode cycle end to end."""
+    cfg = gen.cfg
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (max(context, 1),), generator=g).tolist()
+    gen.state.reset()
+    if gen.spec is not None:
+        gen.spec.reset()
+        gen.spec.force_accept = force_accept
+    forward_ms: list[float] = []
+    inner = gen.forward_out
+    device = gen.lm.runtime.device
+
+    def timed(ids, logits="all"):
+        with _Timer(device) as t:
+            out = inner(ids, logits)
+        forward_ms.append(t.ms)
+        return out
+
+    gen.forward_out = timed
+    t0 = time.perf_counter()
+    req = Request(id="bench", input_ids=prompt, max_tokens=tokens, ignore_eos=True, sampling=Sampling())
+    stamps, done = [], None
+    try:
+        for event in gen.run(req):
+            if type(event).__name__ == "Tokens" and event.ids:
+                stamps.append((time.perf_counter(), len(event.ids)))
+            elif type(event).__name__ == "Error":
+                raise click.ClickException(event.message)
+            elif type(event).__name__ == "Done":
+                done = event
+    finally:
+        gen.forward_out = inner
+    n_prefill = -(-len(prompt) // gen.chunk)
+    prefill_ms = sum(forward_ms[:n_prefill])
+    cycle_forward = forward_ms[n_prefill:]
+    per_cycle = [(b[0] - a[0]) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    per_token = [(b[0] - a[0]) * 1e3 / b[1] for a, b in zip(stamps, stamps[1:])]
+    generated = sum(n for _, n in stamps)
+    decode_s = stamps[-1][0] - stamps[0][0] if len(stamps) > 1 else float("nan")
+    result = {
+        "context": len(prompt), "tokens": generated, "prefill_ms": prefill_ms,
+        "prefill_tokens_per_s": len(prompt) / (prefill_ms / 1e3) if prefill_ms else None,
+        "ms_per_token": _quantiles(per_token), "tokens_per_s": (generated - stamps[0][1]) / decode_s,
+        "cycle_ms": _quantiles(per_cycle), "forward_ms": _quantiles(cycle_forward),
+        "e2e_s": time.perf_counter() - t0,
+    }
+    # everything in a cycle that is not the target's forward: drafting (when on) and host work
+    per_cycle_forwards = len(cycle_forward) / max(len(per_cycle), 1)
+    result["rest_ms_per_cycle"] = result["cycle_ms"]["median"] - result["forward_ms"]["median"] * per_cycle_forwards
+    if done is not None and done.speculative:
+        result["speculative"] = done.speculative
+    return result
+
+
+def _generator(model_dir, numerics, dtype, op_path, index_keys, draft, draft_tokens, capacity):
+    from .generate import Generator
+    from .loader import load_model
+
+    lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, notice=None,
+                    load_drafter=draft != "none")
+    return Generator(lm, capacity=capacity, chunk=256, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens)
+
+
+def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None = None):
+    for r in rows:
+        b = step_bytes(cfg, r["context"])
+        r["bytes_per_step"] = b
+        if bandwidth:
+            r["copy_bandwidth_GBps"] = bandwidth / 1e9
+            r["fraction_of_bandwidth"] = b["total"] / (r["forward_ms"]["median"] / 1e3) / bandwidth
+    if as_json:
+        click.echo(json.dumps({"runs": rows, **(extra or {})}, indent=1, default=str))
+        return
+    head = f"{'draft':<10}{'context':>8}{'tok/s':>9}{'ms/tok p50':>11}{'p90':>8}{'fwd ms':>9}{'cycle ms':>10}" \
+           f"{'rest ms':>9}{'acc/cyc':>8}{'MB/step':>9}"
+    if bandwidth:
+        head += f"{'of BW':>7}"
+    click.echo(head)
+    for r in rows:
+        spec = r.get("speculative") or {}
+        line = (f"{r.get('draft', 'none'):<10}{r['context']:>8}{r['tokens_per_s']:>9.1f}"
+                f"{r['ms_per_token']['median']:>11.2f}{r['ms_per_token']['p90']:>8.2f}"
+                f"{r['forward_ms']['median']:>9.2f}{r['cycle_ms']['median']:>10.2f}"
+                f"{r['rest_ms_per_cycle']:>9.2f}{spec.get('mean_accepted', 0.0):>8.2f}"
+                f"{r['bytes_per_step']['total'] / 1e6:>9.2f}")
+        if bandwidth:
+            line += f"{r['fraction_of_bandwidth']:>7.1%}"
+        click.echo(line)
+    for k, v in (extra or {}).items():
+        click.echo(f"{k}: {v}")
+
+
+def _contexts(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        out.append(int(float(part.rstrip("k")) * scale))
+    return out
+
+
+@bench.command("decode")
+@model_options
+@click.option("--tokens", type=int, default=64, show_default=True, help="tokens to generate per run")
+@click.option("--context", "contexts", default="16", show_default=True,
+              help="context depth(s) to decode at, comma separated (1K = 1024); prefilled with random ids")
+@click.option("--draft", type=click.Choice(["none", "dspark", "mtp", "adaptive", "auto"]), default="none",
+              show_default=True, help="with a drafter, --draft none is measured in the same run for comparison")
+@click.option("--draft-tokens", type=int, default=3, show_default=True)
+@click.option("--force-accept", type=int, default=None,
+              help="every cycle accepts exactly this many drafts (cycle cost independent of the weights)")
+@click.option("--compare-transformers", is_flag=True,
+              help="also run transformers' generate() on the same checkpoint (transformers format, plain "
+                   "numerics) and check the tokens are identical")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_decode(model_dir, numerics, dtype, op_path, index_keys, tokens, contexts, draft, draft_tokens,
+                 force_accept, compare_transformers, as_json):
+    """Greedy decode speed: tokens/s, ms per token (median, p90), the model's forward time per cycle beside
+    the end-to-end cycle time (the gap is host overhead), bytes read per step, and on a GPU the fraction
+    of the measured copy bandwidth."""
+    ctx = _contexts(contexts)
+    capacity = max(ctx) + tokens + 64
+    drafts = ["none"] if draft == "none" else ["none", draft]
+    rows = []
+    gens = {d: _generator(model_dir, numerics, dtype, op_path, index_keys, d, draft_tokens, capacity) for d in drafts}
+    bandwidth = copy_bandwidth(next(iter(gens.values())).lm.runtime.device)
+    for c in ctx:
+        for d, gen in gens.items():
+            r = measure_decode(gen, c, tokens, force_accept if d != "none" else None)
+            r["draft"] = d if force_accept is None or d == "none" else f"{d}@{force_accept}"
+            rows.append(r)
+    extra = {}
+    if compare_transformers:
+        extra["transformers"] = _transformers_decode(gens["none"], ctx[0], tokens)
+    _report(rows, gens["none"].cfg, bandwidth, as_json, extra)
+
+
+def _transformers_decode(gen, context: int, tokens: int) -> dict:
+    """transformers' generate() on the same checkpoint and prompt, greedy; our tokens must be identical."""
+    from transformers import DeepseekV4ForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, gen.cfg.vocab_size, (max(context, 1),), generator=g)
+    model = DeepseekV4ForCausalLM.from_pretrained(str(gen.lm.model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.generate(prompt.unsqueeze(0), max_new_tokens=4, do_sample=False)  # warm-up
+        t = time.perf_counter()
+        out = model.generate(prompt.unsqueeze(0), max_new_tokens=tokens, do_sample=False)[0, len(prompt):]
+        dt = time.perf_counter() - t
+    ours = []
+    gen.state.reset()
+    for event in gen.run(Request(input_ids=prompt.tolist(), max_tokens=tokens, ignore_eos=True)):
+        ours += getattr(event, "ids", [])
+    return {"tokens_per_s": tokens / dt, "identical_tokens": ours == out.tolist()}
+
+
+@bench.command("forward")
+@model_options
+@click.option("--context", "contexts", default="16", show_default=True, help="context depth(s), comma separated")
+@click.option("--width", type=int, default=1, show_default=True, help="rows per forward (a verify block: k+1)")
+@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_forward(model_dir, numerics, dtype, op_path, index_keys, contexts, width, repeats, as_json):
+    """The model's own time for one decode cycle of `width` rows at each context depth (CUDA events on a
+    GPU, wall time of the eager step on CPU), with bytes per step and the fraction of copy bandwidth."""
+    ctx = _contexts(contexts)
+    gen = _generator(model_dir, numerics, dtype, op_path, index_keys, "none", 1, max(ctx) + repeats * width + 8)
+    device = gen.lm.runtime.device
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for c in ctx:
+        gen.state.reset()
+        gen.prefill(torch.randint(0, gen.cfg.vocab_size, (max(c, 1),)).tolist())
+        times = []
+        for _ in range(repeats):
+            with _Timer(device) as t:
+                gen.forward([1] * width, "all")
+            times.append(t.ms)
+            gen.state.rewind(gen.state.length - width)
+        b = step_bytes(gen.cfg, c)
+        row = {"context": c, "width": width, "forward_ms": _quantiles(times), "bytes_per_step": b}
+        if bandwidth:
+            row["fraction_of_bandwidth"] = b["total"] / (row["forward_ms"]["median"] / 1e3) / bandwidth
+        rows.append(row)
+    if as_json:
+        click.echo(json.dumps({"runs": rows, "copy_bandwidth": bandwidth}, indent=1))
+        return
+    bw_head = "  of BW" if bandwidth else ""
+    click.echo(f"{'context':>8}{'width':>6}{'fwd ms p50':>11}{'p90':>8}{'MB/step':>9}" + bw_head)
+    for r in rows:
+        line = (f"{r['context']:>8}{r['width']:>6}{r['forward_ms']['median']:>11.2f}{r['forward_ms']['p90']:>8.2f}"
+                f"{r['bytes_per_step']['total'] / 1e6:>9.2f}")
+        if bandwidth:
+            line += f"{r['fraction_of_bandwidth']:>7.1%}"
+        click.echo(line)
+
+
+@bench.command("prefill")
+@model_options
+@click.option("--tokens", type=int, default=1024, show_default=True, help="prompt length")
+@click.option("--chunk", type=int, default=256, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_prefill(model_dir, numerics, dtype, op_path, index_keys, tokens, chunk, as_json):
+    """Prefill throughput: a prompt of random ids processed in chunks."""
+    gen = _generator(model_dir, numerics, dtype, op_path, index_keys, "none", 1, tokens + 8)
+    gen.chunk = chunk
+    ids = torch.randint(0, gen.cfg.vocab_size, (tokens,)).tolist()
+    device = gen.lm.runtime.device
+    with _Timer(device) as t:
+        gen.prefill(ids)
+    row = {"tokens": tokens, "chunk": chunk, "ms": t.ms, "tokens_per_s": tokens / (t.ms / 1e3)}
+    if as_json:
+        click.echo(json.dumps(row))
+    else:
+        click.echo(f"prefill {tokens} tokens in chunks of {chunk}: {t.ms:.1f} ms, {row['tokens_per_s']:.1f} tokens/s")
