@@ -21,7 +21,34 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-__all__ = ["triton", "tl", "INTERPRET", "ready", "require", "pow2", "device_of", "round_out"]
+
+
+if INTERPRET:
+    # tl.sum/max/min/cumsum are jit functions of triton's standard library: each call re-patches the
+    # language in the interpreter. The same reductions through tl.reduce / tl.associative_scan with the
+    # standard combine functions run as single numpy calls.
+    from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
+
+    def tsum(x, axis=None):
+        return tl.reduce(x, axis, _sum_combine)
+
+    def tmax(x, axis=None):
+        return tl.reduce(x, axis, _elementwise_max)
+
+    def tmin(x, axis=None):
+        return tl.reduce(x, axis, _elementwise_min)
+
+    def tcumsum(x, axis):
+        return tl.associative_scan(x, axis, _sum_combine)
+else:
+    tsum, tmax, tmin, tcumsum = tl.sum, tl.max, tl.min, tl.cumsum
+
+
+def device_function(fn):
+    """Decorator for helpers called from kernels: `triton.jit` on the GPU. Under the interpreter a plain
+    Python function (it runs on the same patched triton.language): the interpreter re-patches the language
+    on every call of a jit function (about 0.3 ms), which made nested helpers the main cost of CPU runs."""
+    return fn if INTERPRET else triton.jit(fn)
 
 
 def ready() -> str | None:
@@ -71,7 +98,7 @@ def sm_count(dev: torch.device) -> int:
     return 1
 
 
-@triton.jit
+@device_function
 def round_out(v, OUT_BF16: tl.constexpr):
     """float64 -> the output dtype the way torch rounds (`.to(bfloat16)` from float64 goes through
     float32: two roundings, which the reference inherits)."""
@@ -81,7 +108,7 @@ def round_out(v, OUT_BF16: tl.constexpr):
     return v32
 
 
-@triton.jit
+@device_function
 def bf16_rne(v32):
     """float32 -> bfloat16, round half to even, on the bit pattern (the interpreter's cast truncates)."""
     bits = v32.to(tl.int32, bitcast=True)
@@ -89,13 +116,13 @@ def bf16_rne(v32):
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@triton.jit
+@device_function
 def e8m0_f64(e):
     """E8M0 exponent bytes (int) -> float64 2^(e-127), exact also for e = 0 (2^-127, subnormal in fp32)."""
     return ((e.to(tl.int64) + (1023 - 127)) << 52).to(tl.float64, bitcast=True)
 
 
-@triton.jit
+@device_function
 def pow2_ceil(v):
     """2^ceil(log2 v) for positive normal float32 v, from the bit pattern (formats.pow2_ceil)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -103,7 +130,7 @@ def pow2_ceil(v):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device_function
 def e4m3_rne(y):
     """Round float32 y (|y| <= 448) to the nearest e4m3 value, ties to even, as float32. Integer arithmetic
     on the bit pattern: the same on the GPU and in the interpreter (whose float8 cast loses the carry when

@@ -25,6 +25,7 @@ import torch
 from ._triton import (
     INTERPRET,
     bf16_rne,
+    device_function,
     device_of,
     pow2,
     require,
@@ -32,7 +33,9 @@ from ._triton import (
     require_rows,
     round_out,
     tl,
+    tmax,
     triton,
+    tsum,
 )
 
 
@@ -67,7 +70,7 @@ def reference(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tenso
 # --- Triton kernels --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@device_function
 def _gather_keys(win_ptr, comp_ptr, ci_ptr, mask_ptr, m, keys, dcols, Nw, NT, Nc, d,
                  stride_w, stride_c, stride_ci, stride_mask):
     """Key rows `keys` of query row m's key set ([BN, BD] at columns dcols, zero where invalid) and
@@ -134,7 +137,7 @@ def _pv_kernel(l_ptr,      # logits [M, H, NT] from _logits_kernel
     m = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
-    n_dchunks = tl.cdiv(d, BDV)
+    n_dchunks = (d + BDV - 1) // BDV
     split = tl.program_id(2) // n_dchunks
     dcols = (tl.program_id(2) % n_dchunks) * BDV + tl.arange(0, BDV)
     lrow = l_ptr + (m * H + heads) * NT
@@ -142,7 +145,7 @@ def _pv_kernel(l_ptr,      # logits [M, H, NT] from _logits_kernel
     for n0 in range(0, NT, BN):
         keys = n0 + tl.arange(0, BN)
         lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < NT), other=float("-inf"))
-        mx = tl.maximum(mx, tl.max(lg.to(tl.float64), axis=1))
+        mx = tl.maximum(mx, tmax(lg.to(tl.float64), axis=1))
     mx = tl.maximum(mx, -1e30)
     z = tl.zeros((BH,), dtype=tl.float64)
     acc = tl.zeros((BH, BDV), dtype=tl.float64)
@@ -153,7 +156,7 @@ def _pv_kernel(l_ptr,      # logits [M, H, NT] from _logits_kernel
         lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < k_end),
                      other=float("-inf")).to(tl.float64)
         p = tl.exp(lg - mx[:, None])
-        z += tl.sum(p, axis=1)
+        z += tsum(p, axis=1)
         if P_ROUND == 1:
             p = p.to(tl.float32).to(tl.float64)
         elif P_ROUND == 2:

@@ -14,8 +14,8 @@ Kernels:
   float32 products); relu, weights and the head sum in float64 with the reference's roundings.
   Tolerance: float32 operands: bit-identical in practice (float64 summation order only); bfloat16
   operands: one rounding of `round_dtype` where the float32 dot differs.
-- `fast_select`: exact top-k by radix selection on the float bit patterns (32 counting passes for the
-  k-th largest value, then one compaction pass in row order), so the tie rule is the reference's: the
+- `fast_select`: exact top-k by radix selection on the float bit patterns (8 counting passes of 4 bits
+  for the k-th largest value, then one compaction pass in row order), so the tie rule is the reference's: the
   lower index wins. Bit-identical.
 - `fast_candidate_mask`: block maxima (with the forced newest block), the same top-k kernel over blocks,
   and the expansion to rows. Bit-identical.
@@ -23,7 +23,21 @@ Kernels:
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
+from ._triton import (
+    INTERPRET,
+    device_function,
+    device_of,
+    pow2,
+    require,
+    require_dtype,
+    require_rows,
+    round_out,
+    tcumsum,
+    tl,
+    tmax,
+    triton,
+    tsum,
+)
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
@@ -82,7 +96,7 @@ def _top(x: torch.Tensor, k: int) -> torch.Tensor:
 # --- Triton kernels --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@device_function
 def _round_to(v, RD: tl.constexpr):
     """float64 -> round_dtype (0 none, 1 float32, 2 bfloat16) -> float64."""
     if RD == 1:
@@ -118,7 +132,7 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
         w = tl.load(w_ptr + m * NH + heads, mask=hmask, other=0.0).to(tl.float64)
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
-        s = _round_to(tl.sum(u, axis=0), RD).to(tl.float32)
+        s = _round_to(tsum(u, axis=0), RD).to(tl.float32)
         nv = tl.load(nv_ptr + m)
         s = tl.where(keys < nv, s, float("-inf"))
         tl.store(s_ptr + m * N + keys, s, mask=kmask)
@@ -159,7 +173,7 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: t
     return out
 
 
-@triton.jit
+@device_function
 def _order_key(v):
     """float32 -> int64 in [0, 2^32) with the same order (-0 counts as +0, as in comparisons)."""
     bits = (v + 0.0).to(tl.int32, bitcast=True)
@@ -173,24 +187,27 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
                  R, N, k, stride_x, BR: tl.constexpr, BN: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
-    # 1. the k-th largest key T: the largest T with count(key >= T) >= k, one bit at a time
+    # 1. the k-th largest key T: the largest T with count(key >= T) >= k, found 4 bits at a time (the
+    #    count is non-increasing in T, so the next digit is how many of the 15 candidates keep count >= k)
     thr = tl.zeros((BR,), dtype=tl.int64)
-    for b in range(31, -1, -1):
-        cand = thr | (1 << b)
-        cnt = tl.zeros((BR,), dtype=tl.int64)
+    digits = tl.arange(0, 16).to(tl.int64)
+    for shift in range(28, -1, -4):
+        cand = thr[:, None] | (digits[None, :] << shift)  # [BR, 16]
+        cnt = tl.zeros((BR, 16), dtype=tl.int64)
         for n0 in range(0, N, BN):
             cols = n0 + tl.arange(0, BN)
             m = rmask[:, None] & (cols[None, :] < N)
             key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
-            cnt += tl.sum((m & (key >= cand[:, None])).to(tl.int64), axis=1)
-        thr = tl.where(cnt >= k, cand, thr)
+            cnt += tsum((m[:, :, None] & (key[:, :, None] >= cand[:, None, :])).to(tl.int64), axis=1)
+        d = tsum(((cnt >= k) & (digits[None, :] > 0)).to(tl.int64), axis=1)
+        thr = thr | (d << shift)
     # 2. in row order: every key > T, and the first (k - count(> T)) keys == T; -inf picks become -1
     gt = tl.zeros((BR,), dtype=tl.int64)
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
         m = rmask[:, None] & (cols[None, :] < N)
         key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
-        gt += tl.sum((m & (key > thr[:, None])).to(tl.int64), axis=1)
+        gt += tsum((m & (key > thr[:, None])).to(tl.int64), axis=1)
     need = k - gt
     neg_inf = _order_key(tl.full((1,), float("-inf"), dtype=tl.float32))
     eq_seen = tl.zeros((BR,), dtype=tl.int64)
@@ -200,12 +217,12 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
         m = rmask[:, None] & (cols[None, :] < N)
         key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
         eq = (m & (key == thr[:, None])).to(tl.int64)
-        eq_rank = eq_seen[:, None] + tl.cumsum(eq, axis=1) - eq
+        eq_rank = eq_seen[:, None] + tcumsum(eq, axis=1) - eq
         sel = m & ((key > thr[:, None]) | ((eq != 0) & (eq_rank < need[:, None]))) & (key != neg_inf)
-        pos = written[:, None] + tl.cumsum(sel.to(tl.int64), axis=1) - 1
-        tl.store(out_ptr + rows[:, None] * k + pos, cols[None, :].to(tl.int64) + tl.zeros_like(pos), mask=sel)
-        eq_seen += tl.sum(eq, axis=1)
-        written += tl.sum(sel.to(tl.int64), axis=1)
+        pos = written[:, None] + tcumsum(sel.to(tl.int64), axis=1) - 1
+        tl.store(out_ptr + rows[:, None] * k + pos, cols[None, :].to(tl.int64) + pos * 0, mask=sel)
+        eq_seen += tsum(eq, axis=1)
+        written += tsum(sel.to(tl.int64), axis=1)
     for j0 in range(0, k, BN):
         cols = j0 + tl.arange(0, BN)
         m = rmask[:, None] & (cols[None, :] < k) & (cols[None, :] >= written[:, None])
@@ -249,7 +266,7 @@ def _block_max_kernel(s_ptr,   # float32 scores [M, N], contiguous
     rows = blocks[:, None] * block + tl.arange(0, BL)[None, :]
     v = tl.load(s_ptr + m * N + rows, mask=bmask[:, None] & (tl.arange(0, BL)[None, :] < block) & (rows < N),
                 other=float("-inf"))
-    bs = tl.max(v, axis=1)
+    bs = tmax(v, axis=1)
     nv = tl.load(nv_ptr + m)
     last = tl.maximum((nv - 1) // block, 0)  # n_valid >= 0, so floor division is plain division here
     last = tl.where(nv >= 1, last, 0)

@@ -19,6 +19,7 @@ import torch
 
 from ._triton import (
     INTERPRET,
+    device_function,
     device_of,
     e4m3_rne,
     e8m0_f64,
@@ -30,7 +31,9 @@ from ._triton import (
     round_out,
     sm_count,
     tl,
+    tmax,
     triton,
+    tsum,
 )
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
 
@@ -95,7 +98,7 @@ FMT_DENSE, FMT_FP8, FMT_FP4 = 0, 1, 2
 _FORMATS = {"dense": FMT_DENSE, "fp8": FMT_FP8, "fp4": FMT_FP4}
 
 
-@triton.jit
+@device_function
 def act_tile(x_ptr, rows, row_mask, k0, k_end, stride_xm,
              ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Rows `rows` of x, columns [k0, k0 + BK) (zero past k_end), FP8-quantized per ACT_BLOCK (0 = not),
@@ -105,14 +108,14 @@ def act_tile(x_ptr, rows, row_mask, k0, k_end, stride_xm,
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACT_BLOCK > 0:
         xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
-        amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-4)
+        amax = tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4)
         s = pow2_ceil(amax * (1.0 / 448.0))[:, :, None]
         q = e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0))
         x = tl.reshape(q * s, (BM, BK))
     return x.to(tl.float64)
 
 
-@triton.jit
+@device_function
 def weight_tile(w_ptr, s_ptr, offs_n, n_mask, k0, k_end, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Weight rows `offs_n`, columns [k0, k0 + BK) (zero past k_end), dequantized exactly, float64 [BN, BK].
@@ -165,7 +168,7 @@ def _kernel(x_ptr,      # activations [M, K] (float32 / bfloat16), row stride st
     for k0 in range(k_lo, k_end, BK):
         a = act_tile(x_ptr, rows, row_mask, k0, k_end, stride_xm, ACT_BLOCK, BM, BK)
         w = weight_tile(w_ptr, s_ptr, offs_n, n_mask, k0, k_end, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        acc += tsum(a[:, None, :] * w[None, :, :], axis=2)
     mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT == 1:
         tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], round_out(acc, OUT_BF16), mask=mask)

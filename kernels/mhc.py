@@ -18,7 +18,20 @@ within one rounding of X's dtype.
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
+from ._triton import (
+    INTERPRET,
+    device_function,
+    device_of,
+    pow2,
+    require,
+    require_dtype,
+    require_rows,
+    round_out,
+    tl,
+    tmax,
+    triton,
+    tsum,
+)
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -88,14 +101,14 @@ def _project_kernel(x_ptr,     # streams X viewed [M, n] (n = hc*D; float32 / bf
                     other=0.0).to(tl.float64)
         f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
                     other=0.0).to(tl.float64)
-        dots += tl.sum(v[:, None, :] * f[None, :, :], axis=2)
-        ss += tl.sum(v * v, axis=1)
+        dots += tsum(v[:, None, :] * f[None, :, :], axis=2)
+        ss += tsum(v * v, axis=1)
     base = part_ptr + (pid_s * M + rows) * (J + 1)
     tl.store(base[:, None] + js[None, :], dots, mask=rmask[:, None] & jmask[None, :])
     tl.store(base + J, ss, mask=rmask)
 
 
-@triton.jit
+@device_function
 def _sigmoid64(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
@@ -149,14 +162,14 @@ def _coeffs_kernel(part_ptr,   # float64 [S, M, J + 1] from _project_kernel
         m_comb = (d_comb * rho[:, :, None]).to(tl.float32).to(tl.float64)
         b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0).to(tl.float64)
         c = tl.where(cm, m_comb * s2 + b_comb[None, :, :], float("-inf"))
-        mx = tl.max(c, axis=2)
+        mx = tmax(c, axis=2)
         e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
-        z = tl.sum(e, axis=2)
+        z = tsum(e, axis=2)
         c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)  # (padding rows: no 0/0)
-        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
         for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            c = c / (tsum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c.to(tl.float32), mask=cm)
 
 

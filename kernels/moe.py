@@ -35,13 +35,17 @@ from . import linear
 from ._triton import (
     INTERPRET,
     bf16_rne,
+    device_function,
     device_of,
     pow2,
     require,
     require_dtype,
     round_out,
     tl,
+    tmax,
+    tmin,
     triton,
+    tsum,
 )
 from .linear import PackedWeight, act_tile, check_act_block, check_weight, kernel_args, weight_tile
 
@@ -133,7 +137,7 @@ def router_weight(gate64: torch.Tensor) -> PackedWeight:
     return pw
 
 
-@triton.jit
+@device_function
 def _log1p64(y):
     u = 1.0 + y
     return tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
@@ -159,28 +163,28 @@ def _route_kernel(l_ptr,     # float32 router logits [M, E], contiguous
     elif SCORE == 1:
         s = (1.0 / (1.0 + tl.exp(-l64))).to(tl.float32)
     else:
-        ex = tl.where(cmask, tl.exp(l64 - tl.max(tl.where(cmask, l64, float("-inf")), axis=0)), 0.0)
-        s = (ex / tl.sum(ex, axis=0)).to(tl.float32)
+        ex = tl.where(cmask, tl.exp(l64 - tmax(tl.where(cmask, l64, float("-inf")), axis=0)), 0.0)
+        s = (ex / tsum(ex, axis=0)).to(tl.float32)
     slots = tl.arange(0, BK)
     idx = tl.zeros((BK,), dtype=tl.int64)
     w = tl.zeros((BK,), dtype=tl.float32)
     if HASH:
         idx = tl.load(hash_ptr + m * K + slots, mask=slots < K, other=0)
         for j in tl.static_range(K):
-            e = tl.sum(tl.where(slots == j, idx, 0))
-            w = tl.where(slots == j, tl.sum(tl.where(cols == e, s, 0.0)), w)
+            e = tsum(tl.where(slots == j, idx, 0))
+            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0)), w)
     else:
         b = s
         if HAS_BIAS:
             b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
         b = tl.where(cmask, b, float("-inf"))
         for j in tl.static_range(K):
-            best = tl.max(b, axis=0)
-            e = tl.min(tl.where(b == best, cols, BE), axis=0)
+            best = tmax(b, axis=0)
+            e = tmin(tl.where(b == best, cols, BE), axis=0)
             idx = tl.where(slots == j, e.to(tl.int64), idx)
-            w = tl.where(slots == j, tl.sum(tl.where(cols == e, s, 0.0)), w)
+            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0)), w)
             b = tl.where(cols == e, float("-inf"), b)
-    w = w / (tl.sum(w, axis=0) + norm_eps) * route_scale
+    w = w / (tsum(w, axis=0) + norm_eps) * route_scale
     tl.store(w_ptr + m * K + slots, w, mask=slots < K)
     tl.store(i_ptr + m * K + slots, idx, mask=slots < K)
 
@@ -300,9 +304,9 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     for k0 in range(0, D, BK):
                         a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
                         wg = weight_tile(w1, s1, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc_g += tl.sum(a[:, None, :] * wg[None, :, :], axis=2)
+                        acc_g += tsum(a[:, None, :] * wg[None, :, :], axis=2)
                         wu = weight_tile(w3, s3, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc_u += tl.sum(a[:, None, :] * wu[None, :, :], axis=2)
+                        acc_u += tsum(a[:, None, :] * wu[None, :, :], axis=2)
                 g = round_out(acc_g, X_BF16).to(tl.float32)
                 u = round_out(acc_u, X_BF16).to(tl.float32)
                 if HAS_LIMIT:
@@ -342,7 +346,7 @@ def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), c
                     for k0 in range(0, I, BK):
                         a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
                         w = weight_tile(w2, s2, offs_n, n_mask, k0, I, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+                        acc += tsum(a[:, None, :] * w[None, :, :], axis=2)
                 o = round_out(acc, X_BF16).to(tl.float32)
                 if APPLY_W == 2:  # o * weight in x's dtype
                     pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)

@@ -8,7 +8,7 @@ bit-identical (only the float64 summation order differs).
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
+from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton, tsum
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _kernel(x_ptr,    # input [R, D] (float32 / bfloat16), row stride stride_x
         cols = d0 + tl.arange(0, BD)
         m = rmask[:, None] & (cols[None, :] < D)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float64)
-        ss += tl.sum(x * x, axis=1)
+        ss += tsum(x * x, axis=1)
     r = 1.0 / tl.sqrt(ss / D + tl.load(eps_ptr))
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)

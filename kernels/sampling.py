@@ -13,7 +13,20 @@ entries are kept (the reference's order among ties is its sort's, unspecified); 
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, tl, triton
+from ._triton import (
+    INTERPRET,
+    device_function,
+    device_of,
+    pow2,
+    require,
+    require_dtype,
+    require_rows,
+    tl,
+    tmax,
+    tmin,
+    triton,
+    tsum,
+)
 
 
 def distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -48,7 +61,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 # --- Triton kernels --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@device_function
 def _key(v):
     """float32 >= 0 -> its bit pattern as int64 (same order)."""
     return v.to(tl.int32, bitcast=True).to(tl.int64)
@@ -67,12 +80,12 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
-        mx = tl.maximum(mx, tl.max(x.to(tl.float64), axis=0))
+        mx = tl.maximum(mx, tmax(x.to(tl.float64), axis=0))
     tot = tl.zeros((1,), dtype=tl.float64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
-        tot += tl.sum(tl.exp(x.to(tl.float64) - mx), axis=0)
+        tot += tsum(tl.exp(x.to(tl.float64) - mx), axis=0)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
@@ -86,7 +99,7 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
             for v0 in range(0, V, BV):
                 cols = v0 + tl.arange(0, BV)
                 p = tl.load(prow + cols, mask=cols < V, other=0.0)
-                cnt += tl.sum(((cols < V) & (_key(p) >= cand)).to(tl.int64), axis=0)
+                cnt += tsum(((cols < V) & (_key(p) >= cand)).to(tl.int64), axis=0)
             kth = tl.where(cnt >= top_k, cand, kth)
     # top-p: keep entries whose strictly larger mass is < top_p * total, i.e. p >= the largest T with
     # mass(p >= T) >= top_p * total
@@ -96,7 +109,7 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         for v0 in range(0, V, BV):
             cols = v0 + tl.arange(0, BV)
             p = tl.load(prow + cols, mask=cols < V, other=0.0)
-            total += tl.sum(tl.where(_key(p) >= kth, p, 0.0).to(tl.float64), axis=0)
+            total += tsum(tl.where(_key(p) >= kth, p, 0.0).to(tl.float64), axis=0)
         goal = (top_p * total.to(tl.float32)).to(tl.float64)
         thr = tl.zeros((1,), dtype=tl.int64)
         for b in range(30, -1, -1):
@@ -106,14 +119,14 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
                 cols = v0 + tl.arange(0, BV)
                 p = tl.load(prow + cols, mask=cols < V, other=0.0)
                 k = _key(p)
-                mass += tl.sum(tl.where((k >= cand) & (k >= kth), p, 0.0).to(tl.float64), axis=0)
+                mass += tsum(tl.where((k >= cand) & (k >= kth), p, 0.0).to(tl.float64), axis=0)
             thr = tl.where(mass >= goal, cand, thr)
         thr = tl.maximum(thr, kth)
     kept = tl.zeros((1,), dtype=tl.float64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
-        kept += tl.sum(tl.where(_key(p) >= thr, p, 0.0).to(tl.float64), axis=0)
+        kept += tsum(tl.where(_key(p) >= thr, p, 0.0).to(tl.float64), axis=0)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
@@ -151,8 +164,8 @@ def _argmax_kernel(p_ptr,    # [R, V] values (probabilities or logits), row stri
         if HAS_E:
             x = x / tl.load(e_ptr + r * V + cols, mask=cols < V, other=1.0)
         x = tl.where(cols < V, x, float("-inf"))
-        cmax = tl.max(x, axis=0)
-        ci = tl.min(tl.where(x == cmax, cols, V + BV), axis=0).to(tl.int64)
+        cmax = tmax(x, axis=0)
+        ci = tmin(tl.where(x == cmax, cols, V + BV), axis=0).to(tl.int64)
         better = cmax > best  # strictly: an equal later maximum keeps the lower index
         best_i = tl.where(better, ci, best_i)
         best = tl.where(better, cmax, best)

@@ -1,0 +1,313 @@
+"""Kernel micro-benchmarks at V4.1-Flash decode shapes: time, bytes moved, GB/s, fraction of copy bandwidth.
+
+For each op and M in {1, 6} rows: the median of many timed calls (CUDA events around each call),
+rotating through enough input sets (weights included) that their total exceeds the L2 cache, so no call
+finds its operands cached. Bytes moved are the reference docstrings' counts (what the op must read and
+write at least once). The roofline is a large device-to-device copy measured once (bytes read + written
+per second).
+
+Without CUDA nothing here is meaningful: `run()` says so, and with `tiny=True` runs the same harness at
+toy shapes under the Triton interpreter (labelled as such; the CPU tests use it to keep this code
+working). Imports nothing of the project above kernels/.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from .formats import pack_fp4, pow2_ceil, round_e2m1
+from .linear import PackedWeight
+
+L2_BYTES = 64 << 20  # rotate through at least 4x this (H200: 50 MB L2)
+
+
+# --- random operands (shared with the tests) --------------------------------------------------------------
+
+
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int] = (32, 32), device="cpu", gain: float = 1.0) -> PackedWeight:
+    """A random FP8 e4m3 weight [n, k] with E8M0 block scales, values ~ N(0, gain^2 / k)."""
+    bo, bi = block
+    ro, ri = -(-n // bo), -(-k // bi)
+    w = torch.zeros(ro * bo, ri * bi, device=device)
+    w[:n, :k] = torch.randn(n, k, device=device) * (gain / math.sqrt(k))
+    blocks = w.view(ro, bo, ri, bi)
+    scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    data = codes.view(ro * bo, ri * bi)[:n, :k].contiguous()
+    return PackedWeight("bench.fp8", (n, k), "fp8", data, _e8m0(scale), (bo, bi))
+
+
+def fp4_weight(n: int, k: int, device="cpu", gain: float = 1.0) -> PackedWeight:
+    """A random FP4 e2m1 weight [n, k] (packed two per byte) with one E8M0 scale per 32 inputs."""
+    w = (torch.randn(n, k, device=device) * (gain / math.sqrt(k))).view(n, k // 32, 32)
+    scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-8) / 6.0)
+    values = round_e2m1(w / scale.unsqueeze(-1)).view(n, k)
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=device)
+    codes = torch.bucketize(values.abs(), mags) + 8 * torch.signbit(values).to(torch.int64)
+    return PackedWeight("bench.fp4", (n, k), "fp4", pack_fp4(codes), _e8m0(scale), (1, 32))
+
+
+def dense_weight(n: int, k: int, dtype=torch.bfloat16, device="cpu") -> PackedWeight:
+    return PackedWeight("bench.dense", (n, k), "dense", (torch.randn(n, k, device=device) / math.sqrt(k)).to(dtype))
+
+
+# --- shapes ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shapes:
+    dim: int = 5120
+    heads: int = 64
+    head_dim: int = 512
+    rope_dim: int = 64
+    q_lora: int = 1280
+    o_groups: int = 8
+    o_lora: int = 1024
+    experts: int = 384
+    top_k: int = 6
+    inter: int = 2304
+    index_heads: int = 32
+    index_dim: int = 128
+    index_topk: int = 512
+    index_rows: int = 65536  # compressed rows scored (131K tokens of context at ratio 2)
+    window: int = 128
+    comp_rows: int = 65536
+    hc: int = 4
+    vocab: int = 129280
+    block: int = 32
+
+
+V41 = Shapes()
+TINY = Shapes(dim=64, heads=4, head_dim=64, rope_dim=16, q_lora=64, o_groups=2, o_lora=32, experts=8, top_k=2,
+              inter=64, index_heads=4, index_dim=32, index_topk=8, index_rows=100, window=16, comp_rows=100,
+              vocab=300)
+
+
+@dataclass
+class Result:
+    op: str
+    shape: str
+    m: int
+    time_us: float
+    bytes: int
+    gbps: float
+    fraction: float  # of the measured copy bandwidth
+
+
+# --- timing ------------------------------------------------------------------------------------------------
+
+
+def _time(fn, sets: list, iters: int, cuda: bool) -> float:
+    """Median seconds of fn(*sets[i % len(sets)]) over `iters` calls (after a warm-up of every set)."""
+    for s in sets:
+        fn(*s)
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        for i in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(*sets[i % len(sets)])
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+    else:
+        for i in range(iters):
+            t = time.perf_counter()
+            fn(*sets[i % len(sets)])
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), [()], 20, device.type == "cuda")
+    return 2 * nbytes / t
+
+
+def _copies(one_set_bytes: int, tiny: bool) -> int:
+    return 1 if tiny else max(2, math.ceil(4 * L2_BYTES / max(1, one_set_bytes)))
+
+
+def _nbytes(*ts) -> int:
+    n = 0
+    for t in ts:
+        if isinstance(t, PackedWeight):
+            n += t.nbytes
+        elif isinstance(t, torch.Tensor):
+            n += t.numel() * t.element_size()
+    return n
+
+
+# --- cases -------------------------------------------------------------------------------------------------
+
+
+def _gemv_cases(s: Shapes):
+    """(name, out, in, format) of the decode GEMMs."""
+    b = (s.block, s.block)
+    return [("wq_a fp8", s.q_lora, s.dim, b), ("wq_b fp8", s.heads * s.head_dim, s.q_lora, b),
+            ("wkv fp8", s.head_dim, s.dim, b), ("wo_b fp8", s.dim, s.o_groups * s.o_lora, b),
+            ("shared w1 fp8", s.inter, s.dim, b), ("expert w1 fp4", s.inter, s.dim, "fp4"),
+            ("expert w2 fp4", s.dim, s.inter, "fp4"), ("w fp8 128x128", s.inter, s.dim, (128, 128))]
+
+
+def _bench_linear(s, m, dev, dt, iters, tiny):
+    out = []
+    for name, n, k, fmt in _gemv_cases(s):
+        if tiny and fmt == (128, 128):
+            continue
+        def make(n=n, k=k, fmt=fmt):
+            return fp4_weight(n, k, dev) if fmt == "fp4" else fp8_weight(n, k, fmt, dev)
+
+        w0 = make()
+        copies = _copies(w0.nbytes, tiny)
+        sets = [(torch.randn(m, k, device=dev).to(dt), w0 if i == 0 else make()) for i in range(copies)]
+        t = _time(lambda x, w: linear.fast(x, w, s.block, dt), sets, iters, dev.type == "cuda")
+        out.append((f"linear {name}", f"[{n}, {k}]", t, w0.nbytes + m * k * dt.itemsize + m * n * dt.itemsize))
+    return out
+
+
+def _bench_moe(s, m, dev, dt, iters, tiny):
+    experts = [(fp4_weight(s.inter, s.dim, dev), fp4_weight(s.dim, s.inter, dev), fp4_weight(s.inter, s.dim, dev))
+               for _ in range(s.experts)]
+    shared = (fp8_weight(s.inter, s.dim, (s.block,) * 2, dev), fp8_weight(s.dim, s.inter, (s.block,) * 2, dev),
+              fp8_weight(s.inter, s.dim, (s.block,) * 2, dev))
+    gate64 = (torch.randn(s.dim, s.experts, device=dev) / math.sqrt(s.dim)).to(torch.bfloat16).double()
+    bias = torch.zeros(s.experts, device=dev)
+    sets = []
+    for _ in range(8 if not tiny else 1):  # different rows choose different experts: weights rotate
+        x = torch.randn(m, s.dim, device=dev).to(dt)
+        idx = torch.stack([torch.randperm(s.experts, device=dev)[: s.top_k] for _ in range(m)])
+        w = torch.rand(m, s.top_k, device=dev)
+        sets.append((x, w, idx))
+    cuda = dev.type == "cuda"
+    t = _time(lambda x, w, i: moe.fast(x, w, i, experts, shared, s.block, 10.0, True), sets, iters, cuda)
+    distinct = statistics.mean(len(torch.unique(i)) for _, _, i in sets)
+    nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + 2 * m * s.dim * dt.itemsize)
+    out = [("moe experts+shared fp4", f"E={s.experts} k={s.top_k} I={s.inter}", t, nbytes)]
+    t = _time(lambda x, w, i: moe.fast_route(x, gate64, bias, s.top_k, "sqrtsoftplus", 1.5, 1e-20), sets, iters,
+              cuda)
+    out.append(("moe route", f"[{s.dim}, {s.experts}]", t, moe.router_weight(gate64).nbytes + m * s.dim * dt.itemsize))
+    return out
+
+
+def _bench_attention(s, m, dev, dt, iters, tiny):
+    sets = []
+    nc = s.comp_rows
+    for _ in range(_copies(nc * s.head_dim * dt.itemsize, tiny)):
+        q = torch.randn(m, s.heads, s.head_dim, device=dev).to(dt)
+        win = torch.randn(s.window + m, s.head_dim, device=dev).to(dt)
+        mask = torch.ones(m, s.window + m, dtype=torch.bool, device=dev)
+        comp = torch.randn(nc, s.head_dim, device=dev).to(dt)
+        idx = torch.randint(0, nc, (m, s.index_topk), device=dev)
+        sets.append((q, win, mask, comp, idx))
+    sink = torch.randn(s.heads, device=dev)
+    t = _time(lambda q, w, mk, c, i: attention.fast(q, w, mk, c, i, sink, s.head_dim ** -0.5, dt if dt !=
+                                                     torch.float32 else None), sets, iters, dev.type == "cuda")
+    e = dt.itemsize
+    nbytes = 2 * m * s.heads * s.head_dim * e + (s.window + m) * s.head_dim * e + m * s.index_topk * s.head_dim * e
+    return [("attention", f"H={s.heads} d={s.head_dim} keys={s.window}+{s.index_topk}", t, nbytes)]
+
+
+def _bench_indexer(s, m, dev, dt, iters, tiny):
+    n = s.index_rows
+    sets = []
+    for _ in range(_copies(n * s.index_dim * dt.itemsize, tiny)):
+        q = torch.randn(m, s.index_heads, s.index_dim, device=dev).to(dt)
+        w = torch.randn(m, s.index_heads, device=dev).to(dt)
+        keys = torch.randn(n, s.index_dim, device=dev).to(dt)
+        sets.append((q, w, keys))
+    nv = torch.full((m,), n, device=dev)
+    cuda = dev.type == "cuda"
+    rd = dt if dt != torch.float32 else None
+    t = _time(lambda q, w, k: indexer.fast_scores(q, w, k, nv, rd), sets, iters, cuda)
+    out = [("index scores", f"N={n} {s.index_heads}x{s.index_dim}", t, n * s.index_dim * dt.itemsize + 4 * m * n)]
+    scores = [(indexer.fast_scores(q, w, k, nv, rd),) for q, w, k in sets]
+    t = _time(lambda sc: indexer.fast_select(sc, s.index_topk), scores, iters, cuda)
+    out.append(("index select", f"N={n} k={s.index_topk}", t, 4 * m * n + 8 * m * s.index_topk))
+    t = _time(lambda sc: indexer.fast_candidate_mask(sc, nv, 8, 2048 if not tiny else 4), scores, iters, cuda)
+    out.append(("candidate mask", f"N={n} block 8", t, 4 * m * n + m * n))
+    return out
+
+
+def _bench_small(s, m, dev, dt, iters, tiny):
+    cuda = dev.type == "cuda"
+    out = []
+    n = s.hc * s.dim
+    j = s.hc * (2 + s.hc)
+    fn = torch.randn(j, n, device=dev) / math.sqrt(n)
+    base, scale = torch.randn(j, device=dev), torch.rand(3, device=dev)
+    sets = [(torch.randn(m, s.hc, s.dim, device=dev).to(dt),) for _ in range(4)]
+    t = _time(lambda X: mhc.fast_coeffs(X, fn, base, scale, 1e-20, 1e-6, 20), sets, iters, cuda)
+    out.append(("mhc coeffs", f"hc={s.hc} D={s.dim}", t, m * n * dt.itemsize + fn.numel() * 4))
+    pre = torch.rand(m, s.hc, device=dev)
+    t = _time(lambda X: mhc.fast_collapse(X, pre), sets, iters, cuda)
+    out.append(("mhc collapse", f"hc={s.hc} D={s.dim}", t, m * n * dt.itemsize + m * s.dim * dt.itemsize))
+    y = torch.randn(m, s.dim, device=dev).to(dt)
+    comb = torch.rand(m, s.hc, s.hc, device=dev)
+    t = _time(lambda X: mhc.fast_expand(y, X, pre, comb), sets, iters, cuda)
+    out.append(("mhc expand", f"hc={s.hc} D={s.dim}", t, 2 * m * n * dt.itemsize + m * s.dim * dt.itemsize))
+    w = torch.rand(s.dim, device=dev)
+    xs = [(torch.randn(m, s.dim, device=dev).to(dt),) for _ in range(4)]
+    t = _time(lambda x: rmsnorm.fast(x, w, 1e-20), xs, iters, cuda)
+    out.append(("rmsnorm", f"D={s.dim}", t, 2 * m * s.dim * dt.itemsize + 4 * s.dim))
+    qs = [(torch.randn(m, s.heads, s.head_dim, device=dev).to(dt),) for _ in range(4)]
+    cos, sin = torch.rand(m, 1, s.rope_dim // 2, device=dev), torch.rand(m, 1, s.rope_dim // 2, device=dev)
+    t = _time(lambda q: rope.fast(q, cos, sin), qs, iters, cuda)
+    out.append(("rope q", f"H={s.heads} d={s.head_dim} r={s.rope_dim}", t, 2 * m * s.heads * s.head_dim * dt.itemsize))
+    lg = [(torch.randn(m, s.vocab, device=dev),) for _ in range(4)]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t = _time(lambda x: sampling.fast_sample(x, 0.8, 0, 0.95, gen), lg, max(3, iters // 4), cuda)
+    out.append(("sample top-p", f"V={s.vocab}", t, 3 * 4 * m * s.vocab))
+    return out
+
+
+BENCHES = (_bench_linear, _bench_moe, _bench_attention, _bench_indexer, _bench_small)
+
+
+def run(device: str | None = None, ms=(1, 6), iters: int = 50, tiny: bool | None = None, notice=print) -> list[Result]:
+    """Benchmark every op. Without CUDA, prints why nothing is measured and returns [] unless tiny=True."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    if tiny is None:
+        tiny = not cuda
+    if not cuda and not tiny:
+        notice("no CUDA device: kernel timings would come from the Triton interpreter and mean nothing; "
+               "nothing measured")
+        return []
+    if not cuda:
+        notice("no CUDA device: tiny shapes under the Triton interpreter (checks the harness, not the speed)")
+        iters = min(iters, 3)
+    shapes = TINY if tiny else V41
+    dt = torch.bfloat16 if cuda else torch.float32
+    bw = copy_bandwidth(dev, 1 << 30 if cuda else 1 << 22)
+    results = []
+    for m in ms:
+        for bench in BENCHES:
+            for op, shape, t, nbytes in bench(shapes, m, dev, dt, iters, tiny):
+                gbps = nbytes / t / 1e9
+                results.append(Result(op, shape, m, t * 1e6, nbytes, gbps, nbytes / t / bw))
+    notice(f"copy bandwidth: {bw / 1e9:.0f} GB/s ({dev}{', tiny shapes, interpreter' if not cuda else ''})")
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = [f"{'op':<24} {'shape':<36} {'M':>2} {'time us':>9} {'MB':>9} {'GB/s':>8} {'of copy':>8}"]
+    for r in results:
+        lines.append(f"{r.op:<24} {r.shape:<36} {r.m:>2} {r.time_us:>9.1f} {r.bytes / 1e6:>9.2f} {r.gbps:>8.1f} "
+                     f"{r.fraction:>7.0%}")
+    return "\n".join(lines)
+
+
+def as_json(results: list[Result]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,92 @@
+"""The lightning-indexer kernels: scores (with the official bf16 roundings), top-k selection with the
+reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks.
+
+Tolerance: scores from float32 operands bit-identical (FP4-quantized operands make the dots exact; random
+float32 ones differ only in float64 summation order, far below the roundings); bf16 operands: one
+round_dtype rounding (relative to the largest score). Selections and masks: equal."""
+
+import pytest
+import torch
+
+from kernels import indexer
+from kernels.formats import q4_e8m0
+
+from .kernel_check import DEVICE, assert_close, assert_equal, requires_cuda, run, seed
+
+TOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
+
+
+def inputs(m, nh, di, n, dt, device, quantized):
+    q = torch.randn(m, nh, di, device=device)
+    keys = torch.randn(n, di, device=device)
+    if quantized:  # official numerics: FP4 with E8M0 scales per 32
+        q, keys = q4_e8m0(q, 32), q4_e8m0(keys, 32)
+    w = (torch.randn(m, nh, device=device) * 2.0**-6).to(dt)
+    nv = torch.randint(0, n + 1, (m,), device=device)
+    nv[0] = n
+    return q.to(dt), w, keys.to(dt), nv
+
+
+def check_scores(m, nh, di, n, dt, rd, quantized, device=DEVICE):
+    s = seed()
+    q, w, keys, nv = inputs(m, nh, di, n, dt, device, quantized)
+    want = indexer.scores(q, w, keys, nv, rd)
+    got = run(indexer.fast_scores, q, w, keys, nv, rd)
+    ctx = f"(seed {s}, M={m} nh={nh} dI={di} N={n} {dt} round={rd} quantized={quantized})"
+    if dt == torch.float32:
+        assert_equal("scores", want, got, ctx)
+    else:
+        assert_close("scores", want, got, TOL[dt], context=ctx)
+    return want
+
+
+@pytest.mark.parametrize("m,nh,di,n,dt,rd,quantized", [
+    (5, 6, 40, 77, torch.float32, None, False),
+    (3, 4, 64, 130, torch.float32, torch.bfloat16, True),
+    (2, 3, 32, 50, torch.bfloat16, torch.bfloat16, True),
+])
+def test_index_scores_kernel_matches_the_reference(m, nh, di, n, dt, rd, quantized):
+    check_scores(m, nh, di, n, dt, rd, quantized)
+
+
+def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_rows():
+    s = seed()
+    sc = torch.randn(5, 90, device=DEVICE)
+    sc[:, ::3] = 0.0  # many exact ties (the ReLU's zeros), at and around the k-th value
+    sc[1, 5] = -0.0
+    sc[2] = torch.where(torch.arange(90, device=DEVICE) < 20, sc[2], float("-inf"))  # fewer valid than k
+    sc[3] = float("-inf")
+    sc[4] = 1.0  # all tied
+    for k in (0, 1, 7, 33, 90, 200):
+        assert_equal(f"select k={k}", indexer.select(sc, k), run(indexer.fast_select, sc, k), f"(seed {s})")
+
+
+def test_candidate_blocks_match_the_reference():
+    s = seed()
+    n = 61
+    nv = torch.tensor([0, 5, 61, 33, 1], device=DEVICE)
+    sc = torch.randn(5, n, device=DEVICE)
+    sc[:, ::4] = 0.0
+    sc = sc.masked_fill(torch.arange(n, device=DEVICE)[None] >= nv[:, None], float("-inf"))
+    for block, top in ((4, 3), (8, 100), (1, 5)):
+        assert_equal(f"mask block={block} top={top}", indexer.candidate_mask(sc, nv, block, top),
+                     run(indexer.fast_candidate_mask, sc, nv, block, top), f"(seed {s})")
+
+
+def test_index_scores_kernel_refuses_keys_of_another_width():
+    q = torch.zeros(1, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"keys.shape=\(5, 16\): must be \[N, 32\]"):
+        indexer.fast_scores(q, torch.zeros(1, 2, device=DEVICE), torch.zeros(5, 16, device=DEVICE),
+                            torch.ones(1, dtype=torch.int64, device=DEVICE), None)
+
+
+@requires_cuda
+class TestIndexerAtV41ShapesOnCuda:
+    @pytest.mark.parametrize("m", [1, 6])
+    def test_indexer_kernels_match_the_references_at_v41_shapes(self, m):
+        dev = torch.device("cuda")
+        sc = check_scores(m, 32, 128, 40000, torch.bfloat16, torch.bfloat16, True, dev)
+        nv = torch.full((m,), 40000, device=dev)
+        assert_equal("select", indexer.select(sc, 512), run(indexer.fast_select, sc, 512))
+        assert_equal("candidates", indexer.candidate_mask(sc, nv, 8, 2048),
+                     run(indexer.fast_candidate_mask, sc, nv, 8, 2048))

@@ -1,0 +1,59 @@
+"""The mHC kernels (coeffs with Sinkhorn, V4's head pre, collapse, expand) against their references.
+
+Tolerance: coefficients (float32) within 2^-21 of the largest (a few ulps: only the float64 summation
+order differs); streams within one rounding of X's dtype."""
+
+import pytest
+import torch
+
+from kernels import mhc
+
+from .kernel_check import DEVICE, assert_close, requires_cuda, run, seed
+
+COEFF_TOL = 2.0**-21
+TOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
+
+
+def params(hc, d, device, head=False):
+    j = hc if head else hc * (2 + hc)
+    fn = torch.randn(j, hc * d, device=device) / (hc * d) ** 0.5
+    return fn, torch.randn(j, device=device), 0.5 + torch.rand(3 if not head else 1, device=device)
+
+
+def check(m, hc, d, dt, device=DEVICE):
+    s = seed()
+    ctx = f"(seed {s}, M={m} hc={hc} D={d} {dt})"
+    X = (torch.randn(m, hc, d, device=device) * 2).to(dt)
+    fn, base, scale = params(hc, d, device)
+    want = mhc.coeffs(X, fn, base, scale, 1e-20, 1e-6, 20)
+    got = run(mhc.fast_coeffs, X, fn, base, scale, 1e-20, 1e-6, 20)
+    for name, w, g in zip(("pre", "post", "comb"), want, got):
+        assert_close(name, w, g, COEFF_TOL, context=ctx)
+    hfn, hbase, hscale = params(hc, d, device, head=True)
+    assert_close("head pre", mhc.head_pre(X, hfn, hbase, hscale, 1e-20, 1e-6),
+                 run(mhc.fast_head_pre, X, hfn, hbase, hscale, 1e-20, 1e-6), COEFF_TOL, context=ctx)
+    pre, post, comb = want
+    assert_close("collapse", mhc.collapse(X, pre), run(mhc.fast_collapse, X, pre), TOL[dt], context=ctx)
+    y = torch.randn(m, d, device=device).to(dt)
+    assert_close("expand", mhc.expand(y, X, post, comb), run(mhc.fast_expand, y, X, post, comb), TOL[dt],
+                 context=ctx)
+
+
+@pytest.mark.parametrize("m,hc,d,dt", [(1, 4, 48, torch.float32), (7, 4, 100, torch.bfloat16),
+                                       (3, 3, 37, torch.float32)])
+def test_mhc_kernels_match_the_references_on_odd_shapes(m, hc, d, dt):
+    check(m, hc, d, dt)
+
+
+def test_mhc_coeffs_refuse_a_projection_of_the_wrong_shape():
+    X = torch.zeros(2, 4, 8, device=DEVICE)
+    fn, base, scale = params(4, 8, DEVICE)
+    with pytest.raises(ValueError, match=r"fn.shape=\(24, 31\): must be \(24, 32\)"):
+        mhc.fast_coeffs(X, fn[:, :31].contiguous(), base, scale, 1e-20, 1e-6, 20)
+
+
+@requires_cuda
+class TestMhcAtV41ShapesOnCuda:
+    @pytest.mark.parametrize("m", [1, 6])
+    def test_mhc_kernels_match_the_references_at_v41_shapes(self, m):
+        check(m, 4, 5120, torch.bfloat16, torch.device("cuda"))
