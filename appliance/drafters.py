@@ -26,7 +26,7 @@ from .model_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, 
 from .model_v41 import StaggeredBlock, moe_for
 from .rope import RopeTable, frequencies
 from .state import DecodeState
-from .step import Step
+from .step import begin, finish
 
 
 @dataclass
@@ -143,14 +143,17 @@ class DSpark:
         """What the drafter needs from a target forward: H, one row per position."""
         return out.hidden
 
-    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:
-        """Ring rows for positions start .. start+n-1 (their H in `rows`); `tokens_next` is unused."""
+    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
+        """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
+        the state's length advances) or a device scalar (a captured cycle: the host counts)."""
         n = rows.shape[0]
         m = self.main_norm(self.main_proj(rows.to(self.rt.dtype)))
-        positions = torch.arange(start, start + n)
+        positions = start + torch.arange(n, device=rows.device)
         for stage in self.stages:
             stage.attn.write(state, m, positions)
-        state.advance(tokens_next[:n])
+        state.write_tokens(positions, tokens_next[:n])
+        if isinstance(start, int):
+            state.advance(n)
 
     def draft(self, state: DecodeState, q: int, anchor: int, row_q: torch.Tensor, k: int, temperature: float,
               top_k: int = 0, top_p: float = 1.0, generator=None) -> Draft:
@@ -220,10 +223,9 @@ class MTP:
         return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
 
     def _forward(self, state, streams, tokens, start) -> torch.Tensor:
-        n = tokens.numel()
-        step = Step(state, tokens, start, torch.arange(start, start + n), "own")
+        step = begin(state, tokens, None if isinstance(start, int) else start, "own", None)
         Y = self.block(self._inputs(streams, tokens), step)
-        state.advance(tokens)
+        finish(step)
         return Y
 
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:

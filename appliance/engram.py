@@ -121,20 +121,34 @@ class EngramHash:
 
     def ids(self, history: torch.Tensor, start: int, count: int, layer: int) -> torch.Tensor:
         """history: compressed ids of positions [0, start + count) (int64) -> row ids [count, n_cols]."""
-        n = self.max_ngram
-        pos = torch.arange(start, start + count)
+        positions = torch.arange(start, start + count)
         taus = []
-        for i in range(n):  # tau_i = c_{p-i}, pad before the start of the sequence
-            q = pos - i
-            taus.append(torch.where(q >= 0, history[q.clamp(min=0)], torch.full_like(q, self.pad)))
-        m = self.mult[layer]
+        for i in range(self.max_ngram):
+            q = positions - i
+            taus.append(torch.where(q >= 0, history[q.clamp(min=0)], -1))
+        return self._hash(taus, layer)
+
+    def ids_at(self, tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """Row ids for `positions` from the raw token history buffer (no host reads: capturable)."""
+        comp = self.token_map.to(tokens.device)
+        taus = []
+        for i in range(self.max_ngram):
+            q = positions - i
+            c = comp[tokens[q.clamp(min=0)].clamp(max=len(comp) - 1)]
+            taus.append(torch.where(q >= 0, c, -1))
+        return self._hash(taus, layer)
+
+    def _hash(self, taus: list[torch.Tensor], layer: int) -> torch.Tensor:
+        """taus[i] = c_{p-i}, -1 before the start of the sequence (hashed as the pad id)."""
+        taus = [torch.where(t >= 0, t, torch.full_like(t, self.pad)) for t in taus]
+        m = self.mult[layer].to(taus[0].device)
         r = taus[0] * m[0]
         cols = []
-        for k in range(2, n + 1):
+        for k in range(2, self.max_ngram + 1):
             r = torch.bitwise_xor(r, taus[k - 1] * m[k - 1])
             cols.append(r)
         hashed = torch.stack(cols, dim=-1).repeat_interleave(self.n_heads, dim=-1)  # [count, n_cols]
-        return hashed % self.primes[layer] + self.offsets[layer]
+        return hashed % self.primes[layer].to(hashed.device) + self.offsets[layer].to(hashed.device)
 
 
 class Engram:

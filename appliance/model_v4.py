@@ -21,7 +21,7 @@ from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
 from .state import DecodeState
-from .step import Output, Step
+from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
 
@@ -134,7 +134,7 @@ class V4Attention:
             comp_kv = step.state.rows[f"kv.{L}"].visible(step.bound)
             if self.kind == "hca":  # every visible row
                 n_valid = (step.positions + 1) // self.ratio
-                rows = torch.arange(comp_kv.shape[0])
+                rows = torch.arange(comp_kv.shape[0], device=comp_kv.device)
                 comp_index = torch.where(rows.unsqueeze(0) < n_valid.unsqueeze(1), rows.unsqueeze(0), -1)
             else:
                 comp_index = self._index(x, c_q, step)
@@ -261,16 +261,14 @@ class V4Model:
         return self.head(z, torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False) -> Output:
-        T = tokens.numel()
-        state.check_room(T)
-        start = state.length
-        step = Step(state, tokens, start, torch.arange(start, start + T), index_keys, probe=probe)
+                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None) -> Output:
+        """Process `tokens` at positions state.length.. (or `start`.., a device scalar) into the state."""
+        step = begin(state, tokens, start, index_keys, probe)
         X = self.embed_tokens(tokens)
         for layer in self.layers:
             X = layer(X, step)
         rows = slice(-1, None) if logits == "last" else slice(None)
         out = self.final(X[rows])
-        state.advance(tokens)
+        finish(step)
         hidden = torch.cat(step.captures, dim=-1) if step.captures else None
         return Output(out, hidden, X if keep_streams else None)

@@ -27,7 +27,7 @@ from .config import V41Config
 from .engram import Engram, EngramHash
 from .rope import RopeTable, frequencies
 from .state import DecodeState
-from .step import Output, Step
+from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
 
@@ -243,17 +243,14 @@ class V41Model:
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
         e = self.embed[tokens].to(self.rt.dtype)
         X = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(tokens.numel(), self.cfg.hc_mult)
+        pre = torch.zeros(tokens.numel(), self.cfg.hc_mult, device=tokens.device)
         pre[:, 0] = 1.0
         return X, pre
 
     def engram_ids(self, step: Step) -> dict[int, torch.Tensor]:
         if self.engram_hash is None:
             return {}
-        st, T = step.state, step.tokens.numel()
-        history = torch.cat((st.tokens[: step.start], step.tokens))
-        comp = self.engram_hash.compressed(history)
-        ids = {L: self.engram_hash.ids(comp, step.start, T, L) for L in self.cfg.engram.layer_ids}
+        ids = {L: self.engram_hash.ids_at(step.state.tokens, step.positions, L) for L in self.cfg.engram.layer_ids}
         if step.probe is not None:
             step.probe["engram_ids"] = torch.stack([ids[L] for L in self.cfg.engram.layer_ids], dim=1)
         return ids
@@ -268,15 +265,12 @@ class V41Model:
         return self.head(z.float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False) -> Output:
-        """Process `tokens` at positions state.length.. and commit them to the state."""
-        T = tokens.numel()
-        state.check_room(T)
-        start = state.length
-        step = Step(state, tokens, start, torch.arange(start, start + T), index_keys, probe=probe)
+                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None) -> Output:
+        """Process `tokens` at positions state.length.. (or `start`.., a device scalar) into the state."""
+        step = begin(state, tokens, start, index_keys, probe)
         X, pre = self.embed_tokens(tokens)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_ids(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))
-        state.advance(tokens)
+        finish(step)
         hidden = torch.cat(step.captures, dim=-1) if step.captures else None
         return Output(out, hidden, X if keep_streams else None)

@@ -18,15 +18,34 @@ from .errors import StateError
 
 
 class Journal:
-    """Overwritten values, per written position, for the last `keep` positions."""
+    """Overwritten values, per written position, for the last `keep` positions.
+
+    Two ways to use it. Eager: every write is kept (with its newest position read back to the host) until
+    it is `keep` positions old, and `undo(p)` restores from the host. In a transaction (a decode cycle that
+    may be captured as a CUDA graph), writes go to a scratch log without any host sync, and
+    `rollback_from(p)` restores on the device with `p` a tensor."""
 
     def __init__(self, keep: int):
         self.keep = keep
         # (buffer, written indices, overwritten values, their positions, the newest position as an int)
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        self.transaction: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.transaction is not None:
+            self.transaction.append((data, index, data[index].clone(), positions))
+            return
         self.entries.append((data, index.clone(), data[index].clone(), positions.clone(), int(positions.max())))
+
+    def begin(self) -> None:
+        self.transaction = []
+
+    def rollback_from(self, position: torch.Tensor) -> None:
+        """End the transaction: restore every value written for a position >= `position` (device tensor)."""
+        for data, index, old, pos in reversed(self.transaction):
+            restore = (pos >= position).view(-1, *([1] * (old.dim() - 1)))
+            data[index] = torch.where(restore, old, data[index])
+        self.transaction = None
 
     def undo(self, position: int) -> None:
         """Restore every value overwritten by a write for a position >= `position`, newest first."""
@@ -133,13 +152,15 @@ class DecodeState:
                              "rewound (rings keep no older rows); prefill again instead", field="position",
                              value=position)
         self.journal.undo(position)
-        self.tokens[position:self.length] = 0
         self.length = position
 
-    def advance(self, tokens: torch.Tensor) -> None:
-        """Commit `tokens` at the next positions (called by the model after writing their rows)."""
-        n = tokens.numel()
-        self.tokens[self.length:self.length + n] = tokens
+    def write_tokens(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Token history at `positions` (journaled like every other write)."""
+        self.journal.record(self.tokens, positions, positions)
+        self.tokens[positions] = tokens
+
+    def advance(self, n: int) -> None:
+        """Count `n` more committed positions (eager calls; a captured cycle's host updates the length)."""
         self.length += n
         self.journal.prune(self.length)
 

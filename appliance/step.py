@@ -13,22 +13,45 @@ class Step:
 
     state: DecodeState
     tokens: torch.Tensor  # [T] int64
-    start: int
+    start: int | torch.Tensor  # host int (eager) or a device scalar (a capturable cycle)
     positions: torch.Tensor  # [T] int64
     index_keys: str  # "own" | "reference"
+    bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: capacity - 1)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
     candidates: torch.Tensor | None = None  # [T, N] bool, from the candidate source
     captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
     probe: dict | None = None  # optional per-layer dumps (engram ids, kept rows)
 
     @property
-    def bound(self) -> int:
-        return self.start + self.tokens.numel() - 1
-
-    @property
     def decode_call(self) -> bool:
         """A single-token call after the prompt: where the released code's index-key quirk shows."""
-        return self.tokens.numel() == 1 and self.start > 0
+        return isinstance(self.start, int) and self.tokens.numel() == 1 and self.start > 0
+
+    @property
+    def eager(self) -> bool:
+        return isinstance(self.start, int)
+
+
+def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, probe: dict | None) -> Step:
+    """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; the
+    caller advances the length after. Static (`start` a device scalar): no host value is read, the
+    visible rows are bounded by the capacity, so the call can be captured in a CUDA graph."""
+    T = tokens.numel()
+    if start is None:
+        state.check_room(T)
+        start = state.length
+        positions = torch.arange(start, start + T, device=tokens.device)
+        bound = start + T - 1
+    else:
+        positions = start + torch.arange(T, device=tokens.device)
+        bound = state.capacity - 1
+    state.write_tokens(positions, tokens)
+    return Step(state, tokens, start, positions, index_keys, bound, probe=probe)
+
+
+def finish(step: Step) -> None:
+    if step.eager:
+        step.state.advance(step.tokens.numel())
 
 
 @dataclass

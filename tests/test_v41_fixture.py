@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from appliance.engram import EngramHash, build_token_map
-from appliance.step import Step
+from appliance.step import begin
 
 from .conftest import FIXTURE
 
@@ -44,10 +44,9 @@ def test_engram_token_map_and_hash_ids_match_exactly(fixture_model, expected):
 def test_each_segment_from_the_fixture_cuts_meets_the_float32_gate(fixture_model, expected):
     m = fixture_model.model
     toks = expected["prompt_ids"]
-    T = len(toks)
     cuts = expected["cut_layers"].tolist()
     for k, first in enumerate(cuts):
-        step = Step(m.new_state(1024), toks, 0, torch.arange(T), "own")
+        step = begin(m.new_state(1024), toks, None, "own", None)
         ids = m.engram_ids(step)
         last = cuts[k + 1] if k + 1 < len(cuts) else m.cfg.n_layers
         X, pre = m.run_layers(expected["cut_h"][k].clone(), expected["cut_pre_mix"][k].clone(), step, first, last,
