@@ -92,6 +92,20 @@ def device_of(*tensors: torch.Tensor) -> torch.device:
     return dev
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def const64(values: tuple[float, ...], dev: torch.device) -> torch.Tensor:
+    """A float64 device tensor holding Python floats exactly (a kernel's scalar float argument is float32),
+    made once per value and device: no host-to-device copy on later calls, so calls can be graph-captured
+    after a warm-up."""
+    key = (values, str(dev))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float64, device=dev)
+    return t
+
+
 def sm_count(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).multi_processor_count

@@ -25,6 +25,7 @@ import torch
 from ._triton import (
     INTERPRET,
     bf16_rne,
+    const64,
     device_function,
     device_of,
     pow2,
@@ -242,7 +243,7 @@ def fast(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
         keys_per_split = 512
     splits = triton.cdiv(nt, keys_per_split)
     mask_u8 = window_mask.view(torch.uint8)
-    scale64 = torch.tensor([scale], dtype=torch.float64, device=dev)
+    scale64 = const64((float(scale),), dev)
     logits = torch.empty((m, h, nt), dtype=torch.float64 if qk_f64 else torch.float32, device=dev)
     strides = (window_kv.stride(0), comp_kv.stride(0), comp_index.stride(0), mask_u8.stride(0))
     _logits_kernel[(m, triton.cdiv(nt, bn), triton.cdiv(h, bh))](

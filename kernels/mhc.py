@@ -20,6 +20,7 @@ import torch
 
 from ._triton import (
     INTERPRET,
+    const64,
     device_function,
     device_of,
     pow2,
@@ -203,7 +204,7 @@ def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
     splits = triton.cdiv(n, chunk)
     part = torch.empty((splits, m, j + 1), dtype=torch.float64, device=dev)
     _project_kernel[(splits, triton.cdiv(m, bm))](x2, fn, part, m, n, j, x2.stride(0), chunk, BM=bm, BJ=bj, BC=bc)
-    eps = torch.tensor([norm_eps, hc_eps], dtype=torch.float64, device=dev)
+    eps = const64((float(norm_eps), float(hc_eps)), dev)
     bm2 = min(pow2(m), 64) if INTERPRET else 1
     _coeffs_kernel[(triton.cdiv(m, bm2),)](part, base, scale, eps, pre, post, comb, m, n, hc, iters,
                                            SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc))

@@ -8,7 +8,19 @@ bit-identical (only the float64 summation order differs).
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton, tsum
+from ._triton import (
+    INTERPRET,
+    const64,
+    device_of,
+    pow2,
+    require,
+    require_dtype,
+    require_rows,
+    round_out,
+    tl,
+    triton,
+    tsum,
+)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,7 +73,7 @@ def fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             bd, br = min(pow2(d), 4096), min(pow2(r), max(1, 16384 // min(pow2(d), 4096)))
         else:
             bd, br = min(pow2(d), 8192), 1
-        eps64 = torch.tensor([eps], dtype=torch.float64, device=dev)
+        eps64 = const64((float(eps),), dev)
         _kernel[(triton.cdiv(r, br),)](x2, weight, eps64, y, r, d, x2.stride(0),
                                        OUT_BF16=x.dtype == torch.bfloat16, BR=br, BD=bd)
     return y.view(x.shape)
