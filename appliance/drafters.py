@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import sampling as sampler
+from kernels import acceptance
 from kernels.formats import q8_pow2
 
 from .blocks import Dense, GroupedOutput, Linear, RMSNorm, Runtime
@@ -31,7 +31,7 @@ from .step import begin, finish
 
 @dataclass
 class Draft:
-    ids: list[int]  # k proposed tokens for positions q+2 .. q+1+k
+    ids: torch.Tensor  # [k] int64: proposed tokens for positions q+2 .. q+1+k
     logits: torch.Tensor  # [k, V] float32: the distribution each draft was drawn from (before sampling)
     confidence: torch.Tensor | None = None  # [k] raw logits of the confidence head (DSpark)
 
@@ -41,7 +41,7 @@ class DraftStep:
     """One DSpark draft: the block's rows sit at positions q+1 .. q+B."""
 
     state: DecodeState
-    q: int
+    q: int | torch.Tensor
     positions: torch.Tensor
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
@@ -143,6 +143,14 @@ class DSpark:
         """What the drafter needs from a target forward: H, one row per position."""
         return out.hidden
 
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.cfg.dim * len(self.cfg.dspark.target_layer_ids),)
+
+    @property
+    def row_numel(self) -> int:
+        return self.row_shape[0]
+
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
         the state's length advances) or a device scalar (a captured cycle: the host counts)."""
@@ -155,17 +163,18 @@ class DSpark:
         if isinstance(start, int):
             state.advance(n)
 
-    def draft(self, state: DecodeState, q: int, anchor: int, row_q: torch.Tensor, k: int, temperature: float,
-              top_k: int = 0, top_p: float = 1.0, generator=None) -> Draft:
-        """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor`."""
+    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
+              params: torch.Tensor, key: torch.Tensor) -> Draft:
+        """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
+        sampled with `params` / `key` (kernels.acceptance). `q` may be a device scalar: no host reads."""
         c, ops = self.cfg, self.rt.ops
-        self.commit(state, row_q.unsqueeze(0), torch.tensor([anchor]), q)
+        self.commit(state, row_q.unsqueeze(0), anchor, q)
         B = self.block_size
-        ids = torch.tensor([anchor] + [self.noise] * (B - 1))
+        ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
         X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        step = DraftStep(state, q, torch.arange(q + 1, q + 1 + B), ids)
+        step = DraftStep(state, q, q + 1 + torch.arange(B, device=anchor.device), ids)
         if self.v41:
-            pre = torch.zeros(B, c.hc_mult)
+            pre = torch.zeros(B, c.hc_mult, device=anchor.device)
             pre[:, 0] = 1.0
             for stage in self.stages:
                 X, pre = stage(X, pre, step)
@@ -177,15 +186,15 @@ class DSpark:
         base = self.head(self.norm(x).float(), torch.float32)  # [B, V]
         out_ids, logits, marks = [], [], []
         y = anchor
-        for i in range(k):
-            mu = self.markov_embed[y].to(self.rt.dtype)
-            li = base[i] + self.markov_head(mu.float().unsqueeze(0), torch.float32)[0]
+        for i in range(k):  # the Markov chain: strictly sequential
+            mu = self.markov_embed[y].to(self.rt.dtype)  # [1, rank]
+            li = base[i:i + 1] + self.markov_head(mu.float(), torch.float32)
             logits.append(li)
             marks.append(mu)
-            y = int(sampler.sample(li.unsqueeze(0), temperature, top_k, top_p, generator)[0])
+            y = acceptance.sample(li, params, key)
             out_ids.append(y)
-        conf = self.confidence(torch.cat((x[:k].float(), torch.stack(marks).float()), dim=-1), torch.float32)[:, 0]
-        return Draft(out_ids, torch.stack(logits), conf)
+        conf = self.confidence(torch.cat((x[:k].float(), torch.cat(marks).float()), dim=-1), torch.float32)[:, 0]
+        return Draft(torch.cat(out_ids), torch.cat(logits), conf)
 
 
 class MTP:
@@ -217,12 +226,21 @@ class MTP:
     def rows(out) -> torch.Tensor:
         return out.streams
 
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.cfg.hc_mult, self.cfg.dim)
+
+    @property
+    def row_numel(self) -> int:
+        return self.cfg.hc_mult * self.cfg.dim
+
     def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
         h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
         return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
 
     def _forward(self, state, streams, tokens, start) -> torch.Tensor:
+        """`start` a host int: eager (must equal the state's length); a device scalar: static."""
         step = begin(state, tokens, None if isinstance(start, int) else start, "own", None)
         Y = self.block(self._inputs(streams, tokens), step)
         finish(step)
@@ -232,21 +250,21 @@ class MTP:
         """Run the head over positions start.. (target streams `rows`, next tokens) to fill its ring."""
         self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
 
-    def draft(self, state: DecodeState, q: int, anchor: int, row_q: torch.Tensor, k: int, temperature: float,
-              top_k: int = 0, top_p: float = 1.0, generator=None) -> Draft:
-        """Position q from the target's streams and the anchor; then k-1 chained steps whose ring rows
-        (speculative positions) are rewound before returning."""
+    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
+              params: torch.Tensor, key: torch.Tensor) -> Draft:
+        """Position q from the target's streams and the anchor; then k-1 chained steps at q+1.. . The chained
+        steps write ring rows of speculative positions: the caller runs this in a state transaction and
+        rolls back from q+1."""
         streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
         ids, logits = [], []
         for i in range(k):
-            Y = self._forward(state, streams, torch.tensor([token]), q + i)
-            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)[0]
-            token = int(sampler.sample(li.unsqueeze(0), temperature, top_k, top_p, generator)[0])
+            Y = self._forward(state, streams, token, q + i)
+            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)
+            token = acceptance.sample(li, params, key)
             ids.append(token)
             logits.append(li)
             streams = Y
-        state.rewind(q + 1)
-        return Draft(ids, torch.stack(logits))
+        return Draft(torch.cat(ids), torch.cat(logits))
 
 
 def load_drafter(cfg: ModelConfig, ckpt, rt: Runtime, model):

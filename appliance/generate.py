@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import sampling as sampler
+from graphs.runner import make_runner
+from kernels import acceptance
 
 from .api import Done, Error, Progress, Request, Started, Tokens
+from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep
 from .errors import ApplianceError, ContextLengthError, RequestError
 from .loader import LoadedModel
 from .speculative import DraftStats, make_speculator
@@ -41,7 +43,7 @@ def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
 
 class Generator:
     def __init__(self, lm: LoadedModel, capacity: int | None = None, chunk: int = 256, index_keys: str = "own",
-                 spare: int = 16, draft: str = "none", draft_tokens: int = 3):
+                 spare: int = 16, draft: str = "none", draft_tokens: int = 3, graphs: bool = True):
         self.lm = lm
         self.model = lm.model
         self.cfg = lm.cfg
@@ -53,6 +55,10 @@ class Generator:
         self.spec = make_speculator(self, lm, draft, draft_tokens, index_keys)
         self.keep_streams = self.spec is not None and self.spec.drafter.kind == "mtp"
         self.stats = DraftStats(draft, draft_tokens)
+        self.graphs = graphs
+        block = self.spec.block if self.spec is not None else 1
+        self.buffers = CycleBuffers(lm.runtime.device, block, self.cfg.vocab_size)
+        self.runners: dict[tuple, object] = {}
 
     # --- request -> ids ------------------------------------------------------------------------------
 
@@ -136,14 +142,49 @@ class Generator:
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
         return self.forward_out(ids, logits).logits
 
-    def cycle(self, token: int, sampling, generator) -> list[int]:
-        """Process `token` (the next position) and return the tokens that follow it: one without a
-        drafter, the accepted drafts and one more with one."""
-        if self.spec is not None:
-            return self.spec.cycle(token, sampling, generator)
-        logits = self.forward([token], "last")
-        s = sampling
-        return [int(sampler.sample(logits[-1:], s.temperature, s.top_k, s.top_p, generator)[0])]
+    def runner(self, kind: str, n: int = 0):
+        """The runner of one cycle step (captured as a CUDA graph on a GPU), made on first use."""
+        if (kind, n) not in self.runners:
+            buf = self.buffers
+            step = {"plain": lambda: PlainCycle(self, buf), "fixed": lambda: FixedCycle(self, buf, n),
+                    "draft": lambda: DraftStep(self, buf, n), "verify": lambda: VerifyStep(self, buf, n)}[kind]()
+            self.runners[(kind, n)] = make_runner(step, self.lm.runtime.device, self.graphs)
+        return self.runners[(kind, n)]
+
+    def start_sampling(self, sampling, seed: int) -> None:
+        """Per request: sampling parameters and the device RNG's seed (its counter restarts at 0)."""
+        buf = self.buffers
+        buf.params.copy_(torch.tensor([sampling.temperature, sampling.top_p, float(sampling.top_k)]))
+        buf.key.copy_(torch.tensor([seed, 0]))
+
+    def sample_first(self, logits: torch.Tensor) -> int:
+        return int(acceptance.sample(logits.unsqueeze(0), self.buffers.params, self.buffers.key)[0])
+
+    def cycle(self, token: int) -> list[int]:
+        """Process `token` at the next position and return the tokens that follow it: one without a drafter;
+        the accepted drafts and one more with one. One cycle = one replay and one small copy back."""
+        buf, spec = self.buffers, self.spec
+        buf.anchor.fill_(token)
+        buf.start.fill_(self.state.length)
+        if spec is None:
+            result = self.runner("plain").run()["result"]
+            drafted = 0
+        else:
+            buf.force.fill_(-1 if spec.force_accept is None else spec.force_accept)
+            if spec.mode == "adaptive" and spec.drafter.kind == "dspark":
+                confidence = self.runner("draft", spec.block).run()["confidence"]
+                drafted = spec.adaptive_length(confidence.cpu())
+                result = self.runner("verify", drafted + 1).run()["result"]
+            else:
+                drafted = spec.k
+                result = self.runner("fixed", spec.k).run()["result"]
+        values = result.tolist()
+        count, accepted = values[0], values[1]
+        self.state.advance(count)
+        if spec is not None:
+            spec.state.advance(count)
+            self.stats.record(drafted, accepted)
+        return values[2:2 + count]
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -164,8 +205,8 @@ class Generator:
     def _run(self, req: Request, ids: list[int], cancel, t0: float) -> Iterator:
         cached = self.prepare(ids)
         yield Started(req.id, len(ids), cached)
-        gen = torch.Generator().manual_seed(req.sampling.seed if req.sampling.seed is not None
-                                            else int(torch.randint(0, 2**62, ()).item()))
+        self.start_sampling(req.sampling, req.sampling.seed if req.sampling.seed is not None
+                            else int(torch.randint(0, 2**62, ()).item()))
         for done in self.prefill_chunks(ids, cancel):
             if done < len(ids):
                 yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)
@@ -175,14 +216,13 @@ class Generator:
         if logits is None:
             yield Done(req.id, "cancelled", usage, self._timings(t0, t_prefill, None, t_prefill, 0))
             return
-        s = req.sampling
         self.stats = DraftStats(self.stats.draft, self.stats.k)
         decoder = StreamDecoder(self.lm.tokenizer)
         produced: list[int] = []
         t_first = None
         finish = "length"
         text_so_far = ""
-        pending = [int(sampler.sample(logits.unsqueeze(0), s.temperature, s.top_k, s.top_p, gen)[0])]
+        pending = [self.sample_first(logits)]
         while finish == "length":
             now = time.perf_counter()
             t_first = t_first or now
@@ -210,7 +250,7 @@ class Generator:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
-            pending = self.cycle(pending[-1], s, gen)
+            pending = self.cycle(pending[-1])
         tail = decoder.flush() if finish != "stop" or not req.stop else ""
         if tail:
             yield Tokens(req.id, [], tail, len(produced), [])

@@ -1,24 +1,16 @@
 """Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward, and the
-accepted prefix plus one target token are committed. Lossless: greedy output equals plain greedy decoding
-token for token (the target's forward is batch invariant: a verified row equals a single-step row
-bitwise), and sampled output has the target's distribution.
+accepted prefix plus one target token are committed (the cycle itself: appliance/cycle.py). Lossless:
+greedy output equals plain greedy decoding token for token (the target's forward is batch invariant: a
+verified row equals a single-step row bitwise), and sampled output has the target's distribution.
 
-One cycle, given the committed positions 0..N-1 and the anchor token `a` the target chose for position N:
-  1. draft: the drafter writes its ring row of position N-1 and proposes d_1..d_k for N+1..N+k;
-  2. verify: one target forward over [a, d_1..d_k] at positions N..N+k gives L_1..L_{k+1};
-  3. accept: greedy - the longest prefix with d_i = argmax L_i, then b = argmax L_{j+1};
-     sampling - accept d_i with probability min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw b from
-     normalize(max(0, p_i - r_i)); if all k pass, b ~ p_{k+1};
-  4. commit: rewind the target to N+j+1 (a and j drafts), give the drafter the rows of N..N+j-1, and keep
-     the row of N+j for the next draft. Nothing computed for rejected tokens survives (the state's journal
-     restores every overwritten slot).
+The `Speculator` owns the drafter's state, kept one position behind the target's: after the target has
+committed positions 0..N-1, the drafter holds rows for 0..N-2, and the target row of N-1 waits in a small
+ring of the target's state (so rewinds restore it) until the next draft writes it.
 """
 
 from dataclasses import dataclass, field
 
 import torch
-
-from kernels import sampling as sampler
 
 from .errors import RequestError
 
@@ -48,30 +40,6 @@ class DraftStats:
                 "acceptance_histogram": self.histogram}
 
 
-def accept(target: torch.Tensor, drafts: list[int], draft_logits: torch.Tensor, sampling,
-           generator: torch.Generator | None) -> tuple[int, int]:
-    """target logits [k+1, V] (row i verifies draft i+1), drafts (k), draft_logits [k, V] -> (j, b):
-    the number of accepted drafts and the next token."""
-    k = len(drafts)
-    if sampling.temperature == 0:
-        best = target.argmax(-1).tolist()
-        j = 0
-        while j < k and drafts[j] == best[j]:
-            j += 1
-        return j, best[j]
-    p = sampler.distribution(target, sampling.temperature, sampling.top_k, sampling.top_p)
-    r = sampler.distribution(draft_logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    for i, d in enumerate(drafts):
-        u = torch.rand((), generator=generator)
-        if u * r[i, d] < p[i, d]:  # accept with probability min(1, p/r)
-            continue
-        residual = (p[i] - r[i]).clamp(min=0)
-        total = residual.sum()
-        residual = p[i] if total <= 0 else residual / total
-        return i, int(sampler.draw(residual.unsqueeze(0), generator)[0])
-    return k, int(sampler.draw(p[k].unsqueeze(0), generator)[0])
-
-
 class Speculator:
     """The drafter, its state kept one position behind the target's, and the cycle."""
 
@@ -84,7 +52,10 @@ class Speculator:
         self.state = drafter.new_state(target_state.capacity, target_state.spare)
         # the drafter's input rows (DSpark: H; MTP: the final streams) of the target's last positions,
         # kept in the target's state so that rewinds restore them too
-        self.rows = None
+        self.row_shape = tuple(drafter.row_shape)
+        self.rows = target_state.ring("draft_rows", target_state.spare + 2, drafter.row_numel,
+                                      generator.lm.runtime.dtype)
+        self.block = drafter.cfg.dspark.block_size if drafter.kind == "dspark" else k
         self.step_cost: list[float] | None = None  # verify ms per width 1..k+1 (adaptive)
         self.force_accept: int | None = None  # benchmarks: accept exactly this many drafts per cycle
 
@@ -106,9 +77,6 @@ class Speculator:
         rows = self.drafter.rows(out)
         n = min(rows.shape[0], self.gen.state.length - start)  # rows of rejected positions are dropped
         rows = rows[:n]
-        if self.rows is None:
-            self.row_shape = tuple(rows.shape[1:])
-            self.rows = self.gen.state.ring("draft_rows", self.gen.state.spare + 2, rows[0].numel(), rows.dtype)
         self.rows.write(torch.arange(start, start + n), rows.reshape(n, -1))
         end = start + n - 1 if upto is None else upto
         first = self.state.length
@@ -125,30 +93,6 @@ class Speculator:
 
     def _rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rows.data[positions % self.rows.size].reshape(len(positions), *self.row_shape)
-
-    def cycle(self, anchor: int, sampling, generator) -> list[int]:
-        """One speculative cycle (see the module docstring). Returns the new tokens after `anchor`."""
-        N = self.gen.state.length
-        q = N - 1
-        row_q = self._rows_at(torch.tensor([q]))[0]
-        adaptive = self.mode == "adaptive" and self.drafter.kind == "dspark"
-        k = self.drafter.cfg.dspark.block_size if adaptive else self.k  # adaptive: trim the whole block
-        d = self.drafter.draft(self.state, q, anchor, row_q, k, sampling.temperature, sampling.top_k,
-                               sampling.top_p, generator)
-        drafts, dlogits = d.ids, d.logits
-        if adaptive:
-            n = self.adaptive_length(d.confidence)
-            drafts, dlogits = drafts[:n], dlogits[:n]
-        tokens = [anchor] + drafts
-        out = self.gen.forward_out(tokens)
-        j, b = accept(out.logits, drafts, dlogits, sampling, generator)
-        if self.force_accept is not None:
-            j = min(self.force_accept, len(drafts))
-            b = int(out.logits[j].argmax())
-        self.gen.state.rewind(N + j + 1)
-        self.observe(out, N, tokens + [b], upto=N + j)
-        self.gen.stats.record(len(drafts), j)
-        return drafts[:j] + [b]
 
     def calibrate(self, repeats: int = 5) -> list[float]:
         """Measure the verify cost per width (1 .. block + 1 rows) on this device, in ms (median), on a

@@ -1,6 +1,6 @@
 """A test drafter that proposes what the target itself would choose (it runs the target model on its own
 state): greedy drafts the target accepts unless corrupted, sampled drafts drawn from the target's own
-distribution (so every one is accepted)."""
+distribution (so every one is accepted). It reads host values, so it runs with the eager runner only."""
 
 import random
 
@@ -8,7 +8,7 @@ import torch
 
 from appliance.drafters import Draft
 from appliance.state import DecodeState
-from kernels import sampling as sampler
+from kernels import acceptance
 
 
 class OracleDrafter:
@@ -19,6 +19,7 @@ class OracleDrafter:
         self.target_state = target_state  # the target's committed tokens
         self.corrupt, self.rng = corrupt, random.Random(seed)
         self.mstate = self.model.new_state(target_state.capacity, target_state.spare)
+        self.row_shape, self.row_numel = (self.cfg.vocab_size,), self.cfg.vocab_size
 
     def new_state(self, capacity, spare):
         return DecodeState(capacity, spare, torch.device("cpu"))  # bookkeeping only
@@ -28,19 +29,23 @@ class OracleDrafter:
         return out.logits
 
     def commit(self, state, rows, tokens_next, start):
-        state.advance(tokens_next[: rows.shape[0]])
+        n = rows.shape[0]
+        state.write_tokens(start + torch.arange(n), tokens_next[:n])
+        if isinstance(start, int):
+            state.advance(n)
 
-    def draft(self, state, q, anchor, row_q, k, temperature, top_k=0, top_p=1.0, generator=None):
-        state.advance(torch.tensor([anchor]))
-        history = self.target_state.tokens[: q + 1].tolist() + [anchor]
+    def draft(self, state, q, anchor, row_q, k, params, key):
+        q = int(q)
+        self.commit(state, row_q.unsqueeze(0), anchor, q if isinstance(q, torch.Tensor) else torch.tensor(q))
+        history = torch.cat((self.target_state.tokens[: q + 1], anchor))
         self.mstate.reset()
-        logits = self.model.forward(torch.tensor(history), self.mstate, logits="last").logits[-1]
+        logits = self.model.forward(history, self.mstate, logits="last").logits
         ids, rows = [], []
         for _ in range(k):
             rows.append(logits)
-            token = int(sampler.sample(logits.unsqueeze(0), temperature, top_k, top_p, generator)[0])
-            if temperature == 0 and self.rng.random() < self.corrupt:
+            token = acceptance.sample(logits, params, key)
+            if float(params[0]) == 0 and self.rng.random() < self.corrupt:
                 token = (token + 1 + self.rng.randrange(self.cfg.vocab_size - 1)) % self.cfg.vocab_size
             ids.append(token)
-            logits = self.model.forward(torch.tensor([token]), self.mstate, logits="last").logits[-1]
-        return Draft(ids, torch.stack(rows))
+            logits = self.model.forward(token, self.mstate, logits="last").logits
+        return Draft(torch.cat(ids), torch.cat(rows))

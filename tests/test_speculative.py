@@ -9,11 +9,12 @@ import torch
 from scipy.stats import chisquare
 
 from appliance.api import Request, Sampling
+from appliance.cycle import CycleBuffers
 from appliance.generate import Generator
 from appliance.loader import load_model
-from appliance.speculative import Speculator, accept
+from appliance.speculative import Speculator
 from appliance.tiny import write_tiny
-from kernels import sampling as sampler
+from kernels import acceptance
 
 from .oracle import OracleDrafter
 
@@ -56,6 +57,7 @@ def test_partially_accepted_drafts_still_give_the_plain_greedy_output(drafter_mo
     want, _ = greedy(lm, prompt, 48)
     g = Generator(lm, capacity=1024)
     g.spec = Speculator(g, OracleDrafter(lm, g.state, corrupt=0.3, seed=random.randrange(1 << 20)), "oracle", 4)
+    g.keep_streams, g.buffers = False, CycleBuffers(g.buffers.anchor.device, 4, lm.cfg.vocab_size)
     got = []
     for event in g.run(Request(input_ids=prompt, max_tokens=48, ignore_eos=True)):
         got += getattr(event, "ids", [])
@@ -68,6 +70,7 @@ def test_an_oracle_drafter_that_proposes_the_targets_own_samples_is_always_accep
     lm = drafter_models["deepseek_v4"]
     g = Generator(lm, capacity=1024)
     g.spec = Speculator(g, OracleDrafter(lm, g.state), "oracle", 3)
+    g.buffers = CycleBuffers(g.buffers.anchor.device, 3, lm.cfg.vocab_size)
     req = Request(input_ids=[3, 4, 5, 6], max_tokens=40, ignore_eos=True,
                   sampling=Sampling(temperature=1.0, seed=random.randrange(1 << 30)))
     events = list(g.run(req))
@@ -97,29 +100,31 @@ def _chi2(samples, p, label):
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=8), Sampling(1.3, top_p=0.8)],
                          ids=["T1", "T0.7-topk8", "T1.3-topp0.8"])
 def test_sampling_with_and_without_drafting_follows_the_target_distribution(small_vocab, sampling):
+    """20,000 seeded trials of the device sampler, and of one speculative acceptance (the real DSpark
+    drafts of the tiny-vocabulary checkpoint against the target), against the target's softmax."""
     lm, trials = small_vocab, 20000
     model = lm.model
     state = model.new_state(64)
     prompt = torch.randint(0, 24, (12,))
     out = model.forward(prompt, state, logits="last")
-    anchor = int(out.logits[-1].argmax())
-    target = model.forward(torch.tensor([anchor]), state, logits="last").logits  # L_1: predicts the next token
-    p = sampler.distribution(target, sampling.temperature, sampling.top_k, sampling.top_p)[0]
-    g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    plain = sampler.draw(p.unsqueeze(0).expand(trials, -1).contiguous(), g)
+    anchor = out.logits[-1:].argmax(-1)
+    target = model.forward(anchor, state, logits="last").logits  # L_1: the next token's logits
+    params = torch.tensor([sampling.temperature, sampling.top_p, float(sampling.top_k)])
+    key = torch.tensor([random.randrange(1 << 40), 0])
+    p = acceptance.distribution(target, params)[0]
+    plain = acceptance.draw(p.unsqueeze(0).expand(trials, -1).contiguous(), key)
     _chi2(plain, p, "without drafting")
     state.rewind(12)
     dstate = lm.drafter.new_state(64)
     lm.drafter.commit(dstate, out.hidden[:11], prompt[1:], 0)
-    d = lm.drafter.draft(dstate, 11, anchor, out.hidden[11], 3, sampling.temperature, sampling.top_k,
-                         sampling.top_p, g)
-    first = []
+    d = lm.drafter.draft(dstate, 11, anchor, out.hidden[11], 3, params, key)
     rows = target.expand(4, -1)  # only the first verify row decides the first token's distribution
+    r = acceptance.distribution(d.logits, params)
+    first = []
     for _ in range(trials):
-        drafts = [int(sampler.sample(d.logits[i:i + 1], sampling.temperature, sampling.top_k, sampling.top_p, g)[0])
-                  for i in range(3)]
-        j, b = accept(rows, drafts, d.logits, sampling, g)
-        first.append(drafts[0] if j > 0 else b)
+        drafts = acceptance.draw(r, key)  # drafts drawn from the drafter's distribution, as the drafter does
+        j, b = acceptance.accept(rows, drafts, d.logits, params, key)
+        first.append(int(drafts[0]) if int(j) > 0 else int(b))
     _chi2(torch.tensor(first), p, "with drafting")
 
 
@@ -150,11 +155,12 @@ def test_rollback_after_random_accept_lengths_leaves_the_plain_decoding_state(dr
     prompt = torch.randint(0, lm.cfg.vocab_size, (21,)).tolist()
     spec = Generator(lm, capacity=256, draft="auto", draft_tokens=4)
     logits = spec.prefill(prompt)
+    spec.start_sampling(Sampling(), 0)
     committed = list(prompt)
     token = int(logits.argmax())
     for _ in range(25):
         spec.spec.force_accept = rng.randrange(0, 5)
-        new = spec.cycle(token, Sampling(), None)
+        new = spec.cycle(token)
         committed.append(token)
         committed += new[:-1]
         token = new[-1]

@@ -113,15 +113,16 @@ def test_dumps_match_the_fixture_before_the_first_chaotic_divergence(fixture_mod
 
 def test_dspark_in_isolation_reproduces_every_draft_block(fixture_model, expected):
     d = fixture_model.drafter
+    greedy, key = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0, 0])  # temperature 0
     for prefix in ("", "ownkeys_"):
         state = d.new_state(1024)
         d.commit(state, expected["prefill_main_hidden"], expected["prompt_ids"], 0)
         recorded = expected["dspark_positions"].tolist()
         for j in range(47):
             q = int(expected["dspark_all_positions"][j])
-            draft = d.draft(state, q, int(expected[prefix + "dspark_all_input_ids"][j]),
-                            expected[prefix + "decode_main_hidden"][j], 5, 0.0)
-            assert draft.ids == expected[prefix + "dspark_all_draft_ids"][j].tolist(), (prefix, j)
+            anchor = expected[prefix + "dspark_all_input_ids"][j:j + 1]
+            draft = d.draft(state, q, anchor, expected[prefix + "decode_main_hidden"][j], 5, greedy, key)
+            assert draft.ids.tolist() == expected[prefix + "dspark_all_draft_ids"][j].tolist(), (prefix, j)
             err = (draft.confidence - expected[prefix + "dspark_all_confidence"][j]).abs().max().item()
             assert err <= 1e-4, (prefix, j, err)
             if q in recorded:

@@ -1,0 +1,125 @@
+"""The decode cycle as steps over static buffers, so that graphs/ can capture each as a CUDA graph and
+replay it with one small device-to-host copy of the result.
+
+Inputs (`CycleBuffers`, device tensors written in place by the host before a run):
+    anchor [1]   the token for position N, not processed yet
+    start  []    N
+    params [3]   temperature, top_p, top_k (kernels.acceptance)
+    key    [2]   seed and counter of the device RNG (the counter advances inside the cycle)
+    force  []    benchmarks: accept exactly this many drafts (-1: off)
+Output: result [width + 2] = count (tokens produced), accepted drafts, then the tokens.
+
+Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
+  1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B;
+  2. verify (`VerifyStep`, width k+1): one target forward over [anchor, d_1..d_k] at positions N..N+k;
+  3. accept: j drafts and the next token b (kernels.acceptance: greedy prefix, or min(1, p/r));
+  4. commit: every write made for positions after N+j is rolled back on the device (the state journal's
+     transaction); the drafter keeps the rows of N..N+j-1.
+A fixed draft length runs 1-4 as one step (one graph). `--draft adaptive` runs the draft step, reads the
+confidences (a second small copy), and replays the verify step of the width it chose.
+The host then sets the states' lengths from `count`: nothing else crosses to the host.
+"""
+
+import torch
+
+from kernels import acceptance
+
+
+class CycleBuffers:
+    def __init__(self, device, block: int, vocab: int):
+        long = dict(dtype=torch.long, device=device)
+        self.anchor = torch.zeros(1, **long)
+        self.start = torch.zeros((), **long)
+        self.params = torch.zeros(3, dtype=torch.float32, device=device)
+        self.key = torch.zeros(2, **long)
+        self.force = torch.full((), -1, **long)
+        # what the draft step leaves for the verify step
+        self.drafts = torch.zeros(block, **long)
+        self.draft_logits = torch.zeros(block, vocab, dtype=torch.float32, device=device)
+        self.confidence = torch.zeros(block, dtype=torch.float32, device=device)
+
+
+class PlainCycle:
+    """Width 1: the anchor in, the next token out."""
+
+    width = 1
+
+    def __init__(self, gen, buf: CycleBuffers):
+        self.gen, self.buf = gen, buf
+        self.result = torch.zeros(3, dtype=torch.long, device=buf.anchor.device)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        gen, state, buf = self.gen, self.gen.state, self.buf
+        state.journal.begin()
+        out = gen.model.forward(buf.anchor, state, logits="last", index_keys=gen.index_keys, start=buf.start,
+                                keep_streams=gen.keep_streams)
+        state.journal.transaction = None  # everything this cycle wrote is committed
+        token = acceptance.sample(out.logits[-1:], buf.params, buf.key)
+        one = torch.ones(1, dtype=torch.long, device=token.device)
+        self.result.copy_(torch.cat((one, 0 * one, token)))
+        return {"result": self.result}
+
+
+class DraftStep:
+    """Step 1: the drafter's row of N-1, then `k` drafts into the buffers."""
+
+    def __init__(self, gen, buf: CycleBuffers, k: int):
+        self.gen, self.buf, self.k = gen, buf, k
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        spec, buf, k = self.gen.spec, self.buf, self.k
+        dstate = spec.state
+        N = buf.start
+        dstate.journal.begin()
+        row_q = spec.rows.data[(N - 1) % spec.rows.size].view(spec.row_shape)
+        d = spec.drafter.draft(dstate, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
+        dstate.journal.rollback_from(N)  # chained rows (MTP) were speculative
+        buf.drafts[:k].copy_(d.ids)
+        buf.draft_logits[:k].copy_(d.logits)
+        if d.confidence is not None:
+            buf.confidence[:k].copy_(d.confidence)
+        return {"confidence": buf.confidence}
+
+
+class VerifyStep:
+    """Steps 2-4 for the first `width - 1` drafts in the buffers."""
+
+    def __init__(self, gen, buf: CycleBuffers, width: int):
+        self.gen, self.buf, self.width = gen, buf, width
+        self.result = torch.zeros(width + 2, dtype=torch.long, device=buf.anchor.device)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        gen, buf = self.gen, self.buf
+        spec, state = gen.spec, gen.state
+        k = self.width - 1
+        N = buf.start
+        drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
+        tokens = torch.cat((buf.anchor, drafts))
+        state.journal.begin()
+        out = gen.model.forward(tokens, state, index_keys=gen.index_keys, start=N, keep_streams=gen.keep_streams)
+        rows = spec.drafter.rows(out)
+        spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
+        j, b = acceptance.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
+        forced = buf.force.clamp(max=k)
+        j = torch.where(buf.force >= 0, forced, j)
+        b = torch.where(buf.force >= 0, out.logits.argmax(-1).gather(0, forced.clamp(min=0).view(1))[0], b)
+        state.journal.rollback_from(N + j + 1)
+        spec.state.journal.begin()
+        spec.drafter.commit(spec.state, rows[:k], drafts, N)
+        spec.state.journal.rollback_from(N + j)
+        idx = torch.arange(k + 1, device=N.device)
+        ids = torch.where(idx < j, torch.cat((drafts, drafts[:1])), torch.where(idx == j, b, torch.zeros_like(b)))
+        self.result.copy_(torch.cat(((j + 1).view(1), j.view(1), ids)))
+        return {"result": self.result}
+
+
+class FixedCycle:
+    """Steps 1-4 with a fixed draft length: one callable, one graph."""
+
+    def __init__(self, gen, buf: CycleBuffers, k: int):
+        self.draft, self.verify = DraftStep(gen, buf, k), VerifyStep(gen, buf, k + 1)
+        self.width = k + 1
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        self.draft()
+        return self.verify()
