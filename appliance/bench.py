@@ -1,9 +1,9 @@
 """`appliance bench decode | forward | prefill`: where decode time goes, measured side by side in one run.
 
-- forward: the model's own time for one decode cycle (on CUDA, events around the step; on CPU the wall
-  time of the eager step);
-- decode: end-to-end tokens/s of the generation loop (sampling, drafting, acceptance, detokenization,
-  events); `rest ms` = cycle - target forward is the host overhead (plus the drafter's time when drafting);
+- forward: the device time of one decode cycle (draft + verify + accept + commit when drafting): CUDA
+  events around the graph replay, or the wall time of the eager step on CPU;
+- decode: end-to-end tokens/s of the generation loop; `host ms` = cycle time - device time per cycle is
+  the host overhead (the copy back, bookkeeping, detokenizing, events);
 - bytes read per step (weights that a token touches + decode state read) and, on a GPU, the fraction of the
   device copy bandwidth measured once per run: the roofline of decode.
 Medians and p90 over steps; every number is printed with the context depth it was taken at.
@@ -80,59 +80,64 @@ def measure_decode(gen, context: int, tokens: int, force_accept: int | None = No
     if gen.spec is not None:
         gen.spec.reset()
         gen.spec.force_accept = force_accept
-    forward_ms: list[float] = []
-    inner = gen.forward_out
+    forward_ms: list[float] = []  # device time of each cycle step (graph replay or eager step)
     device = gen.lm.runtime.device
-
-    def timed(ids, logits="all"):
-        with _Timer(device) as t:
-            out = inner(ids, logits)
-        forward_ms.append(t.ms)
-        return out
-
-    gen.forward_out = timed
+    runners = [gen.runner(kind, n) for kind, n in gen.cycle_steps()]
+    for runner in runners:
+        def timed(run=runner.run):
+            with _Timer(device) as t:
+                out = run()
+            forward_ms.append(t.ms)
+            return out
+        runner.run = timed
     t0 = time.perf_counter()
     req = Request(id="bench", input_ids=prompt, max_tokens=tokens, ignore_eos=True, sampling=Sampling())
     stamps, done = [], None
     try:
+        first_token = None
         for event in gen.run(req):
             if type(event).__name__ == "Tokens" and event.ids:
+                first_token = first_token or time.perf_counter()
                 stamps.append((time.perf_counter(), len(event.ids)))
             elif type(event).__name__ == "Error":
                 raise click.ClickException(event.message)
             elif type(event).__name__ == "Done":
                 done = event
+        prefill_ms = (first_token - t0) * 1e3
     finally:
-        gen.forward_out = inner
-    n_prefill = -(-len(prompt) // gen.chunk)
-    prefill_ms = sum(forward_ms[:n_prefill])
-    cycle_forward = forward_ms[n_prefill:]
+        for runner in runners:
+            del runner.run  # back to the class's method
+    cycle_forward = forward_ms
     per_cycle = [(b[0] - a[0]) * 1e3 for a, b in zip(stamps, stamps[1:])]
     per_token = [(b[0] - a[0]) * 1e3 / b[1] for a, b in zip(stamps, stamps[1:])]
     generated = sum(n for _, n in stamps)
     decode_s = stamps[-1][0] - stamps[0][0] if len(stamps) > 1 else float("nan")
     result = {
         "context": len(prompt), "tokens": generated, "prefill_ms": prefill_ms,
-        "prefill_tokens_per_s": len(prompt) / (prefill_ms / 1e3) if prefill_ms else None,
         "ms_per_token": _quantiles(per_token), "tokens_per_s": (generated - stamps[0][1]) / decode_s,
         "cycle_ms": _quantiles(per_cycle), "forward_ms": _quantiles(cycle_forward),
         "e2e_s": time.perf_counter() - t0,
     }
-    # everything in a cycle that is not the target's forward: drafting (when on) and host work
-    per_cycle_forwards = len(cycle_forward) / max(len(per_cycle), 1)
-    result["rest_ms_per_cycle"] = result["cycle_ms"]["median"] - result["forward_ms"]["median"] * per_cycle_forwards
+    # what a cycle spends outside its device steps: host work (the copy back, bookkeeping, detokenizing, events)
+    cycles = max(len(per_cycle), 1)
+    result["device_ms_per_cycle"] = sum(cycle_forward[-cycles * max(len(cycle_forward) // cycles, 1):]) / cycles
+    result["host_ms_per_cycle"] = statistics.mean(per_cycle) - result["device_ms_per_cycle"] if per_cycle else 0.0
     if done is not None and done.speculative:
         result["speculative"] = done.speculative
     return result
 
 
-def _generator(model_dir, numerics, dtype, op_path, index_keys, draft, draft_tokens, capacity):
+def _generator(model_dir, numerics, dtype, op_path, devices, index_keys, draft, draft_tokens, capacity, graphs=True):
     from .generate import Generator
     from .loader import load_model
 
-    lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, notice=None,
+    lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices, notice=None,
                     load_drafter=draft != "none")
-    return Generator(lm, capacity=capacity, chunk=256, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens)
+    gen = Generator(lm, capacity=capacity, chunk=256, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens,
+                    graphs=graphs)
+    if graphs and lm.runtime.device.type == "cuda":
+        gen.capture()
+    return gen
 
 
 def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None = None):
@@ -146,7 +151,7 @@ def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None 
         click.echo(json.dumps({"runs": rows, **(extra or {})}, indent=1, default=str))
         return
     head = f"{'draft':<10}{'context':>8}{'tok/s':>9}{'ms/tok p50':>11}{'p90':>8}{'fwd ms':>9}{'cycle ms':>10}" \
-           f"{'rest ms':>9}{'acc/cyc':>8}{'MB/step':>9}"
+           f"{'host ms':>9}{'acc/cyc':>8}{'MB/step':>9}"
     if bandwidth:
         head += f"{'of BW':>7}"
     click.echo(head)
@@ -154,8 +159,8 @@ def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None 
         spec = r.get("speculative") or {}
         line = (f"{r.get('draft', 'none'):<10}{r['context']:>8}{r['tokens_per_s']:>9.1f}"
                 f"{r['ms_per_token']['median']:>11.2f}{r['ms_per_token']['p90']:>8.2f}"
-                f"{r['forward_ms']['median']:>9.2f}{r['cycle_ms']['median']:>10.2f}"
-                f"{r['rest_ms_per_cycle']:>9.2f}{spec.get('mean_accepted', 0.0):>8.2f}"
+                f"{r['device_ms_per_cycle']:>9.2f}{r['cycle_ms']['median']:>10.2f}"
+                f"{r['host_ms_per_cycle']:>9.2f}{spec.get('mean_accepted', 0.0):>8.2f}"
                 f"{r['bytes_per_step']['total'] / 1e6:>9.2f}")
         if bandwidth:
             line += f"{r['fraction_of_bandwidth']:>7.1%}"
@@ -186,10 +191,11 @@ def _contexts(text: str) -> list[int]:
 @click.option("--compare-transformers", is_flag=True,
               help="also run transformers' generate() on the same checkpoint (transformers format, plain "
                    "numerics) and check the tokens are identical")
+@click.option("--no-graphs", is_flag=True, help="on CUDA, run cycles eagerly instead of replaying graphs")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_decode(model_dir, numerics, dtype, op_path, index_keys, tokens, contexts, draft, draft_tokens,
-                 force_accept, compare_transformers, as_json):
+def bench_decode(model_dir, numerics, dtype, op_path, devices, index_keys, tokens, contexts, draft, draft_tokens,
+                 force_accept, compare_transformers, no_graphs, as_json):
     """Greedy decode speed: tokens/s, ms per token (median, p90), the model's forward time per cycle beside
     the end-to-end cycle time (the gap is host overhead), bytes read per step, and on a GPU the fraction
     of the measured copy bandwidth."""
@@ -197,7 +203,8 @@ def bench_decode(model_dir, numerics, dtype, op_path, index_keys, tokens, contex
     capacity = max(ctx) + tokens + 64
     drafts = ["none"] if draft == "none" else ["none", draft]
     rows = []
-    gens = {d: _generator(model_dir, numerics, dtype, op_path, index_keys, d, draft_tokens, capacity) for d in drafts}
+    gens = {d: _generator(model_dir, numerics, dtype, op_path, devices, index_keys, d, draft_tokens, capacity,
+                          not no_graphs) for d in drafts}
     bandwidth = copy_bandwidth(next(iter(gens.values())).lm.runtime.device)
     for c in ctx:
         for d, gen in gens.items():
@@ -237,11 +244,12 @@ def _transformers_decode(gen, context: int, tokens: int) -> dict:
 @click.option("--repeats", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_forward(model_dir, numerics, dtype, op_path, index_keys, contexts, width, repeats, as_json):
+def bench_forward(model_dir, numerics, dtype, op_path, devices, index_keys, contexts, width, repeats, as_json):
     """The model's own time for one decode cycle of `width` rows at each context depth (CUDA events on a
     GPU, wall time of the eager step on CPU), with bytes per step and the fraction of copy bandwidth."""
     ctx = _contexts(contexts)
-    gen = _generator(model_dir, numerics, dtype, op_path, index_keys, "none", 1, max(ctx) + repeats * width + 8)
+    gen = _generator(model_dir, numerics, dtype, op_path, devices, index_keys, "none", 1,
+                     max(ctx) + repeats * width + 8, graphs=False)
     device = gen.lm.runtime.device
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -278,9 +286,9 @@ def bench_forward(model_dir, numerics, dtype, op_path, index_keys, contexts, wid
 @click.option("--chunk", type=int, default=256, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_prefill(model_dir, numerics, dtype, op_path, index_keys, tokens, chunk, as_json):
+def bench_prefill(model_dir, numerics, dtype, op_path, devices, index_keys, tokens, chunk, as_json):
     """Prefill throughput: a prompt of random ids processed in chunks."""
-    gen = _generator(model_dir, numerics, dtype, op_path, index_keys, "none", 1, tokens + 8)
+    gen = _generator(model_dir, numerics, dtype, op_path, devices, index_keys, "none", 1, tokens + 8, graphs=False)
     gen.chunk = chunk
     ids = torch.randint(0, gen.cfg.vocab_size, (tokens,)).tolist()
     device = gen.lm.runtime.device

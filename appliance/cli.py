@@ -42,8 +42,12 @@ def model_options(fn):
                           "plain: dequantized weights without it (transformers' arithmetic for V4)"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
                      help="activation dtype that every rounding point rounds to"),
-        click.option("--path", "op_path", type=click.Choice(["reference", "fast"]), default="reference",
-                     show_default=True, help="reference: plain torch ops; fast: the Triton kernels"),
+        click.option("--path", "op_path", type=click.Choice(["auto", "reference", "fast"]), default="auto",
+                     show_default=True, help="reference: plain torch ops; fast: the Triton kernels (on CPU under "
+                                             "the Triton interpreter: slow, for tests); auto: fast on CUDA, "
+                                             "reference on CPU"),
+        click.option("--devices", default="cpu", show_default=True,
+                     help="where the model runs: cpu, cuda, cuda:N"),
         click.option("--index-keys", type=click.Choice(["own", "reference"]), default="own", show_default=True,
                      help="V4.1: own = every index-key owner scores its own keys (what prefill computes); "
                           "reference = the released code's decode-time publication order, for parity checks"),
@@ -53,12 +57,12 @@ def model_options(fn):
     return fn
 
 
-def _load(model_dir, numerics, dtype, op_path, **kw):
+def _load(model_dir, numerics, dtype, op_path, devices="cpu", **kw):
     from .loader import load_model
 
     if model_dir is not None and not Path(model_dir).exists():
         raise ApplianceError(f"--model {model_dir}: no such directory", field="model")
-    return load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path,
+    return load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices,
                       notice=lambda m: click.echo(m, err=True), **kw)
 
 
@@ -102,19 +106,26 @@ def main():
 @click.option("--ignore-eos", is_flag=True, help="do not stop at the end-of-sequence token")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (ids, text, usage, timings) at the end")
 @click.option("--chunk", type=int, default=256, show_default=True, help="prefill chunk size")
+@click.option("--draft", type=click.Choice(["none", "dspark", "mtp", "adaptive", "auto"]), default="none",
+              show_default=True, help="speculative drafting (auto: the checkpoint's own drafter)")
+@click.option("--draft-tokens", type=int, default=3, show_default=True, help="drafts per cycle (1..5 with DSpark)")
+@click.option("--no-graphs", is_flag=True, help="on CUDA, run the decode cycle eagerly instead of replaying graphs")
 @friendly
-def generate(model_dir, numerics, dtype, op_path, index_keys, prompt, ids_file, max_tokens, temperature, top_p,
-             top_k, seed, ignore_eos, as_json, chunk):
+def generate(model_dir, numerics, dtype, op_path, devices, index_keys, prompt, ids_file, max_tokens, temperature,
+             top_p, top_k, seed, ignore_eos, as_json, chunk, draft, draft_tokens, no_graphs):
     """Generate from a prompt and stream the text to stdout."""
     from .api import Done, Error, Request, Sampling, Tokens
     from .generate import Generator
 
     if (prompt is None) == (ids_file is None):
         raise ApplianceError("give exactly one of --prompt or --ids", field="prompt")
-    lm = _load(model_dir, numerics, dtype, op_path)
+    lm = _load(model_dir, numerics, dtype, op_path, devices, load_drafter=draft != "none")
     req = Request(id="cli", input_ids=_read_ids(ids_file) if ids_file else None, prompt=prompt,
                   max_tokens=max_tokens, sampling=Sampling(temperature, top_p, top_k, seed), ignore_eos=ignore_eos)
-    gen = Generator(lm, chunk=chunk, index_keys=index_keys)
+    gen = Generator(lm, chunk=chunk, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens,
+                    graphs=not no_graphs)
+    if not no_graphs and lm.runtime.device.type == "cuda":
+        gen.capture()
     ids, text, done = [], [], None
     for event in gen.run(req):
         if isinstance(event, Tokens):
@@ -127,8 +138,11 @@ def generate(model_dir, numerics, dtype, op_path, index_keys, prompt, ids_file, 
         elif isinstance(event, Done):
             done = event
     if as_json:
-        click.echo(json.dumps({"ids": ids, "text": "".join(text), "finish_reason": done.finish_reason,
-                               "usage": done.usage, "timings": done.timings}))
+        out = {"ids": ids, "text": "".join(text), "finish_reason": done.finish_reason, "usage": done.usage,
+               "timings": done.timings}
+        if done.speculative:
+            out["speculative"] = done.speculative
+        click.echo(json.dumps(out))
     else:
         click.echo()
 
@@ -144,7 +158,7 @@ def generate(model_dir, numerics, dtype, op_path, index_keys, prompt, ids_file, 
 @click.option("--dump", default="", help="comma list of extra tensors: engram_ids, index_topk, main_hidden")
 @click.option("--chunk", type=int, default=0, help="process in chunks of this size (0 = one forward)")
 @friendly
-def score(model_dir, numerics, dtype, op_path, index_keys, ids_file, text, out, dump, chunk):
+def score(model_dir, numerics, dtype, op_path, devices, index_keys, ids_file, text, out, dump, chunk):
     """Teacher-forced float32 logits [T, V] of a token sequence, written under the key `logits`.
 
     With --dump, also the Engram row ids (engram_hash_ids [T, layers, cols]), each index-source layer's
@@ -160,7 +174,7 @@ def score(model_dir, numerics, dtype, op_path, index_keys, ids_file, text, out, 
                              field="dump")
     if (ids_file is None) == (text is None):
         raise ApplianceError("give exactly one of --ids or --text", field="ids")
-    lm = _load(model_dir, numerics, dtype, op_path)
+    lm = _load(model_dir, numerics, dtype, op_path, devices)
     ids = _read_ids(ids_file) if ids_file else lm.tokenizer.encode(text)
     if not ids:
         raise ApplianceError("--text encodes to no tokens", field="text")
@@ -170,7 +184,7 @@ def score(model_dir, numerics, dtype, op_path, index_keys, ids_file, text, out, 
     if len(ids) > lm.cfg.max_context:
         raise ApplianceError(f"{len(ids)} tokens exceed the maximum context {lm.cfg.max_context}", field="ids")
     state = lm.model.new_state(len(ids))
-    tokens = torch.tensor(ids)
+    tokens = torch.tensor(ids, device=lm.runtime.device)
     step = chunk if chunk > 0 else len(ids)
     logits, probes, hidden = [], [], []
     for s in range(0, len(ids), step):
@@ -179,7 +193,7 @@ def score(model_dir, numerics, dtype, op_path, index_keys, ids_file, text, out, 
         logits.append(o.logits)
         probes.append(probe)
         hidden.append(o.hidden)
-    result = {"logits": torch.cat(logits).float().contiguous()}
+    result = {"logits": torch.cat(logits).float().cpu().contiguous()}
     if "engram_ids" in dumps and probes[0].get("engram_ids") is not None:
         result["engram_hash_ids"] = torch.cat([p["engram_ids"] for p in probes]).contiguous()
     if "index_topk" in dumps:

@@ -57,10 +57,15 @@ def _token(token_file) -> str | None:
               envvar="APPLIANCE_NUMERICS", help="official: the official code's activation/KV quantization")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               envvar="APPLIANCE_DTYPE", help="activation dtype")
-@click.option("--path", "op_path", type=click.Choice(["reference", "fast"]), default="reference",
-              show_default=True, envvar="APPLIANCE_PATH", help="reference: plain torch ops; fast: Triton kernels")
+@click.option("--path", "op_path", type=click.Choice(["auto", "reference", "fast"]), default="auto",
+              show_default=True, envvar="APPLIANCE_PATH",
+              help="reference: plain torch ops; fast: Triton kernels; auto: fast on CUDA, reference on CPU")
 @click.option("--devices", default="cpu", show_default=True, envvar="APPLIANCE_DEVICES",
               help="where the engine runs (cpu, cuda)")
+@click.option("--draft-tokens", type=int, default=3, show_default=True, envvar="APPLIANCE_DRAFT_TOKENS",
+              help="drafts per cycle (1..5 with DSpark)")
+@click.option("--no-graphs", is_flag=True, envvar="APPLIANCE_NO_GRAPHS",
+              help="run the decode cycle eagerly on CUDA instead of replaying captured CUDA graphs")
 @click.option("--chunk", type=int, default=256, show_default=True, envvar="APPLIANCE_CHUNK",
               help="prefill chunk size (cancel and progress act between chunks)")
 @click.option("--context", type=int, default=None, envvar="APPLIANCE_CONTEXT",
@@ -72,8 +77,8 @@ def _token(token_file) -> str | None:
 @click.option("--keepalive", type=float, default=1.0, show_default=True,
               help="seconds without a frame during a prefill before the server sends a progress keepalive")
 @friendly
-def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, dtype, op_path, devices, chunk,
-          context, idle_timeout, drain, keepalive):
+def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, dtype, op_path, devices,
+          draft_tokens, no_graphs, chunk, context, idle_timeout, drain, keepalive):
     """Serve the model over websocket (protocol decode.v1, ws://HOST:PORT/v1/stream) with /healthz, /readyz
     and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
 
@@ -98,8 +103,9 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
     def load_engine(status):
         from .engine import Engine
 
-        return Engine.load(model_dir, devices=devices, draft=draft, numerics=numerics, dtype=dtype, path=op_path,
-                           chunk=chunk, context=context, status=status)
+        return Engine.load(model_dir, devices=devices, draft=draft, draft_tokens=draft_tokens, numerics=numerics,
+                           dtype=dtype, path=op_path, chunk=chunk, context=context, graphs=not no_graphs,
+                           status=status)
 
     try:
         code = run(config, load_engine)

@@ -91,7 +91,7 @@ class DraftAttention:
         ring_pos = ring.slot_positions(step.q + 1)
         ring_ok = (ring_pos >= 0) & (ring_pos > step.q - c.window_size)
         kv = torch.cat((ring.data.to(block.dtype), block))
-        mask = torch.cat((ring_ok, torch.ones(B, dtype=torch.bool))).unsqueeze(0).expand(B, -1)
+        mask = torch.cat((ring_ok, torch.ones(B, dtype=torch.bool, device=ring_ok.device))).unsqueeze(0).expand(B, -1)
         p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
         o = ops.attention(q, kv, mask, None, None, self.sink, c.head_dim**-0.5, p_dtype)
         o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)

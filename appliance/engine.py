@@ -67,7 +67,8 @@ class Engine:
     @classmethod
     def load(cls, model_dir=None, devices: str = "cpu", draft: str = "none", draft_tokens: int = 3,
              numerics: str = "official",
-             dtype: str = "float32", path: str = "reference", chunk: int = 256, context: int | None = None,
+             dtype: str = "float32", path: str = "auto", chunk: int = 256, context: int | None = None,
+             graphs: bool = True,
              index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None) -> "Engine":
         """Read config and weights, check the memory plan, build the decode state, warm up."""
         from .generate import Generator
@@ -76,12 +77,15 @@ class Engine:
 
         say = status or (lambda m: None)
         say("loading weights")
-        lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices.split(":")[0],
+        lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices,
                         notice=say, load_drafter=draft != "none")
         capacity = plan_context(lm, context)
         say(f"allocating decode state for {capacity} tokens")
         gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
-                        draft_tokens=draft_tokens)
+                        draft_tokens=draft_tokens, graphs=graphs)
+        if graphs and lm.runtime.device.type == "cuda":
+            say("capturing the decode cycle as CUDA graphs")
+            gen.capture()
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
         say("warming up")

@@ -130,7 +130,7 @@ class EngramHash:
 
     def ids_at(self, tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
         """Row ids for `positions` from the raw token history buffer (no host reads: capturable)."""
-        comp = self.token_map.to(tokens.device)
+        comp = self.token_map
         taus = []
         for i in range(self.max_ngram):
             q = positions - i
@@ -141,18 +141,20 @@ class EngramHash:
     def _hash(self, taus: list[torch.Tensor], layer: int) -> torch.Tensor:
         """taus[i] = c_{p-i}, -1 before the start of the sequence (hashed as the pad id)."""
         taus = [torch.where(t >= 0, t, torch.full_like(t, self.pad)) for t in taus]
-        m = self.mult[layer].to(taus[0].device)
+        m = self.mult[layer]
         r = taus[0] * m[0]
         cols = []
         for k in range(2, self.max_ngram + 1):
             r = torch.bitwise_xor(r, taus[k - 1] * m[k - 1])
             cols.append(r)
         hashed = torch.stack(cols, dim=-1).repeat_interleave(self.n_heads, dim=-1)  # [count, n_cols]
-        return hashed % self.primes[layer].to(hashed.device) + self.offsets[layer].to(hashed.device)
+        return hashed % self.primes[layer] + self.offsets[layer]
 
 
 class Engram:
     """One Engram layer: FP8 table (memory-mapped), `wkv`, and the per-copy gates."""
+
+    HOST_TENSORS = ("table", "table_scale")  # large tables stay in host memory (appliance/placement.py)
 
     def __init__(self, rt: Runtime, ckpt, cfg, layer: int, rows: int):
         e = cfg.engram
@@ -169,11 +171,12 @@ class Engram:
         self.omega = None if qw is None or kw is None else (qw.float() * kw.float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Gather and dequantize table rows: ids [T, n_cols] -> [T, n_cols * head_dim] (exact)."""
-        flat = ids.reshape(-1)
+        """Gather and dequantize table rows: ids [T, n_cols] -> [T, n_cols * head_dim] (exact). A table left
+        in host memory is gathered there (a host read: such a step cannot be captured in a CUDA graph)."""
+        flat = ids.reshape(-1).to(self.table.device)
         w = self.table[flat].float()
         s = e8m0_to_float(self.table_scale[flat]).repeat_interleave(32, dim=-1)
-        return (w * s).reshape(ids.shape[0], -1).to(self.rt.dtype)
+        return (w * s).reshape(ids.shape[0], -1).to(device=ids.device, dtype=self.rt.dtype)
 
     def __call__(self, X: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """X [T, hc, D] -> X + gate * value."""

@@ -95,7 +95,7 @@ class Generator:
         if n <= 0:
             return 0
         have = st.tokens[:n]
-        want = torch.tensor(ids[:n], dtype=torch.long)
+        want = torch.tensor(ids[:n], dtype=torch.long, device=have.device)
         diff = (have != want).nonzero()
         return n if diff.numel() == 0 else int(diff[0])
 
@@ -123,7 +123,7 @@ class Generator:
             n = min(self.chunk, len(ids) - pos)
             out = self.forward_out(ids[pos:pos + n], "last")
             if self.spec is not None:
-                self.spec.observe(out, pos, ids[pos:pos + n])
+                self.spec.observe(out, pos)
             pos += n
             yield pos
         self.logits = out.logits[-1]
@@ -136,7 +136,8 @@ class Generator:
         return self.logits
 
     def forward_out(self, ids: list[int], logits: str = "all"):
-        return self.model.forward(torch.tensor(ids, dtype=torch.long), self.state, logits=logits,
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.lm.runtime.device)
+        return self.model.forward(tokens, self.state, logits=logits,
                                   index_keys=self.index_keys, keep_streams=self.keep_streams)
 
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
@@ -150,6 +151,28 @@ class Generator:
                     "draft": lambda: DraftStep(self, buf, n), "verify": lambda: VerifyStep(self, buf, n)}[kind]()
             self.runners[(kind, n)] = make_runner(step, self.lm.runtime.device, self.graphs)
         return self.runners[(kind, n)]
+
+    def cycle_steps(self) -> list[tuple[str, int]]:
+        """Every cycle step this generator replays: one graph per verify width."""
+        spec = self.spec
+        if spec is None:
+            return [("plain", 0)]
+        if spec.mode == "adaptive" and spec.drafter.kind == "dspark":
+            return [("draft", spec.block)] + [("verify", w) for w in range(2, spec.block + 2)]
+        return [("fixed", spec.k)]
+
+    def capture(self) -> None:
+        """Make (on CUDA: capture) every cycle step now, at load, then reset the states: warm-up and capture
+        run real cycles, and what they wrote must not survive."""
+        from .api import Sampling
+
+        self.start_sampling(Sampling(), 0)
+        self.buffers.start.fill_(1)
+        for kind, n in self.cycle_steps():
+            self.runner(kind, n)
+        self.state.reset()
+        if self.spec is not None:
+            self.spec.reset()
 
     def start_sampling(self, sampling, seed: int) -> None:
         """Per request: sampling parameters and the device RNG's seed (its counter restarts at 0)."""

@@ -33,13 +33,29 @@ def default_model_dir() -> Path:
     return Path(__file__).parent / "default_model"
 
 
-def make_runtime(numerics: str = "official", dtype: str = "float32", path: str = "reference",
+def parse_device(devices: str) -> torch.device:
+    """One process's device from a --devices value: "cpu", "cuda", "cuda:1", or "0" (= cuda:0)."""
+    d = devices.split(",")[0].strip()
+    if d.isdigit():
+        d = f"cuda:{d}"
+    if d.startswith("cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"--devices {devices}: CUDA is not available on this machine (use cpu)", field="devices")
+    return torch.device(d)
+
+
+def make_runtime(numerics: str = "official", dtype: str = "float32", path: str = "auto",
                  device: str = "cpu") -> Runtime:
+    """`path` auto: the Triton kernels on CUDA, the torch references on CPU."""
+    dev = parse_device(device)
+    if path == "auto":
+        path = "fast" if dev.type == "cuda" else "reference"
     if numerics not in ("official", "plain"):
         raise ModelLoadError(f"numerics {numerics!r}: must be official or plain", field="numerics")
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r}: must be one of {', '.join(DTYPES)}", field="dtype")
-    return Runtime(Numerics(numerics == "official", DTYPES[dtype]), resolve(path), torch.device(device))
+    return Runtime(Numerics(numerics == "official", DTYPES[dtype]), resolve(path), dev)
 
 
 def set_cpu_threads(cfg: ModelConfig) -> int:
@@ -53,7 +69,7 @@ def set_cpu_threads(cfg: ModelConfig) -> int:
     return n
 
 
-def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "reference",
+def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "auto",
                device: str = "cpu", notice=print, load_drafter: bool = False) -> LoadedModel:
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     cfg = load_config(model_dir)
@@ -88,4 +104,8 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
 
         drafter = build_drafter(cfg, ckpt, rt, model)
     ckpt.finish(tuple(ignore))
+    if rt.device.type != "cpu":
+        from .placement import place
+
+        place((model, drafter), rt.device)
     return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter)

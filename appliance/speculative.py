@@ -71,14 +71,14 @@ class Speculator:
             else:
                 self.state.reset()
 
-    def observe(self, out, start: int, tokens: list[int], upto: int | None = None) -> None:
-        """After a target forward over positions start..start+n-1: keep their rows and give the drafter
-        every row whose next token is now known, up to `upto` (exclusive; default start+n-1)."""
+    def observe(self, out, start: int) -> None:
+        """After an eager target forward (a prefill chunk) over positions start..start+n-1: keep their rows
+        and give the drafter every row whose next token is now known (all but the last)."""
         rows = self.drafter.rows(out)
-        n = min(rows.shape[0], self.gen.state.length - start)  # rows of rejected positions are dropped
-        rows = rows[:n]
-        self.rows.write(torch.arange(start, start + n), rows.reshape(n, -1))
-        end = start + n - 1 if upto is None else upto
+        n = rows.shape[0]
+        device = rows.device
+        self.rows.write(torch.arange(start, start + n, device=device), rows.reshape(n, -1))
+        end = start + n - 1
         first = self.state.length
         if first >= end:
             return
@@ -86,9 +86,8 @@ class Speculator:
         if end - first > window:  # only the last `window` rows can reach a draft: skip the rest
             first = end - window
             self.state.skip_to(first)
-        positions = torch.arange(first, end)
-        history = self.gen.state.tokens
-        nxt = torch.tensor([tokens[p - start + 1] if p + 1 >= start else int(history[p + 1]) for p in positions])
+        positions = torch.arange(first, end, device=device)
+        nxt = self.gen.state.tokens[positions + 1]  # the target's history holds the next tokens
         self.drafter.commit(self.state, self._rows_at(positions), nxt, first)
 
     def _rows_at(self, positions: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,7 @@ def test_rollback_after_random_accept_lengths_leaves_the_plain_decoding_state(dr
     plain.prefill(prompt)
     for t in committed[len(prompt):]:  # plain decoding of the accepted tokens, one per step
         out = plain.forward_out([t])
-        plain.spec.observe(out, plain.state.length - 1, [t])
+        plain.spec.observe(out, plain.state.length - 1)
     assert spec.state.length == plain.state.length == len(committed)
     for name, t in plain.state.buffers().items():
         assert torch.equal(spec.state.buffers()[name], t), f"{family} (seed {seed}): target {name}"

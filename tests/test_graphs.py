@@ -1,0 +1,70 @@
+"""Graph runners: the eager runner runs the cycle step itself; on CUDA (skipped without a GPU) the captured
+graphs give the same tokens as the eager runner and replaying them allocates nothing."""
+
+import pytest
+import torch
+
+from appliance.api import Request, Sampling
+from appliance.generate import Generator
+from appliance.loader import load_model
+from graphs.runner import CudaGraphRunner, EagerRunner, make_runner
+
+from .conftest import requires_cuda
+
+
+def test_the_eager_runner_calls_the_step_and_returns_its_buffers():
+    buf = torch.zeros(3)
+    calls = []
+
+    def step():
+        calls.append(1)
+        buf.add_(1)
+        return {"out": buf}
+
+    runner = make_runner(step, torch.device("cpu"))
+    assert isinstance(runner, EagerRunner)
+    assert runner.run()["out"] is buf and runner.run()["out"].tolist() == [2.0, 2.0, 2.0] and len(calls) == 2
+
+
+def test_on_cpu_generation_replays_one_cycle_step_per_verify_width(tiny_dirs):
+    lm = load_model(tiny_dirs["deepseek_v41"], load_drafter=True, notice=None)
+    gen = Generator(lm, capacity=256, draft="auto", draft_tokens=2)
+    list(gen.run(Request(input_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)))
+    assert set(gen.runners) == {("fixed", 2)} and all(r.kind == "eager" for r in gen.runners.values())
+
+
+def _tokens(gen, prompt, sampling):
+    out = []
+    for event in gen.run(Request(input_ids=prompt, max_tokens=24, ignore_eos=True, sampling=sampling)):
+        out += getattr(event, "ids", [])
+    return out
+
+
+@requires_cuda
+class TestCudaGraphs:
+    @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4", "deepseek_v4_0731"])
+    @pytest.mark.parametrize("draft", ["none", "auto"])
+    def test_captured_graphs_give_the_same_tokens_as_the_eager_runner(self, tiny_dirs, family, draft):
+        lm = load_model(tiny_dirs[family], device="cuda", load_drafter=draft != "none", notice=None)
+        prompt = torch.randint(0, lm.cfg.vocab_size, (20,)).tolist()
+        for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)):
+            graphs = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=True)
+            graphs.capture()
+            eager = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=False)
+            assert all(isinstance(r, CudaGraphRunner) for r in graphs.runners.values())
+            assert _tokens(graphs, prompt, sampling) == _tokens(eager, prompt, sampling)
+
+    def test_replay_allocates_no_memory(self, tiny_dirs):
+        lm = load_model(tiny_dirs["deepseek_v41"], device="cuda", load_drafter=True, notice=None)
+        gen = Generator(lm, capacity=256, draft="auto", draft_tokens=3, graphs=True)
+        gen.capture()
+        gen.prefill([1, 2, 3, 4, 5])
+        gen.start_sampling(Sampling(), 0)
+        token = 6
+        token = gen.cycle(token)[-1]  # first replay
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        for _ in range(10):
+            token = gen.cycle(token)[-1]
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
