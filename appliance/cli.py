@@ -217,12 +217,14 @@ def score(model_dir, numerics, dtype, op_path, devices, index_keys, ids_file, te
               default="deepseek_v41", show_default=True,
               help="deepseek_v4 carries the April MTP head; deepseek_v4_0731 the DSpark drafter")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shape", type=click.Choice(["tiny", "slice"]), default="tiny", show_default=True,
+              help="slice (deepseek_v41): 4 layers of V4.1-Flash at full width (about 5 GB), for GPU measurements")
 @friendly
-def tiny(out_dir, family, seed):
+def tiny(out_dir, family, seed, shape):
     """Write a tiny random checkpoint (official names and formats, FP8/FP4, tokenizer.json) to OUT_DIR."""
     from .tiny import write_tiny
 
-    out = write_tiny(out_dir, family, seed)
+    out = write_tiny(out_dir, family, seed, shape=shape)
     click.echo(f"wrote a tiny {family} checkpoint to {out}", err=True)
 
 

@@ -44,18 +44,23 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 class _Writer:
-    """Collects tensors in official names and formats."""
+    """Collects tensors in official names and formats. Random numbers come from `device` (a GPU makes the
+    full-width slice in seconds); the tensors are kept on the host for writing."""
 
-    def __init__(self, seed: int, block: int):
-        self.g = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, block: int, device: str = "cpu"):
+        self.device = device
+        self.g = torch.Generator(device=device).manual_seed(seed)
         self.block = block
         self.t: dict[str, torch.Tensor] = {}
 
     def randn(self, *shape, std=1.0):
-        return torch.randn(*shape, generator=self.g) * std
+        return torch.randn(*shape, generator=self.g, device=self.device) * std
+
+    def __setitem__(self, name, value):
+        self.t[name] = value.cpu()
 
     def dense(self, name, out_f, in_f, dtype=torch.bfloat16, gain=1.0):
-        self.t[name] = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).to(dtype)
+        self[name] = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).to(dtype)
 
     def fp8(self, name, out_f, in_f, gain=1.0):
         w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f))
@@ -66,22 +71,22 @@ class _Writer:
         blocks = pad.view(ro, b, ri, b)
         scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
         codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        self.t[f"{name}.weight"] = codes.view(ro * b, ri * b)[:out_f, :in_f].contiguous()
-        self.t[f"{name}.scale"] = _e8m0(scale)
+        self[f"{name}.weight"] = codes.view(ro * b, ri * b)[:out_f, :in_f].contiguous()
+        self[f"{name}.scale"] = _e8m0(scale)
 
     def fp4(self, name, out_f, in_f, gain=1.0):
         w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).view(out_f, in_f // 32, 32)
         scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-8) / 6.0)
         values = round_e2m1(w / scale.unsqueeze(-1)).view(out_f, in_f)
         codes = _e2m1_codes(values)
-        self.t[f"{name}.weight"] = pack_fp4(codes)
-        self.t[f"{name}.scale"] = _e8m0(scale)
+        self[f"{name}.weight"] = pack_fp4(codes)
+        self[f"{name}.scale"] = _e8m0(scale)
 
     def norm(self, name, dim):
-        self.t[name] = (1.0 + self.randn(dim, std=0.1)).to(torch.bfloat16)
+        self[name] = (1.0 + self.randn(dim, std=0.1)).to(torch.bfloat16)
 
     def f32(self, name, *shape, std=1.0, mean=0.0):
-        self.t[name] = (mean + self.randn(*shape, std=std)).float()
+        self[name] = (mean + self.randn(*shape, std=std)).float()
 
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -105,8 +110,8 @@ def _hc(w: _Writer, prefix: str, hc: int, dim: int):
 def _moe(w: _Writer, prefix: str, dim: int, inter: int, n_experts: int, fp4: bool, vocab=0, top_k=0, hashed=False):
     w.dense(f"{prefix}.gate.weight", n_experts, dim, gain=2.0)
     if hashed:
-        w.t[f"{prefix}.gate.tid2eid"] = torch.stack(
-            [torch.randperm(n_experts, generator=w.g)[:top_k] for _ in range(vocab)]).long()
+        w[f"{prefix}.gate.tid2eid"] = torch.stack(
+            [torch.randperm(n_experts, generator=w.g, device=w.device)[:top_k] for _ in range(vocab)]).long()
     else:
         w.f32(f"{prefix}.gate.bias", n_experts, std=0.3)
     expert = w.fp4 if fp4 else w.fp8
@@ -148,8 +153,20 @@ V41_SHAPE = dict(vocab=512, dim=64, layers=8, heads=4, head_dim=64, rope=16, q_l
                  dspark_experts=4, dspark_top_k=2, markov_rank=32, block=32)
 
 
-def _write_v41(out: Path, seed: int) -> None:
-    c = V41_SHAPE
+# One slice of DeepSeek-V4.1-Flash at full width (hidden 5120, 64 heads x 512, q-LoRA 1280, 8 groups x 1024,
+# experts of 2304, indexer 32 x 128, the real vocabulary) with 4 layers covering every role, fewer experts,
+# and small Engram tables: for measuring decode on a GPU (scripts/device-check.sh).
+V41_SLICE = dict(vocab=129280, dim=5120, layers=4, heads=64, head_dim=512, rope=64, q_lora=1280, o_groups=8,
+                 o_lora=1024, hc=4, inter=2304, experts=32, top_k=6, window=128, ratios=[0, 0, 2, 1],
+                 kv_sources=[2, 3], index_sources=[2, 3], candidate_source=3, candidate_blocks=2048,
+                 candidate_block_size=8, index_heads=32, index_head_dim=128, index_topk=512, engram_layers=[1],
+                 engram_heads=8, engram_head_dim=256, engram_ngram=4, engram_base=1000, dspark_targets=[1, 2, 3],
+                 dspark_experts=16, dspark_top_k=3, markov_rank=256, block=32)
+SHAPES = {"tiny": V41_SHAPE, "slice": V41_SLICE}
+
+
+def _write_v41(out: Path, seed: int, shape: str = "tiny") -> None:
+    c = SHAPES[shape]
     write_tokenizer(out / "tokenizer.json", c["vocab"])
     tok = json.loads((out / "tokenizer.json").read_text())
     noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
@@ -159,7 +176,7 @@ def _write_v41(out: Path, seed: int) -> None:
 
     pr = primes(c["engram_layers"], c["engram_ngram"], c["engram_heads"], c["engram_base"])
     rows = [sum(p) for p in pr.values()]
-    w = _Writer(seed, c["block"])
+    w = _Writer(seed, c["block"], "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu")
     dim, hc = c["dim"], c["hc"]
     w.dense("embed.weight", c["vocab"], dim, gain=math.sqrt(dim))
     w.dense("head.weight", c["vocab"], dim, gain=2.0)
@@ -185,10 +202,10 @@ def _write_v41(out: Path, seed: int) -> None:
             w.fp8(f"{p}.engram.wkv", (hc + 1) * dim, n_cols * c["engram_head_dim"])
             table = w.randn(r, c["engram_head_dim"]).view(r, -1, 32)
             scale = pow2_ceil(table.abs().amax(-1).clamp(min=1e-8) / 448.0)
-            w.t[f"{p}.engram.embed.weight"] = (table / scale.unsqueeze(-1)).view(r, -1).to(torch.float8_e4m3fn)
-            w.t[f"{p}.engram.embed.scale"] = _e8m0(scale)
-            w.t[f"{p}.engram.q_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
-            w.t[f"{p}.engram.k_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
+            w[f"{p}.engram.embed.weight"] = (table / scale.unsqueeze(-1)).view(r, -1).to(torch.float8_e4m3fn)
+            w[f"{p}.engram.embed.scale"] = _e8m0(scale)
+            w[f"{p}.engram.q_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
+            w[f"{p}.engram.k_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
     for s in range(3):
         p = f"mtp.{s}"
         _block_common(w, p, c)
@@ -212,7 +229,8 @@ def _write_v41(out: Path, seed: int) -> None:
         "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
         "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
                          "beta_slow": 1},
-        "max_position_embeddings": 4096, "n_routed_experts": c["experts"], "n_shared_experts": 1,
+        "max_position_embeddings": 4096 if shape == "tiny" else 1 << 20, "n_routed_experts": c["experts"],
+        "n_shared_experts": 1,
         "num_experts_per_tok": c["top_k"], "moe_intermediate_size": c["inter"], "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
         "hc_mult": hc, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": c["engram_layers"],
@@ -325,16 +343,19 @@ def _write_v4(out: Path, seed: int, drafter: str, vocab: int | None) -> None:
 FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
 
 
-def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0, vocab: int | None = None) -> Path:
+def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0, vocab: int | None = None,
+               shape: str = "tiny") -> Path:
     """Write a tiny random checkpoint to `out_dir` (created). `deepseek_v4` carries the April MTP head,
     `deepseek_v4_0731` the 3-stage DSpark drafter on the V4 backbone. `vocab` (V4 families only) below 300
-    writes an ids-only model without tokenizer.json."""
+    writes an ids-only model without tokenizer.json. `shape="slice"` (V4.1): 4 layers at full width."""
+    if shape != "tiny" and family != "deepseek_v41":
+        raise ValueError(f"shape {shape!r}: only for deepseek_v41")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if family == "deepseek_v41":
         if vocab is not None:
             raise ValueError("vocab: the V4.1 tiny model keeps its tokenizer (Engram needs it)")
-        _write_v41(out, seed)
+        _write_v41(out, seed, shape)
     elif family == "deepseek_v4":
         _write_v4(out, seed, "mtp", vocab)
     elif family == "deepseek_v4_0731":
