@@ -127,6 +127,43 @@ def measure_decode(gen, context: int, tokens: int, force_accept: int | None = No
     return result
 
 
+def balancedness(indices: list[torch.Tensor], n_experts: int, ranks: int) -> float:
+    """Mean over verify blocks of (mean rank load / max rank load): a rank's load is the number of distinct
+    experts it holds that the block's rows selected (each is read once per block)."""
+    per = n_experts // ranks
+    values = []
+    for idx in indices:
+        hit = torch.zeros(n_experts, dtype=torch.bool)
+        hit[idx.flatten()] = True
+        load = hit.view(ranks, per).sum(1).double()
+        values.append((load.mean() / load.max()).item())
+    return statistics.mean(values) if values else float("nan")
+
+
+def measure_balancedness(gen, tokens: list[int], width: int, ranks: int) -> dict:
+    """Route the sequence again in verify blocks of `width` rows (teacher-forced, no state kept) and compare
+    the expert-parallel balancedness with uniform random routing of the same shapes."""
+    cfg = gen.cfg
+    moes = [layer.ffn for layer in gen.model.layers]
+    logs: list[list] = [[] for _ in moes]
+    for moe, log in zip(moes, logs):
+        moe.routing_log = log
+    state = gen.model.new_state(len(tokens) + 8)
+    try:
+        t = torch.tensor(tokens, device=gen.lm.runtime.device)
+        for s in range(0, len(tokens) - width + 1, width):
+            gen.model.forward(t[s:s + width], state, logits="last")
+    finally:
+        for moe in moes:
+            moe.routing_log = None
+    measured = statistics.mean(balancedness(log, cfg.n_routed_experts, ranks) for log in logs)
+    g = torch.Generator().manual_seed(0)
+    uniform = [torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.n_activated_experts]
+                            for _ in range(width)]) for _ in range(200)]
+    return {"ranks": ranks, "width": width, "measured": measured,
+            "uniform_random": balancedness(uniform, cfg.n_routed_experts, ranks)}
+
+
 def _generator(model_dir, numerics, dtype, op_path, devices, index_keys, draft, draft_tokens, capacity, graphs=True):
     from .generate import Generator
     from .loader import load_model
@@ -192,10 +229,12 @@ def _contexts(text: str) -> list[int]:
               help="also run transformers' generate() on the same checkpoint (transformers format, plain "
                    "numerics) and check the tokens are identical")
 @click.option("--no-graphs", is_flag=True, help="on CUDA, run cycles eagerly instead of replaying graphs")
+@click.option("--ep-ranks", type=int, default=4, show_default=True,
+              help="expert-parallel ranks for the balancedness of the verify step's routing")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_decode(model_dir, numerics, dtype, op_path, devices, index_keys, tokens, contexts, draft, draft_tokens,
-                 force_accept, compare_transformers, no_graphs, as_json):
+                 force_accept, compare_transformers, no_graphs, ep_ranks, as_json):
     """Greedy decode speed: tokens/s, ms per token (median, p90), the model's forward time per cycle beside
     the end-to-end cycle time (the gap is host overhead), bytes read per step, and on a GPU the fraction
     of the measured copy bandwidth."""
@@ -212,6 +251,10 @@ def bench_decode(model_dir, numerics, dtype, op_path, devices, index_keys, token
             r["draft"] = d if force_accept is None or d == "none" else f"{d}@{force_accept}"
             rows.append(r)
     extra = {}
+    gen = gens["none"]
+    if gen.cfg.n_routed_experts % ep_ranks == 0:
+        sequence = torch.randint(0, gen.cfg.vocab_size, (256,)).tolist()
+        extra["expert_parallel_balancedness"] = measure_balancedness(gen, sequence, draft_tokens + 1, ep_ranks)
     if compare_transformers:
         extra["transformers"] = _transformers_decode(gens["none"], ctx[0], tokens)
     _report(rows, gens["none"].cfg, bandwidth, as_json, extra)

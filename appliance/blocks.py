@@ -125,6 +125,8 @@ class MoE:
 
         self.experts = [expert(f"{prefix}.experts.{e}", "expert") for e in range(n_experts)]
         self.shared = expert(f"{prefix}.shared_experts", "fp8") if n_shared else None
+        self.reduce = None  # expert parallel: sums the slots and shared partials over ranks (appliance/sharding.py)
+        self.routing_log: list | None = None  # when a list, each call appends its selected experts (measurement)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
         hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
@@ -133,8 +135,10 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         weights, indices = self.route(x, tokens)
+        if self.routing_log is not None:
+            self.routing_log.append(indices.cpu())
         return self.rt.ops.moe(x, weights, indices, self.experts, self.shared, self.act_block, self.limit,
-                               self.rt.num.official)
+                               self.rt.num.official, reduce=self.reduce)
 
 
 def window_gather(ring: PositionRing, start: int, keys: torch.Tensor, positions: torch.Tensor,

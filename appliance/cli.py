@@ -58,12 +58,16 @@ def model_options(fn):
 
 
 def _load(model_dir, numerics, dtype, op_path, devices="cpu", **kw):
+    """Load for a command; with several devices every rank runs the command on its shard in lockstep
+    (rank 0's output alone reaches stdout)."""
+    from .distributed import start
     from .loader import load_model
 
     if model_dir is not None and not Path(model_dir).exists():
         raise ApplianceError(f"--model {model_dir}: no such directory", field="model")
+    world = start(devices)
     return load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices,
-                      notice=lambda m: click.echo(m, err=True), **kw)
+                      notice=lambda m: click.echo(m, err=True) if world.main else None, world=world, **kw)
 
 
 def _read_ids(path: Path) -> list[int]:
@@ -145,6 +149,8 @@ def generate(model_dir, numerics, dtype, op_path, devices, index_keys, prompt, i
         click.echo(json.dumps(out))
     else:
         click.echo()
+    if lm.world.distributed:
+        lm.world.stop()
 
 
 # --- score ---------------------------------------------------------------------------------------------
@@ -202,10 +208,13 @@ def score(model_dir, numerics, dtype, op_path, devices, index_keys, ids_file, te
                 L = key.split(".")[1]
                 result[f"prefill_index_topk_layer{L}"] = torch.cat([p[key] for p in probes]).int().contiguous()
     if "main_hidden" in dumps and hidden[0] is not None:
-        result["prefill_main_hidden"] = torch.cat(hidden).float().contiguous()
+        result["prefill_main_hidden"] = torch.cat(hidden).float().cpu().contiguous()
+    if not lm.world.main:
+        return
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(result, str(out))
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in result.items()), err=True)
+    lm.world.stop()
 
 
 # --- tiny ----------------------------------------------------------------------------------------------
@@ -233,18 +242,39 @@ def tiny(out_dir, family, seed, shape):
 
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None, help=MODEL_HELP)
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--devices", "n_devices", type=int, default=None,
+              help="plan memory per rank for the model split over this many GPUs")
+@click.option("--gpu-memory", default=None, help="memory of one GPU for the plan, e.g. 288GB (B300), 141GB (H200)")
+@click.option("--context", type=int, default=None, help="context length for the plan (default: the model's maximum)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (with `fits` and the per-rank table)")
 @friendly
-def info(model_dir, as_json):
+def info(model_dir, n_devices, gpu_memory, context, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
-    bytes per token of context. Needs only config.json (weights are not read)."""
+    bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank. Needs only
+    config.json (weights are not read)."""
     from . import info as inf
     from .config import load_config, summary
     from .loader import default_model_dir
+    from .memory import parse_bytes, rank_plan
 
     cfg = load_config(model_dir or default_model_dir())
     report = {"config": summary(cfg), "layers": inf.layer_roles(cfg), "weights": inf.weight_bytes(cfg),
               "state": inf.state_bytes(cfg)}
+    if (n_devices is None) != (gpu_memory is None):
+        raise ApplianceError("give --devices and --gpu-memory together for a memory plan", field="devices")
+    if n_devices is not None:
+        if n_devices < 1:
+            raise ApplianceError(f"--devices {n_devices}: must be at least 1", field="devices")
+        try:
+            capacity = parse_bytes(gpu_memory)
+        except ValueError:
+            raise ApplianceError(f"--gpu-memory {gpu_memory}: not a size like 288GB", field="gpu_memory") from None
+        ctx = context or cfg.max_context
+        plan = rank_plan(cfg, ctx, capacity, n_devices)
+        report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "fits": plan.fits,
+                          "per_rank": plan.parts, "total_per_rank": plan.total,
+                          "free_per_rank": capacity - plan.total,
+                          "weights_per_rank": inf.rank_weights(cfg, n_devices)}
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
         return
@@ -278,6 +308,17 @@ def _print_info(cfg, report, human):
     s = report["state"]
     click.echo(f"decode state per token of context: {s['per_token_packed']:.1f} B packed "
                f"({s['per_token_reference_bf16']:.1f} B as bf16 rows); constant {human(s['constant_packed'])} packed")
+    plan = report.get("plan")
+    if plan:
+        click.echo(f"memory plan per rank: {plan['devices']} x {human(plan['gpu_memory'])}, context {plan['context']}: "
+                   f"{'fits' if plan['fits'] else 'DOES NOT FIT'}")
+        for part, n in plan["per_rank"].items():
+            click.echo(f"  {part:<14} {human(n):>10}")
+        click.echo(f"  {'total':<14} {human(plan['total_per_rank']):>10}   free {human(plan['free_per_rank'])}")
+        w = plan["weights_per_rank"]
+        click.echo("  weights by dtype: " + ", ".join(f"{k} {human(v)}" for k, v in w["by_dtype"].items()))
+        click.echo("  weights by part: " + ", ".join(f"{k} {human(v)}" for k, v in w["by_part"].items()))
+        click.echo(f"  host (memory-mapped once per box): Engram tables {human(w['host_engram_tables'])}")
 
 
 def run():

@@ -85,6 +85,15 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
     Every option can also come from the environment variable APPLIANCE_<OPTION> (the systemd env file)."""
     from server.app import ServerConfig, run
 
+    from .distributed import start
+
+    world = start(devices)
+    if not world.main:  # ranks 1..n-1 of a split model: no server, they follow rank 0's requests
+        from .engine import Engine
+
+        Engine.load(model_dir, devices=devices, draft=draft, draft_tokens=draft_tokens, numerics=numerics,
+                    dtype=dtype, path=op_path, chunk=chunk, context=context, graphs=not no_graphs)
+        return
     if model_dir is not None and not Path(model_dir).is_dir():
         raise ApplianceError(f"--model {model_dir}: no such directory", field="model")
     _check_range("--port", port, 0, 65535)

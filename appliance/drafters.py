@@ -63,6 +63,7 @@ class DraftAttention:
         self.kv_norm = RMSNorm.load(rt, ckpt, f"{prefix}.kv_norm.weight", c.head_dim, c.norm_eps)
         self.sink = ckpt.tensor(f"{prefix}.attn_sink", (c.n_heads,), (torch.float32,))
         self.out = GroupedOutput(rt, ckpt, prefix, c, ab)
+        self.heads = c.n_heads  # or one rank's share (appliance/sharding.py)
 
     def init_state(self, state: DecodeState, spare: int) -> None:
         state.ring(self.name, self.cfg.window_size + spare, self.cfg.head_dim, self.rt.dtype)
@@ -82,7 +83,7 @@ class DraftAttention:
         c, ops = self.cfg, self.rt.ops
         B = x.shape[0]
         cos, sin = self.rope(step.positions)
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, c.n_heads, c.head_dim)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, self.heads, c.head_dim)
         if self.v4:
             q = q_renorm(q, c.norm_eps, self.rt.num.official)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))

@@ -15,6 +15,7 @@ then ends with `Done(finish_reason="cancelled")` and the engine is free for the 
 """
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .api import Done, Error, Progress, Request, Started, Tokens
+from .distributed import Cancel
 from .errors import ApplianceError
 
 HEARTBEAT_IDLE_S = 1.0  # an idle engine thread still advances `heartbeat` this often
@@ -71,14 +73,16 @@ class Engine:
              graphs: bool = True,
              index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None) -> "Engine":
         """Read config and weights, check the memory plan, build the decode state, warm up."""
+        from .distributed import start
         from .generate import Generator
         from .loader import load_model
         from .memory import plan_context
 
         say = status or (lambda m: None)
-        say("loading weights")
+        world = start(devices)
+        say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
         lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices,
-                        notice=say, load_drafter=draft != "none")
+                        notice=say, load_drafter=draft != "none", world=world)
         capacity = plan_context(lm, context)
         say(f"allocating decode state for {capacity} tokens")
         gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
@@ -88,6 +92,9 @@ class Engine:
             gen.capture()
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
+        if not world.main:
+            follow(gen, world)  # the other ranks run rank 0's requests in lockstep until it stops
+            sys.exit(0)
         say("warming up")
         return cls(gen, info, warmup=warmup)
 
@@ -131,6 +138,10 @@ class Engine:
             self._running.cancel.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        world = self.generator.lm.world
+        if world is not None and world.distributed:
+            world.broadcast(None)  # the other ranks' `follow` ends
+            world.stop()
 
     # --- the engine thread ---------------------------------------------------------------------------
 
@@ -152,8 +163,13 @@ class Engine:
 
     def _serve(self, job: _Job) -> None:
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
+        world = self.generator.lm.world
+        cancel = job.cancel
+        if world is not None and world.distributed:  # every rank runs the request; rank 0's cancel rules
+            world.broadcast(job.request)
+            cancel = Cancel(world, job.cancel)
         try:
-            for event in self.generator.run(job.request, job.cancel):
+            for event in self.generator.run(job.request, cancel):
                 self.heartbeat = time.monotonic()
                 if isinstance(event, Done):
                     event.timings["queue_ms"] = queue_ms
@@ -161,6 +177,18 @@ class Engine:
         except Exception as e:  # an engine fault must still end the request with exactly one Error
             self.generator.state.reset()
             job.emit(Error(job.request.id, "internal", f"engine fault: {type(e).__name__}: {e}"))
+
+
+def follow(gen, world) -> None:
+    """Ranks 1..n-1 of a split model: run every request rank 0 broadcasts, in lockstep, until it
+    broadcasts None. Their events are dropped: rank 0 answers the user."""
+    cancel = Cancel(world)
+    while True:
+        request = world.broadcast()
+        if request is None:
+            return
+        for _ in gen.run(request, cancel):
+            pass
 
 
 __all__ = ["Engine", "EngineInfo", "Request", "Started", "Progress", "Tokens", "Done", "Error"]

@@ -228,8 +228,10 @@ class Generator:
     def _run(self, req: Request, ids: list[int], cancel, t0: float) -> Iterator:
         cached = self.prepare(ids)
         yield Started(req.id, len(ids), cached)
-        self.start_sampling(req.sampling, req.sampling.seed if req.sampling.seed is not None
-                            else int(torch.randint(0, 2**62, ()).item()))
+        seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        if self.lm.world is not None:  # every rank samples with rank 0's seed
+            seed = self.lm.world.broadcast(seed)
+        self.start_sampling(req.sampling, seed)
         for done in self.prefill_chunks(ids, cancel):
             if done < len(ids):
                 yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)

@@ -167,3 +167,30 @@ def step_bytes(cfg: ModelConfig, context: int) -> dict:
                 state += (context // m) * kv_row
     return {"weights": int(weights), "engram_rows": engram, "state": int(state),
             "total": int(weights + engram + state)}
+
+
+# What tensor parallelism splits (appliance/sharding.py); everything else is replicated on every rank.
+_SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".indexer.weights_proj.", "head.weight",
+          ".markov_head.head.", ".markov_head.markov_w2.", ".shared_experts.")
+
+
+def rank_weights(cfg: ModelConfig, world: int) -> dict:
+    """Weight bytes one of `world` ranks holds on its device, by dtype and by part (Engram tables stay on
+    the host, memory-mapped once per box)."""
+    ckpt = inventory(cfg)
+    by_dtype: dict[str, float] = defaultdict(float)
+    by_part: dict[str, float] = defaultdict(float)
+    host = 0
+    for name, (dtype, _) in ckpt.tensors.items():
+        n = ckpt.nbytes(name)
+        if where(name) == "host":
+            host += n
+            continue
+        routed = ".experts." in name and ".shared_experts." not in name
+        if routed or any(k in name for k in _SPLIT):
+            n /= world
+        by_dtype[dtype] += n
+        by_part[_part(name)] += n
+    return {"total": int(sum(by_dtype.values())), "by_dtype": {k: int(v) for k, v in by_dtype.items()},
+            "by_part": {k: int(v) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},
+            "host_engram_tables": host}

@@ -26,6 +26,7 @@ class LoadedModel:
     runtime: Runtime
     model_dir: Path
     drafter: object = None  # DSpark or MTP drafter when loaded
+    world: object = None  # appliance.distributed.World when the model is split over ranks
 
 
 def default_model_dir() -> Path:
@@ -34,7 +35,8 @@ def default_model_dir() -> Path:
 
 
 def parse_device(devices: str) -> torch.device:
-    """One process's device from a --devices value: "cpu", "cuda", "cuda:1", or "0" (= cuda:0)."""
+    """One process's device from a --devices value: "cpu", "cuda", "cuda:1", or "0" (= cuda:0). (Several
+    devices, "cpu:4" or "0,1,2,3", need a process group: appliance.distributed.start.)"""
     d = devices.split(",")[0].strip()
     if d.isdigit():
         d = f"cuda:{d}"
@@ -70,11 +72,14 @@ def set_cpu_threads(cfg: ModelConfig) -> int:
 
 
 def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "auto",
-               device: str = "cpu", notice=print, load_drafter: bool = False) -> LoadedModel:
+               device: str = "cpu", notice=print, load_drafter: bool = False, world=None) -> LoadedModel:
+    """`world` (appliance.distributed.World): several ranks: this process keeps its shard of the model."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     cfg = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     ckpt = Checkpoint(model_dir)
+    if world is not None and world.distributed:
+        device = world.device
     rt = make_runtime(numerics, dtype, path, device)
     if rt.device.type == "cpu":
         set_cpu_threads(cfg)
@@ -104,8 +109,12 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
 
         drafter = build_drafter(cfg, ckpt, rt, model)
     ckpt.finish(tuple(ignore))
+    if world is not None and world.distributed:
+        from .sharding import shard
+
+        shard(model, drafter, world.comm())
     if rt.device.type != "cpu":
         from .placement import place
 
         place((model, drafter), rt.device)
-    return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter)
+    return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter, world)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import MemoryPlanError
-from .info import state_bytes, weight_bytes
+from .info import rank_weights, state_bytes, weight_bytes
 
 GRAPH_BUFFERS = 64 << 20  # static inputs/outputs and scratch of the captured decode cycle (upper estimate)
 HEADROOM = 0.08  # of device memory, for the allocator, NCCL and the CUDA context
@@ -48,6 +48,30 @@ def device_plan(cfg, context: int, device_bytes: int, ranks: int = 1) -> MemoryP
         "headroom": int(device_bytes * HEADROOM),
     }
     return MemoryPlan(context, parts, device_bytes)
+
+
+def rank_plan(cfg, context: int, device_bytes: int, world: int) -> MemoryPlan:
+    """One rank's plan when the model is split over `world` devices: its weight shard (attention heads,
+    experts, the shared expert and the head split; the rest replicated), the whole decode state (every
+    rank's heads read the same compressed KV), graph buffers and headroom."""
+    s = state_bytes(cfg)
+    parts = {
+        "weights": rank_weights(cfg, world)["total"],
+        "decode_state": int(s["per_token_packed"] * context + s["constant_packed"]),
+        "graph_buffers": GRAPH_BUFFERS,
+        "headroom": int(device_bytes * HEADROOM),
+    }
+    return MemoryPlan(context, parts, device_bytes)
+
+
+def parse_bytes(text: str) -> int:
+    """"288GB", "141GiB", "80e9" -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    for suffix, scale in (("GIB", 1 << 30), ("GB", 10**9), ("TIB", 1 << 40), ("TB", 10**12), ("MIB", 1 << 20),
+                          ("MB", 10**6)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * scale)
+    return int(float(t))
 
 
 def host_memory_bytes() -> int:

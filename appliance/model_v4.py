@@ -73,6 +73,8 @@ class V4Attention:
         self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
         self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
         self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
+        # heads this process computes (all of them, or one rank's share: appliance/sharding.py)
+        self.heads, self.index_heads, self.index_reduce = c.n_heads, c.index_n_heads, None
         self.out = GroupedOutput(rt, ckpt, p, c, ab)
         self.compressor = self.index_compressor = None
         if self.kind != "window":
@@ -122,7 +124,7 @@ class V4Attention:
         T = x.shape[0]
         cos, sin = self.rope(step.positions)
         c_q = self.q_norm(self.wq_a(x))
-        q = self._q_renorm(self.wq_b(c_q).view(T, c.n_heads, c.head_dim))
+        q = self._q_renorm(self.wq_b(c_q).view(T, self.heads, c.head_dim))
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         k = self._nope_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
         ring = step.state.rings[f"window.{L}"]
@@ -162,7 +164,7 @@ class V4Attention:
         self._compress(x, step, self.index_compressor, f"index_compressor.{L}", f"index_keys.{L}",
                        self._index_quant)
         cos, sin = self.rope(step.positions)
-        qi = self.iq(c_q).view(T, c.index_n_heads, c.index_head_dim)
+        qi = self.iq(c_q).view(T, self.index_heads, c.index_head_dim)
         qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
         scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
         if self.rt.num.official:
@@ -171,7 +173,7 @@ class V4Attention:
             w = self.weights_proj(x, torch.float32) * scale
         keys = step.state.rows[f"index_keys.{L}"].visible(step.bound)
         n_valid = (step.positions + 1) // self.ratio
-        scores = ops.index_scores(qi, w, keys, n_valid, dt if self.rt.num.official else None)
+        scores = ops.index_scores(qi, w, keys, n_valid, dt if self.rt.num.official else None, self.index_reduce)
         topk = ops.index_select(scores, c.index_topk)
         if step.probe is not None:
             step.probe[f"index_topk.{L}"] = topk

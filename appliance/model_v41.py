@@ -46,6 +46,8 @@ class V41Attention:
         self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
         self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
         self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
+        # heads this process computes (all of them, or one rank's share: appliance/sharding.py)
+        self.heads, self.index_heads, self.index_reduce = c.n_heads, c.index_n_heads, None
         self.out = GroupedOutput(rt, ckpt, p, c, ab)
         self.compressor = None
         if self.kv_source == layer:
@@ -89,7 +91,7 @@ class V41Attention:
         T = x.shape[0]
         cos, sin = self.rope(step.positions)
         c_q = self.q_norm(self.wq_a(x))
-        q = self.wq_b(c_q).view(T, c.n_heads, c.head_dim)
+        q = self.wq_b(c_q).view(T, self.heads, c.head_dim)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         k = self._kv_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
         ring = step.state.rings[f"window.{L}"]
@@ -151,14 +153,14 @@ class V41Attention:
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
         T = x.shape[0]
         cos, sin = self.rope(step.positions)
-        qi = self.iq(c_q).view(T, c.index_n_heads, c.index_head_dim)
+        qi = self.iq(c_q).view(T, self.index_heads, c.index_head_dim)
         qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
         scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
         w = (self.weights_proj(x, dt).float() * scale).to(dt)
         keys = step.state.rows[f"index_keys.{self._keys_owner(step)}"].visible(step.bound)
         n_valid = (step.positions + 1) // self.ratio
         official = self.rt.num.official
-        scores = ops.index_scores(qi, w, keys, n_valid, dt if official else None)
+        scores = ops.index_scores(qi, w, keys, n_valid, dt if official else None, self.index_reduce)
         if L == c.candidate_source_layer:
             step.candidates = ops.candidate_mask(scores, n_valid, c.candidate_block_size, c.candidate_topk_blocks)
         elif 0 <= c.candidate_source_layer < L:  # level two: only inside the source's candidate blocks

@@ -145,8 +145,10 @@ def _block_common(w: _Writer, p: str, c: dict):
 
 # --- DeepSeek-V4.1 -----------------------------------------------------------------------------------
 
-V41_SHAPE = dict(vocab=512, dim=64, layers=8, heads=4, head_dim=64, rope=16, q_lora=64, o_groups=2, o_lora=32,
-                 hc=4, inter=32, experts=8, top_k=2, window=16, ratios=[0, 0, 2, 2, 1, 1, 1, 1],
+# every split dimension divides over 4 ranks in whole FP8 blocks (heads, output groups, the shared expert's
+# intermediate, experts, vocabulary), so the tiny models also test the four-rank split
+V41_SHAPE = dict(vocab=512, dim=64, layers=8, heads=4, head_dim=64, rope=16, q_lora=64, o_groups=4, o_lora=32,
+                 hc=4, inter=128, experts=8, top_k=2, window=16, ratios=[0, 0, 2, 2, 1, 1, 1, 1],
                  kv_sources=[2, 4], index_sources=[2, 4, 6], candidate_source=4, candidate_blocks=2,
                  candidate_block_size=4, index_heads=4, index_head_dim=32, index_topk=8, engram_layers=[1, 3],
                  engram_heads=2, engram_head_dim=32, engram_ngram=4, engram_base=64, dspark_targets=[5, 6, 7],
@@ -251,9 +253,9 @@ def _write_v41(out: Path, seed: int, shape: str = "tiny") -> None:
 
 # --- DeepSeek-V4 -------------------------------------------------------------------------------------
 
-V4_SHAPE = dict(vocab=512, dim=128, layers=5, heads=2, head_dim=128, rope=64, q_lora=128, o_groups=2, o_lora=64,
-                hc=4, inter=128, experts=8, top_k=2, window=16, ratios=[0, 4, 8, 4, 0], hash_layers=1,
-                index_heads=4, index_head_dim=64, index_topk=4, block=128, dspark_targets=[2, 3, 4], markov_rank=32)
+V4_SHAPE = dict(vocab=512, dim=128, layers=5, heads=4, head_dim=128, rope=64, q_lora=128, o_groups=4, o_lora=128,
+                hc=4, inter=512, experts=8, top_k=2, window=16, ratios=[0, 4, 8, 4, 0], hash_layers=1,
+                index_heads=4, index_head_dim=128, index_topk=4, block=128, dspark_targets=[2, 3, 4], markov_rank=32)
 
 
 def _write_v4(out: Path, seed: int, drafter: str, vocab: int | None) -> None:

@@ -41,16 +41,20 @@ from ._triton import (
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
-           round_dtype: torch.dtype | None) -> torch.Tensor:
+           round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
     """q [M, nh, dI], w [M, nh] (already scaled), keys [N, dI], n_valid [M] -> float32 [M, N].
+    `reduce` (tensor parallel, heads split over ranks) is applied to the float64 head sum before its
+    final rounding: an all-reduce makes every rank's scores those of all heads.
     Bytes moved: keys once (N x dI) + q + w + the [M, N] scores."""
     d = torch.einsum("mhd,nd->mhn", q.double(), keys.double())
     if round_dtype is not None:
         d = d.to(round_dtype).double()
-        u = (torch.relu(d) * w.double().unsqueeze(-1)).to(round_dtype).double()
-        s = u.sum(1).to(round_dtype).float()
+        s = (torch.relu(d) * w.double().unsqueeze(-1)).to(round_dtype).double().sum(1)
     else:
-        s = (torch.relu(d) * w.double().unsqueeze(-1)).sum(1).float()
+        s = (torch.relu(d) * w.double().unsqueeze(-1)).sum(1)
+    if reduce is not None:
+        s = reduce(s)
+    s = s.to(round_dtype).float() if round_dtype is not None else s.float()
     t = torch.arange(keys.shape[0], device=keys.device)
     return s.masked_fill(t.unsqueeze(0) >= n_valid.unsqueeze(1), float("-inf"))
 
@@ -142,8 +146,11 @@ _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
 def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
-                round_dtype: torch.dtype | None) -> torch.Tensor:
-    """The kernel for `scores` (same signature and result)."""
+                round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
+    """The kernel for `scores` (same signature and result). With heads split over ranks (`reduce`), the
+    kernel's rounded head sum cannot be reduced exactly: that case runs the reference scorer."""
+    if reduce is not None:
+        return scores(q, w, keys, n_valid, round_dtype, reduce)
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
     m, nh, di = q.shape

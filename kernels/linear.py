@@ -54,6 +54,27 @@ class PackedWeight:
     block: tuple[int, int] | None = None
     _dense64: torch.Tensor | None = field(default=None, repr=False)
 
+    def rows(self, start: int, end: int) -> "PackedWeight":
+        """Output rows [start, end) (a column-parallel shard); FP8 block rows must stay whole."""
+        bo = self.block[0] if self.format == "fp8" else 1
+        if start % bo or (end % bo and end != self.shape[0]):
+            raise ValueError(f"{self.name}: rows {start}:{end} split FP8 blocks of {bo}")
+        scale = None if self.scale is None else self.scale[start // bo: -(-end // bo)]
+        return PackedWeight(self.name, (end - start, self.shape[1]), self.format, self.data[start:end], scale,
+                            self.block)
+
+    def cols(self, start: int, end: int) -> "PackedWeight":
+        """Input columns [start, end) (a row-parallel shard); FP8/FP4 scale blocks must stay whole."""
+        bi = {"fp8": self.block[1] if self.block else 1, "fp4": 32}.get(self.format, 1)
+        if start % bi or (end % bi and end != self.shape[1]):
+            raise ValueError(f"{self.name}: columns {start}:{end} split scale blocks of {bi}")
+        if self.format == "fp4":
+            data = self.data[:, start // 2: end // 2]
+        else:
+            data = self.data[:, start:end]
+        scale = None if self.scale is None else self.scale[:, start // bi: -(-end // bi)]
+        return PackedWeight(self.name, (self.shape[0], end - start), self.format, data, scale, self.block)
+
     def dequantize(self) -> torch.Tensor:
         """Exact float32 values [out, in]."""
         if self.format == "fp8":

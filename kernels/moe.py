@@ -80,22 +80,26 @@ def _swiglu(x, w1, w3, act_block, limit, dtype):
 
 
 def expert_reference(x: torch.Tensor, w1, w2, w3, act_block: int | None, limit: float,
-                     weight: torch.Tensor | None, weight_before_w2: bool) -> torch.Tensor:
-    """One SwiGLU expert on rows x [n, D] (PackedWeight w1, w3 [I, D], w2 [D, I]) -> [n, D] in x.dtype."""
+                     weight: torch.Tensor | None, weight_before_w2: bool, out_dtype=None) -> torch.Tensor:
+    """One SwiGLU expert on rows x [n, D] (PackedWeight w1, w3 [I, D], w2 [D, I]) -> [n, D] in out_dtype
+    (default x.dtype; float64 leaves w2's sum unrounded, for a sum over ranks holding slices of I)."""
     h = _swiglu(x, w1, w3, act_block, limit, x.dtype)
     if weight is not None and weight_before_w2:
         h = weight.unsqueeze(-1) * h
-    o = linear.reference(h.to(x.dtype), w2, act_block, x.dtype)
+    o = linear.reference(h.to(x.dtype), w2, act_block, out_dtype or x.dtype)
     if weight is not None and not weight_before_w2:
         o = o * weight.unsqueeze(-1).to(o.dtype)
     return o
 
 
 def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts, shared,
-              act_block: int | None, limit: float, weight_before_w2: bool) -> torch.Tensor:
+              act_block: int | None, limit: float, weight_before_w2: bool, reduce=None) -> torch.Tensor:
     """x [M, D]; weights/indices [M, k]; experts: list of (w1, w2, w3) (None for experts not held);
     shared: (w1, w2, w3) or None -> y [M, D] in x.dtype.
 
+    Expert parallel (`reduce`): this rank computes the slots whose expert it holds (zeros elsewhere) and
+    its slice of the shared expert's intermediate, unrounded; `reduce(outputs, shared64)` sums them over
+    ranks (exactly: each slot comes from one rank), and every rank then adds the experts in the same order.
     Bytes moved: each distinct selected expert's w1, w2, w3 once + x + y."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = indices.argsort(dim=-1)  # each row adds its experts in increasing id, like the official loop
@@ -103,14 +107,21 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
     sorted_w = weights.gather(-1, order)
     outputs = torch.zeros(*indices.shape, x.shape[-1], dtype=torch.float32, device=x.device)
     for e in sorted_idx.unique().tolist():
+        if experts[e] is None:  # held by another rank
+            continue
         rows, slots = (sorted_idx == e).nonzero(as_tuple=True)
         w1, w2, w3 = experts[e]
         o = expert_reference(x[rows], w1, w2, w3, act_block, limit, sorted_w[rows, slots], weight_before_w2)
         outputs[rows, slots] = o.float()
+    shared64 = None
+    if shared is not None:
+        shared64 = expert_reference(x, *shared, act_block, limit, None, weight_before_w2, torch.float64)
+    if reduce is not None:
+        outputs, shared64 = reduce(outputs, shared64)
     for slot in range(indices.shape[-1]):
         y = y + outputs[:, slot]
-    if shared is not None:
-        y = y + expert_reference(x, *shared, act_block, limit, None, weight_before_w2).float()
+    if shared64 is not None:
+        y = y + shared64.to(x.dtype).float()
     return y.to(x.dtype)
 
 
@@ -408,8 +419,12 @@ def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
 
 
 def fast(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts, shared,
-         act_block: int | None, limit: float, weight_before_w2: bool) -> torch.Tensor:
-    """The kernels for `reference` (same signature and result)."""
+         act_block: int | None, limit: float, weight_before_w2: bool, reduce=None) -> torch.Tensor:
+    """The kernels for `reference` (same signature and result). Expert parallel (`reduce`) needs the
+    per-slot outputs and the shared expert's unrounded partial sum, which the fused kernels do not expose:
+    that case runs the reference."""
+    if reduce is not None:
+        return reference(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce)
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape

@@ -1,0 +1,156 @@
+"""Splitting a loaded model over the ranks of a process group: a transformation applied after load. The
+model code runs unchanged on each rank; what changes is which slices of the weights its modules hold and
+the reduce hooks that sum partial results over ranks.
+
+- attention: query heads (`wq_b` rows), their sinks and output groups (`wo_a`) are split; `wo_b` takes
+  the rank's columns and its partial sum is all-reduced. The shared KV head (`wkv`, compressors, index
+  keys), `wq_a` and the norms are replicated: every head reads the same KV, and they are small.
+- indexer: query heads (`wq_b`) and their weights (`weights_proj`) are split; the head sum of the scores
+  is all-reduced before its final rounding, so every rank selects the same rows.
+- MoE: routed experts are split (rank r holds experts [r E/n, (r+1) E/n) and computes the slots that chose
+  them); the shared expert's intermediate is split too: replicating it would read its 35 MB on every rank
+  and every layer, splitting it costs nothing extra because its partial sum travels in the same
+  all-reduce as the routed slots. The router is replicated (selection must be identical everywhere).
+- head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
+  all-gathered, so sampling sees the same logits as a single device.
+- embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
+  page cache of every rank's process).
+Reductions run in float64 and are rounded once, like the single-device reference: splitting does not
+change the function (up to the order of a float64 sum).
+"""
+
+import torch
+import torch.distributed as dist
+
+from .blocks import Dense, GroupedOutput, Linear, MoE
+
+
+class Comm:
+    """The collectives the shards use (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, rank: int, world: int, group=None):
+        self.rank, self.world, self.group = rank, world, group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of n items split evenly."""
+        if n % self.world:
+            raise ValueError(f"{n} does not split over {self.world} ranks")
+        per = n // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+
+class RowParallel:
+    """A linear layer holding the input columns of this rank: local product unrounded (float64 on the
+    reference path), summed over ranks, rounded once."""
+
+    def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
+        self.rt, self.comm = linear.rt, comm
+        self.weight = linear.weight.cols(start, end)
+        self.act_block = linear.act_block
+        self.partial = torch.float64 if linear.rt.ops.path == "reference" else torch.float32
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
+        return self.comm.all_reduce(y.double()).to(out_dtype or self.rt.dtype)
+
+
+class VocabParallel:
+    """A dense head holding this rank's slice of the vocabulary; logits are all-gathered."""
+
+    def __init__(self, head: Dense, comm: Comm):
+        start, end = comm.span(head.w64.shape[1])
+        self.w64 = head.w64[:, start:end].contiguous()
+        self.comm = comm
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        local = torch.matmul(x.double(), self.w64).to(out_dtype)
+        return self.comm.all_gather(local, dim=-1)
+
+
+def _linear_rows(lin: Linear, start: int, end: int) -> None:
+    lin.weight = lin.weight.rows(start, end)
+
+
+def shard_attention(attn, comm: Comm) -> None:
+    """Split an attention module's query heads, output groups and indexer heads over the ranks."""
+    c = attn.cfg
+    h0, h1 = comm.span(attn.heads)
+    _linear_rows(attn.wq_b, h0 * c.head_dim, h1 * c.head_dim)
+    attn.sink = attn.sink[h0:h1]
+    attn.heads = h1 - h0
+    shard_output(attn.out, comm)
+    if getattr(attn, "iq", None) is not None:
+        i0, i1 = comm.span(attn.index_heads)
+        _linear_rows(attn.iq, i0 * c.index_head_dim, i1 * c.index_head_dim)
+        attn.weights_proj = _dense_rows(attn.weights_proj, i0, i1)
+        attn.index_heads = i1 - i0
+        attn.index_reduce = comm.all_reduce
+
+
+def _dense_rows(d: Dense, start: int, end: int) -> Dense:
+    out = Dense(None)
+    out.w64 = d.w64[:, start:end].contiguous()  # w64 is [in, out]: output rows are its columns
+    return out
+
+
+def shard_output(out: GroupedOutput, comm: Comm) -> None:
+    g0, g1 = comm.span(out.groups)
+    rank_width = out.wo_a64.shape[2]  # o-LoRA rank per group
+    out.wo_a64 = out.wo_a64[g0:g1].contiguous()
+    out.groups = g1 - g0
+    out.wo_b = RowParallel(out.wo_b, comm, g0 * rank_width, g1 * rank_width)
+
+
+def shard_moe(moe: MoE, comm: Comm) -> None:
+    e0, e1 = comm.span(len(moe.experts))
+    moe.experts = [w if e0 <= e < e1 else None for e, w in enumerate(moe.experts)]
+    if moe.shared is not None and _splits(moe.shared[0], comm):
+        w1, w2, w3 = moe.shared
+        i0, i1 = comm.span(w1.shape[0])
+        moe.shared = (w1.rows(i0, i1), w2.cols(i0, i1), w3.rows(i0, i1))
+        shared_split = True
+    else:  # replicated: every rank computes the whole shared expert, nothing to sum
+        shared_split = False
+
+    def reduce(outputs: torch.Tensor, shared64: torch.Tensor | None):
+        if shared64 is None or not shared_split:
+            return comm.all_reduce(outputs), shared64
+        packed = torch.cat((outputs.double(), shared64.unsqueeze(1)), dim=1)  # one collective for both
+        packed = comm.all_reduce(packed)
+        return packed[:, :-1].float(), packed[:, -1]
+
+    moe.reduce = reduce
+
+
+def shard(model, drafter, comm: Comm) -> None:
+    """Split `model` (and its drafter) in place for this rank."""
+    for layer in model.layers:
+        shard_attention(layer.attn, comm)
+        shard_moe(layer.ffn, comm)
+    head = VocabParallel(model.head, comm)
+    model.head = head
+    if drafter is None:
+        return
+    drafter.head = head  # the drafter shares the backbone's head
+    for block in getattr(drafter, "stages", None) or [drafter.block]:
+        shard_attention(block.attn, comm)
+        shard_moe(block.ffn, comm)
+    if hasattr(drafter, "markov_head"):
+        drafter.markov_head = VocabParallel(drafter.markov_head, comm)
+
+
+def _splits(w, comm: Comm) -> bool:
+    """Whether a weight's output rows split over the ranks in whole FP8 blocks."""
+    rows = w.shape[0]
+    block = w.block[0] if w.format == "fp8" else 1
+    return rows % comm.world == 0 and (rows // comm.world) % block == 0

@@ -1,0 +1,98 @@
+"""One model over four ranks (gloo on the CPU): the split must not change the function, and a dead rank
+must stop the service, never hang it."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+APPLIANCE = [sys.executable, "-m", "appliance"]
+ENV = dict(os.environ, APPLIANCE_THREADS="1")
+
+
+def run(*args, timeout=300):
+    p = subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def generate(model, ids_file, draft, devices):
+    p = run("generate", "--model", model, "--ids", ids_file, "--max-tokens", 64, "--ignore-eos", "--json",
+            "--draft", draft, "--draft-tokens", 3, "--devices", devices)
+    return json.loads(p.stdout)["ids"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4"])
+def test_four_gloo_ranks_give_the_single_process_greedy_tokens_with_and_without_drafting(tiny_dirs, tmp_path,
+                                                                                        family):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(torch.randint(0, 512, (21,)).tolist()))
+    for draft in ("none", "auto"):
+        single = generate(tiny_dirs[family], ids, draft, "cpu")
+        split = generate(tiny_dirs[family], ids, draft, "cpu:4")
+        assert len(single) == 64 and split == single, (family, draft)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4_0731"])
+def test_four_gloo_ranks_give_teacher_forced_logits_within_1e_5(tiny_dirs, tmp_path, family):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(torch.randint(0, 512, (70,)).tolist()))
+    out = {}
+    for devices in ("cpu", "cpu:4"):
+        path = tmp_path / f"{devices.replace(':', '')}.safetensors"
+        run("score", "--model", tiny_dirs[family], "--ids", ids, "--out", path, "--devices", devices)
+        out[devices] = load_file(str(path))["logits"]
+    err = (out["cpu"] - out["cpu:4"]).abs().max().item()
+    assert err <= 1e-5, f"{family}: max |delta| {err:.3g}"
+
+
+def test_a_killed_rank_stops_the_whole_service_with_a_message_naming_it(tiny_dirs):
+    proc = subprocess.Popen([*APPLIANCE, "serve", "--model", str(tiny_dirs["deepseek_v41"]), "--devices", "cpu:4",
+                             "--port", "0"], stderr=subprocess.PIPE, text=True, env=ENV)
+    pids, lines = {}, []
+    deadline = time.monotonic() + 120
+    while len(pids) < 3 and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        m = re.search(r"started rank (\d+) \(pid (\d+)\)", line)
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+    assert len(pids) == 3, "".join(lines)
+    time.sleep(8)  # let the ranks load and meet in their first collective
+    os.kill(pids[2], signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        _, rest = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the service did not exit within 30 s of a rank's death")
+    assert time.monotonic() - killed < 30
+    assert proc.returncode != 0
+    assert "rank 2" in rest, rest
+    for pid in pids.values():  # no orphan rank left behind
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"rank process {pid} is still running")
+
+
+def test_the_four_b300_plan_for_the_released_v41_flash_fits(tmp_path):
+    from .conftest import DATA
+
+    (tmp_path / "config.json").write_text((DATA / "deepseek-v41-flash-config.json").read_text())
+    p = run("info", "--model", tmp_path, "--devices", 4, "--gpu-memory", "288GB", "--context", 855000, "--json")
+    plan = json.loads(p.stdout)["plan"]
+    assert plan["fits"] and plan["free_per_rank"] > 0
+    assert plan["per_rank"]["decode_state"] > 855000 * 890  # the whole compressed KV on every rank
+    assert 60e9 < plan["per_rank"]["weights"] < 100e9  # a quarter of the experts, the rest mostly replicated
