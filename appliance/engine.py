@@ -71,8 +71,10 @@ class Engine:
              numerics: str = "official",
              dtype: str = "float32", path: str = "auto", chunk: int = 256, context: int | None = None,
              graphs: bool = True,
-             index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None) -> "Engine":
-        """Read config and weights, check the memory plan, build the decode state, warm up."""
+             index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None,
+             memory_budget: int | None = None) -> "Engine":
+        """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
+        the device), build the decode state, capture the cycle, warm up."""
         from .distributed import start
         from .generate import Generator
         from .loader import load_model
@@ -83,7 +85,7 @@ class Engine:
         say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
         lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices,
                         notice=say, load_drafter=draft != "none", world=world)
-        capacity = plan_context(lm, context)
+        capacity = plan_context(lm, context, memory_budget)
         say(f"allocating decode state for {capacity} tokens")
         gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
                         draft_tokens=draft_tokens, graphs=graphs)
