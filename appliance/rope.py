@@ -35,9 +35,17 @@ class RopeTable:
     def __init__(self, freqs: torch.Tensor, round_to: torch.dtype | None = None):
         self.freqs = freqs
         self.round_to = round_to  # transformers rounds cos/sin to the activation dtype
+        self._last: tuple | None = None  # (positions, cos, sin): every layer of a step asks for the same
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [...] -> cos, sin float32 [..., r/2]."""
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
+        cos, sin = self._compute(positions)
+        self._last = (positions, cos, sin)
+        return cos, sin
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         phi = positions.to(torch.float32).unsqueeze(-1) * self.freqs.to(positions.device)
         cos, sin = torch.cos(phi), torch.sin(phi)
         if self.round_to is not None:

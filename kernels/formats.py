@@ -68,10 +68,10 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> t
 
 def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2 v) for positive normal float32 v, from the bit pattern (a float log2 misrounds at
-    exact powers of two)."""
+    exact powers of two): adding 2^23 - 1 to the bits carries into the exponent exactly when the mantissa
+    is non-zero, then the mantissa is cleared."""
     bits = v.float().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).ne(0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -91,22 +91,26 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().unflatten(-1, (x.shape[-1] // block, block))
 
 
+_INV_448 = 1.0 / 448.0  # python floats: the multiply happens in float32 (fl32(a * fl32(1/448)))
+_INV_6 = 1.0 / 6.0
+
+
 def q8_pow2(x: torch.Tensor, block: int) -> torch.Tensor:
     """FP8 activation quantization with power-of-two scales per `block` elements, dequantized.
 
     Official rule: a = max(amax, 1e-4); s = 2^ceil(log2(fl32(a * fl32(1/448)))); q = e4m3(x / s)."""
     xb = _blocks(x, block)
-    amax = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-    s = pow2_ceil(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32))
-    q = (xb / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    return (q * s).flatten(-2)
+    amax = xb.abs().amax(-1, keepdim=True).clamp_(min=1e-4)
+    s = pow2_ceil(amax.mul_(_INV_448))
+    q = (xb / s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return q.mul_(s).flatten(-2)
 
 
 def q4_e8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 fake quantization with power-of-two (E8M0) scales per `block`, dequantized (index q/k)."""
     xb = _blocks(x, block)
     amax = xb.abs().amax(-1, keepdim=True).clamp(min=6.0 * 2.0**-126)
-    s = pow2_ceil(amax * torch.tensor(1.0 / 6.0, dtype=torch.float32))
+    s = pow2_ceil(amax * _INV_6)
     return (round_e2m1(xb / s) * s).flatten(-2)
 
 

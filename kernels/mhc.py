@@ -49,11 +49,11 @@ def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     pre = torch.sigmoid(m[..., :hc] * s[0] + b[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
     c = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).unflatten(-1, (hc, hc))
-    c = torch.softmax(c, dim=-1) + hc_eps
-    c = c / (c.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + hc_eps)
-        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    c = torch.softmax(c, dim=-1).add_(hc_eps)
+    c.div_(c.sum(-2, keepdim=True).add_(hc_eps))
+    for _ in range(iters - 1):  # in place: a decode step runs this 20-iteration loop twice per layer
+        c.div_(c.sum(-1, keepdim=True).add_(hc_eps))
+        c.div_(c.sum(-2, keepdim=True).add_(hc_eps))
     return pre.float(), post.float(), c.float()
 
 
