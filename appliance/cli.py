@@ -195,7 +195,8 @@ def score(model_dir, numerics, dtype, op_path, devices, index_keys, ids_file, te
     logits, probes, hidden = [], [], []
     for s in range(0, len(ids), step):
         probe = {} if dumps else None
-        o = lm.model.forward(tokens[s:s + step], state, index_keys=index_keys, probe=probe)
+        with torch.inference_mode():
+            o = lm.model.forward(tokens[s:s + step], state, index_keys=index_keys, probe=probe)
         logits.append(o.logits)
         probes.append(probe)
         hidden.append(o.hidden)
