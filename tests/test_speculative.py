@@ -130,14 +130,22 @@ def test_sampling_with_and_without_drafting_follows_the_target_distribution(smal
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(drafter_models, family):
-    lm = drafter_models[family]
+    _verify_block_equals_single_steps(drafter_models[family])
+
+
+def test_on_the_fast_path_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(tiny_dirs):
+    # (the Triton interpreter is slow: a shorter prefix)
+    _verify_block_equals_single_steps(load_model(tiny_dirs["deepseek_v41"], path="fast", notice=None), 12)
+
+
+def _verify_block_equals_single_steps(lm, prefix=34):
     m = lm.model
-    tokens = torch.randint(0, lm.cfg.vocab_size, (40,))
+    tokens = torch.randint(0, lm.cfg.vocab_size, (prefix + 6,))
     a, b = m.new_state(128), m.new_state(128)
-    m.forward(tokens[:34], a)
-    m.forward(tokens[:34], b)
-    block = m.forward(tokens[34:], a, keep_streams=True)
-    singles = [m.forward(tokens[i:i + 1], b, keep_streams=True) for i in range(34, 40)]
+    m.forward(tokens[:prefix], a)
+    m.forward(tokens[:prefix], b)
+    block = m.forward(tokens[prefix:], a, keep_streams=True)
+    singles = [m.forward(tokens[i:i + 1], b, keep_streams=True) for i in range(prefix, prefix + 6)]
     assert torch.equal(block.logits, torch.cat([s.logits for s in singles]))
     if block.hidden is not None:
         assert torch.equal(block.hidden, torch.cat([s.hidden for s in singles]))
