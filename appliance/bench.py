@@ -82,7 +82,7 @@ def measure_decode(gen, context: int, tokens: int, force_accept: int | None = No
         gen.spec.force_accept = force_accept
     forward_ms: list[float] = []  # device time of each cycle step (graph replay or eager step)
     device = gen.lm.runtime.device
-    runners = [gen.runner(kind, n) for kind, n in gen.cycle_steps()]
+    runners = [gen.runner(*step) for step in gen.cycle_steps()]
     for runner in runners:
         def timed(run=runner.run):
             with _Timer(device) as t:

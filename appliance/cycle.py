@@ -18,11 +18,34 @@ Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next t
 A fixed draft length runs 1-4 as one step (one graph). `--draft adaptive` runs the draft step, reads the
 confidences (a second small copy), and replays the verify step of the width it chose.
 The host then sets the states' lengths from `count`: nothing else crosses to the host.
+
+Reach: a target step reads the compressed rows of positions below its reach, not the whole capacity, so
+a cycle at 2K tokens of a 1M-token state costs what the 2K-token context needs. The reach is static (a
+graph's shapes are), so each target step is made once per reach (`reaches`: doubling from `floor` to the
+capacity) and the host picks the smallest reach that holds every position the cycle writes.
 """
 
 import torch
 
 from kernels import acceptance
+
+
+def reaches(capacity: int, floor: int) -> list[int]:
+    """Reaches floor, 2 floor, 4 floor, ... below the capacity, then the capacity itself."""
+    out = []
+    r = floor
+    while r < capacity:
+        out.append(r)
+        r *= 2
+    return out + [capacity]
+
+
+def reach_for(reach_list: list[int], end: int) -> int:
+    """The smallest reach holding positions < `end`."""
+    for r in reach_list:
+        if end <= r:
+            return r
+    raise ValueError(f"positions up to {end - 1} exceed the largest reach {reach_list[-1]}")
 
 
 class CycleBuffers:
@@ -44,15 +67,15 @@ class PlainCycle:
 
     width = 1
 
-    def __init__(self, gen, buf: CycleBuffers):
-        self.gen, self.buf = gen, buf
+    def __init__(self, gen, buf: CycleBuffers, reach: int):
+        self.gen, self.buf, self.reach = gen, buf, reach
         self.result = torch.zeros(3, dtype=torch.long, device=buf.anchor.device)
 
     def __call__(self) -> dict[str, torch.Tensor]:
         gen, state, buf = self.gen, self.gen.state, self.buf
         state.journal.begin()
         out = gen.model.forward(buf.anchor, state, logits="last", index_keys=gen.index_keys, start=buf.start,
-                                keep_streams=gen.keep_streams)
+                                keep_streams=gen.keep_streams, bound=self.reach - 1)
         state.journal.transaction = None  # everything this cycle wrote is committed
         token = acceptance.sample(out.logits[-1:], buf.params, buf.key)
         one = torch.ones(1, dtype=torch.long, device=token.device)
@@ -84,8 +107,8 @@ class DraftStep:
 class VerifyStep:
     """Steps 2-4 for the first `width - 1` drafts in the buffers."""
 
-    def __init__(self, gen, buf: CycleBuffers, width: int):
-        self.gen, self.buf, self.width = gen, buf, width
+    def __init__(self, gen, buf: CycleBuffers, width: int, reach: int):
+        self.gen, self.buf, self.width, self.reach = gen, buf, width, reach
         self.result = torch.zeros(width + 2, dtype=torch.long, device=buf.anchor.device)
 
     def __call__(self) -> dict[str, torch.Tensor]:
@@ -96,7 +119,8 @@ class VerifyStep:
         drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
         tokens = torch.cat((buf.anchor, drafts))
         state.journal.begin()
-        out = gen.model.forward(tokens, state, index_keys=gen.index_keys, start=N, keep_streams=gen.keep_streams)
+        out = gen.model.forward(tokens, state, index_keys=gen.index_keys, start=N, keep_streams=gen.keep_streams,
+                                bound=self.reach - 1)
         rows = spec.drafter.rows(out)
         spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
         j, b = acceptance.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
@@ -116,8 +140,8 @@ class VerifyStep:
 class FixedCycle:
     """Steps 1-4 with a fixed draft length: one callable, one graph."""
 
-    def __init__(self, gen, buf: CycleBuffers, k: int):
-        self.draft, self.verify = DraftStep(gen, buf, k), VerifyStep(gen, buf, k + 1)
+    def __init__(self, gen, buf: CycleBuffers, k: int, reach: int):
+        self.draft, self.verify = DraftStep(gen, buf, k), VerifyStep(gen, buf, k + 1, reach)
         self.width = k + 1
 
     def __call__(self) -> dict[str, torch.Tensor]:

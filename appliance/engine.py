@@ -90,7 +90,8 @@ class Engine:
         gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
                         draft_tokens=draft_tokens, graphs=graphs)
         if graphs and lm.runtime.device.type == "cuda":
-            say("capturing the decode cycle as CUDA graphs")
+            say(f"capturing the decode cycle as {len(gen.cycle_steps())} CUDA graphs "
+                f"({len(gen.reaches)} reaches up to {capacity} tokens)")
             gen.capture()
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)

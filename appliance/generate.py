@@ -19,7 +19,7 @@ from graphs.runner import make_runner
 from kernels import acceptance
 
 from .api import Done, Error, Progress, Request, Started, Tokens
-from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep
+from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep, reach_for, reaches
 from .errors import ApplianceError, ContextLengthError, RequestError
 from .loader import LoadedModel
 from .speculative import DraftStats, make_speculator
@@ -43,7 +43,8 @@ def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
 
 class Generator:
     def __init__(self, lm: LoadedModel, capacity: int | None = None, chunk: int = 256, index_keys: str = "own",
-                 spare: int = 16, draft: str = "none", draft_tokens: int = 3, graphs: bool = True):
+                 spare: int = 16, draft: str = "none", draft_tokens: int = 3, graphs: bool = True,
+                 reach_floor: int = 4096):
         self.lm = lm
         self.model = lm.model
         self.cfg = lm.cfg
@@ -58,7 +59,12 @@ class Generator:
         self.graphs = graphs
         block = self.spec.block if self.spec is not None else 1
         self.buffers = CycleBuffers(lm.runtime.device, block, self.cfg.vocab_size)
+        self.reaches = reaches(self.capacity, reach_floor)
         self.runners: dict[tuple, object] = {}
+        # one memory pool for all the cycle graphs: they replay one after another on one stream, and what
+        # one leaves for the next (drafts, results) lives in buffers made outside any capture
+        cuda = lm.runtime.device.type == "cuda"
+        self.graph_pool = torch.cuda.graph_pool_handle() if graphs and cuda else None
 
     # --- request -> ids ------------------------------------------------------------------------------
 
@@ -144,23 +150,27 @@ class Generator:
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
         return self.forward_out(ids, logits).logits
 
-    def runner(self, kind: str, n: int = 0):
-        """The runner of one cycle step (captured as a CUDA graph on a GPU), made on first use."""
-        if (kind, n) not in self.runners:
+    def runner(self, kind: str, n: int = 0, reach: int | None = None):
+        """The runner of one cycle step (captured as a CUDA graph on a GPU), made on first use. `n`: the
+        draft or verify width; `reach`: for the steps that run the target (cycle.py)."""
+        key = (kind, n, reach)
+        if key not in self.runners:
             buf = self.buffers
-            step = {"plain": lambda: PlainCycle(self, buf), "fixed": lambda: FixedCycle(self, buf, n),
-                    "draft": lambda: DraftStep(self, buf, n), "verify": lambda: VerifyStep(self, buf, n)}[kind]()
-            self.runners[(kind, n)] = make_runner(step, self.lm.runtime.device, self.graphs)
-        return self.runners[(kind, n)]
+            step = {"plain": lambda: PlainCycle(self, buf, reach), "fixed": lambda: FixedCycle(self, buf, n, reach),
+                    "draft": lambda: DraftStep(self, buf, n),
+                    "verify": lambda: VerifyStep(self, buf, n, reach)}[kind]()
+            self.runners[key] = make_runner(step, self.lm.runtime.device, self.graphs, pool=self.graph_pool)
+        return self.runners[key]
 
-    def cycle_steps(self) -> list[tuple[str, int]]:
-        """Every cycle step this generator replays: one graph per verify width."""
+    def cycle_steps(self) -> list[tuple[str, int, int | None]]:
+        """Every cycle step this generator replays: one per verify width and reach."""
         spec = self.spec
         if spec is None:
-            return [("plain", 0)]
+            return [("plain", 0, r) for r in self.reaches]
         if spec.mode == "adaptive" and spec.drafter.kind == "dspark":
-            return [("draft", spec.block)] + [("verify", w) for w in range(2, spec.block + 2)]
-        return [("fixed", spec.k)]
+            return [("draft", spec.block, None)] + [("verify", w, r) for w in range(2, spec.block + 2)
+                                                     for r in self.reaches]
+        return [("fixed", spec.k, r) for r in self.reaches]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -170,8 +180,8 @@ class Generator:
 
         self.start_sampling(Sampling(), 0)
         self.buffers.start.fill_(1)
-        for kind, n in self.cycle_steps():
-            self.runner(kind, n)
+        for kind, n, reach in self.cycle_steps():
+            self.runner(kind, n, reach)
         self.state.reset()
         if self.spec is not None:
             self.spec.reset()
@@ -190,20 +200,21 @@ class Generator:
         """Process `token` at the next position and return the tokens that follow it: one without a drafter;
         the accepted drafts and one more with one. One cycle = one replay and one small copy back."""
         buf, spec = self.buffers, self.spec
+        N = self.state.length
         buf.anchor.fill_(token)
-        buf.start.fill_(self.state.length)
+        buf.start.fill_(N)
         if spec is None:
-            result = self.runner("plain").run()["result"]
+            result = self.runner("plain", 0, reach_for(self.reaches, N + 1)).run()["result"]
             drafted = 0
         else:
             buf.force.fill_(-1 if spec.force_accept is None else spec.force_accept)
             if spec.mode == "adaptive" and spec.drafter.kind == "dspark":
                 confidence = self.runner("draft", spec.block).run()["confidence"]
                 drafted = spec.adaptive_length(confidence.cpu())
-                result = self.runner("verify", drafted + 1).run()["result"]
+                result = self.runner("verify", drafted + 1, reach_for(self.reaches, N + drafted + 1)).run()["result"]
             else:
                 drafted = spec.k
-                result = self.runner("fixed", spec.k).run()["result"]
+                result = self.runner("fixed", spec.k, reach_for(self.reaches, N + spec.k + 1)).run()["result"]
         values = result.tolist()
         count, accepted = values[0], values[1]
         self.state.advance(count)

@@ -263,9 +263,11 @@ class V4Model:
         return self.head(z, torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None) -> Output:
-        """Process `tokens` at positions state.length.. (or `start`.., a device scalar) into the state."""
-        step = begin(state, tokens, start, index_keys, probe)
+                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None,
+                bound: int | None = None) -> Output:
+        """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
+        past `bound`) into the state."""
+        step = begin(state, tokens, start, index_keys, probe, bound)
         X = self.embed_tokens(tokens)
         for layer in self.layers:
             X = layer(X, step)

@@ -267,9 +267,11 @@ class V41Model:
         return self.head(z.float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None) -> Output:
-        """Process `tokens` at positions state.length.. (or `start`.., a device scalar) into the state."""
-        step = begin(state, tokens, start, index_keys, probe)
+                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None,
+                bound: int | None = None) -> Output:
+        """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
+        past `bound`) into the state."""
+        step = begin(state, tokens, start, index_keys, probe, bound)
         X, pre = self.embed_tokens(tokens)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_ids(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))

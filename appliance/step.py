@@ -16,7 +16,7 @@ class Step:
     start: int | torch.Tensor  # host int (eager) or a device scalar (a capturable cycle)
     positions: torch.Tensor  # [T] int64
     index_keys: str  # "own" | "reference"
-    bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: capacity - 1)
+    bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: the cycle's reach - 1)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
     candidates: torch.Tensor | None = None  # [T, N] bool, from the candidate source
     captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
@@ -32,10 +32,12 @@ class Step:
         return isinstance(self.start, int)
 
 
-def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, probe: dict | None) -> Step:
+def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, probe: dict | None,
+          bound: int | None = None) -> Step:
     """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; the
-    caller advances the length after. Static (`start` a device scalar): no host value is read, the
-    visible rows are bounded by the capacity, so the call can be captured in a CUDA graph."""
+    caller advances the length after. Static (`start` a device scalar): no host value is read, so the call
+    can be captured in a CUDA graph; the visible rows are bounded by `bound` (default: the capacity), a
+    promise that no position of the call exceeds it, which the caller keeps."""
     T = tokens.numel()
     if start is None:
         state.check_room(T)
@@ -44,7 +46,9 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, prob
         bound = start + T - 1
     else:
         positions = start + torch.arange(T, device=tokens.device)
-        bound = state.capacity - 1
+        bound = state.capacity - 1 if bound is None else bound
+        if not 0 <= bound < state.capacity:
+            raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
     state.write_tokens(positions, tokens)
     return Step(state, tokens, start, positions, index_keys, bound, probe=probe)
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from appliance.api import Request, Sampling
+from appliance.cycle import reach_for, reaches
 from appliance.generate import Generator
 from appliance.loader import load_model
 from graphs.runner import CudaGraphRunner, EagerRunner, make_runner
@@ -30,7 +31,31 @@ def test_on_cpu_generation_replays_one_cycle_step_per_verify_width(tiny_dirs):
     lm = load_model(tiny_dirs["deepseek_v41"], load_drafter=True, notice=None)
     gen = Generator(lm, capacity=256, draft="auto", draft_tokens=2)
     list(gen.run(Request(input_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)))
-    assert set(gen.runners) == {("fixed", 2)} and all(r.kind == "eager" for r in gen.runners.values())
+    assert set(gen.runners) == {("fixed", 2, 256)} and all(r.kind == "eager" for r in gen.runners.values())
+
+
+def test_reaches_double_from_the_floor_to_the_capacity():
+    assert reaches(256, 16) == [16, 32, 64, 128, 256]
+    assert reaches(300, 64) == [64, 128, 256, 300]
+    assert reaches(100, 4096) == [100]
+    assert reach_for([16, 32, 64], 16) == 16 and reach_for([16, 32, 64], 17) == 32
+    with pytest.raises(ValueError, match="largest reach 64"):
+        reach_for([16, 32, 64], 65)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4"])
+@pytest.mark.parametrize("draft", ["none", "auto"])
+def test_cycles_that_read_only_their_reach_give_the_tokens_of_full_capacity_cycles(tiny_dirs, family, draft):
+    """Decoding across four reaches (16 .. 128) equals decoding with the whole capacity visible."""
+    lm = load_model(tiny_dirs[family], load_drafter=draft != "none", notice=None)
+    prompt = torch.randint(0, lm.cfg.vocab_size, (9,)).tolist()
+    reached = Generator(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=16)
+    whole = Generator(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=256)
+    req = Request(input_ids=prompt, max_tokens=100, ignore_eos=True)
+    tokens = [[t for e in g.run(req) for t in getattr(e, "ids", [])] for g in (reached, whole)]
+    assert len(tokens[0]) == 100 and tokens[0] == tokens[1]
+    assert {key[2] for key in reached.runners if key[2] is not None} == {16, 32, 64, 128}
+    assert {key[2] for key in whole.runners if key[2] is not None} == {256}
 
 
 def _tokens(gen, prompt, sampling):
