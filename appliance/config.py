@@ -211,6 +211,67 @@ def parse_config(data: dict, path="config.json") -> ModelConfig:
 
 # --- shared field groups -----------------------------------------------------------------------------
 
+# Fields both spellings carry, as (field, key in transformers' config.json, key in the flat reference
+# config, type, default). A key may be a tuple of alternatives, the first present wins.
+_COMMON_FIELDS = (
+    ("vocab_size", "vocab_size", "vocab_size", int, _MISSING),
+    ("dim", "hidden_size", "dim", int, _MISSING),
+    ("n_layers", "num_hidden_layers", "n_layers", int, _MISSING),
+    ("n_heads", "num_attention_heads", "n_heads", int, _MISSING),
+    ("q_lora_rank", "q_lora_rank", "q_lora_rank", int, _MISSING),
+    ("o_groups", "o_groups", "o_groups", int, _MISSING),
+    ("o_lora_rank", "o_lora_rank", "o_lora_rank", int, _MISSING),
+    ("norm_eps", "rms_norm_eps", "norm_eps", float, _MISSING),
+    ("window_size", "sliding_window", "window_size", int, _MISSING),
+    ("n_routed_experts", "n_routed_experts", "n_routed_experts", int, _MISSING),
+    ("n_shared_experts", "n_shared_experts", "n_shared_experts", int, 1),
+    ("n_activated_experts", "num_experts_per_tok", "n_activated_experts", int, _MISSING),
+    ("moe_inter_dim", "moe_intermediate_size", "moe_inter_dim", int, _MISSING),
+    ("route_scale", "routed_scaling_factor", "route_scale", float, 1.0),
+    ("score_func", "scoring_func", "score_func", None, "sqrtsoftplus"),
+    ("swiglu_limit", "swiglu_limit", "swiglu_limit", float, 0.0),
+    ("hc_mult", "hc_mult", "hc_mult", int, _MISSING),
+    ("hc_sinkhorn_iters", "hc_sinkhorn_iters", "hc_sinkhorn_iters", int, _MISSING),
+    ("hc_eps", "hc_eps", "hc_eps", float, _MISSING),
+    ("index_n_heads", "index_n_heads", "index_n_heads", int, _MISSING),
+    ("index_head_dim", "index_head_dim", "index_head_dim", int, _MISSING),
+    ("index_topk", "index_topk", "index_topk", int, _MISSING),
+    ("max_position_embeddings", "max_position_embeddings", "max_seq_len", int, 1 << 20),
+)
+
+# V4.1's layer wiring and Engram, in the same form.
+_V41_FIELDS = (
+    ("kv_source_layers", "kv_source_layer_ids", "kv_source_layers", tuple, _MISSING),
+    ("index_source_layers", "index_source_layer_ids", "index_source_layers", tuple, _MISSING),
+    ("candidate_source_layer", "candidate_source_layer_id", "candidate_source_layer", int, _MISSING),
+    ("candidate_topk_blocks", "candidate_topk_blocks", "candidate_topk_blocks", int, _MISSING),
+    ("candidate_block_size", "candidate_block_size", "candidate_block_size", int, _MISSING),
+    ("image_token_id", "image_token_id", "image_token_id", int, None),
+)
+_ENGRAM_FIELDS = (
+    ("layer_ids", "engram_layer_ids", "engram_layer_ids", tuple, _MISSING),
+    ("num_embeddings", "engram_num_embeddings", "engram_num_embeddings", tuple, _MISSING),
+    ("max_ngram", "engram_max_ngram_size", "engram_max_ngram_size", int, _MISSING),
+    ("n_heads", "engram_n_heads", "engram_n_heads", int, _MISSING),
+    ("head_dim", "engram_head_dim", "engram_head_dim", int, _MISSING),
+    ("bucket_base", "engram_vocab_size", "engram_vocab_size", int, _MISSING),
+    ("pad_token_id", "engram_pad_token_id", ("engram_pad_id", "engram_pad_token_id"), int, _MISSING),
+    ("compressed_vocab_size", "engram_compressed_vocab_size", "engram_compressed_vocab_size", int, _MISSING),
+)
+
+
+def _read(r: _Reader, fields, spelling: str) -> dict:
+    """`fields` read in one spelling: "hf" (transformers' names) or "flat" (the reference runtime's)."""
+    out = {}
+    for field, hf_key, flat_key, kind, default in fields:
+        key = hf_key if spelling == "hf" else flat_key
+        out[field] = r.get(*(key if isinstance(key, tuple) else (key,)), default=default, kind=kind)
+    return out
+
+
+def _engram(r: _Reader, spelling: str) -> EngramConfig | None:
+    return EngramConfig(**_read(r, _ENGRAM_FIELDS, spelling)) if "engram_layer_ids" in r.data else None
+
 
 def _hf_common(r: _Reader) -> dict:
     head_dim = r.get("head_dim", kind=int)
@@ -224,31 +285,9 @@ def _hf_common(r: _Reader) -> dict:
     if isinstance(eos, list):
         eos = eos[0]
     return dict(
-        vocab_size=r.get("vocab_size", kind=int),
-        dim=r.get("hidden_size", kind=int),
-        n_layers=r.get("num_hidden_layers", kind=int),
-        n_heads=r.get("num_attention_heads", kind=int),
+        **_read(r, _COMMON_FIELDS, "hf"),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=r.get("q_lora_rank", kind=int),
-        o_groups=r.get("o_groups", kind=int),
-        o_lora_rank=r.get("o_lora_rank", kind=int),
-        norm_eps=r.get("rms_norm_eps", kind=float),
-        window_size=r.get("sliding_window", kind=int),
-        n_routed_experts=r.get("n_routed_experts", kind=int),
-        n_shared_experts=r.get("n_shared_experts", default=1, kind=int),
-        n_activated_experts=r.get("num_experts_per_tok", kind=int),
-        moe_inter_dim=r.get("moe_intermediate_size", kind=int),
-        route_scale=r.get("routed_scaling_factor", default=1.0, kind=float),
-        score_func=r.get("scoring_func", default="sqrtsoftplus"),
-        swiglu_limit=r.get("swiglu_limit", default=0.0, kind=float),
-        hc_mult=r.get("hc_mult", kind=int),
-        hc_sinkhorn_iters=r.get("hc_sinkhorn_iters", kind=int),
-        hc_eps=r.get("hc_eps", kind=float),
-        index_n_heads=r.get("index_n_heads", kind=int),
-        index_head_dim=r.get("index_head_dim", kind=int),
-        index_topk=r.get("index_topk", kind=int),
-        max_position_embeddings=r.get("max_position_embeddings", default=1 << 20, kind=int),
         bos_token_id=int(r.get("bos_token_id", default=0)),
         eos_token_id=int(eos),
         source=str(r.path),
@@ -363,18 +402,6 @@ def _parse_hf_v4(r: _Reader) -> V4Config:
 
 def _parse_hf_v41(r: _Reader, has_vision: bool) -> V41Config:
     common = _hf_common(r)
-    engram = None
-    if "engram_layer_ids" in r.data:
-        engram = EngramConfig(
-            layer_ids=r.get("engram_layer_ids", kind=tuple),
-            num_embeddings=r.get("engram_num_embeddings", kind=tuple),
-            max_ngram=r.get("engram_max_ngram_size", kind=int),
-            n_heads=r.get("engram_n_heads", kind=int),
-            head_dim=r.get("engram_head_dim", kind=int),
-            bucket_base=r.get("engram_vocab_size", kind=int),
-            pad_token_id=r.get("engram_pad_token_id", kind=int),
-            compressed_vocab_size=r.get("engram_compressed_vocab_size", kind=int),
-        )
     ratios = r.get("compress_ratios", kind=tuple)
     n_mtp = r.get("num_nextn_predict_layers", default=0, kind=int)
     cfg = V41Config(
@@ -382,13 +409,8 @@ def _parse_hf_v41(r: _Reader, has_vision: bool) -> V41Config:
         compress_ratios=tuple(ratios[: common["n_layers"]]),
         n_mtp_layers=n_mtp,
         dspark=_hf_dspark(r, n_mtp, common["n_routed_experts"], common["n_activated_experts"]),
-        kv_source_layers=r.get("kv_source_layer_ids", kind=tuple),
-        index_source_layers=r.get("index_source_layer_ids", kind=tuple),
-        candidate_source_layer=r.get("candidate_source_layer_id", kind=int),
-        candidate_topk_blocks=r.get("candidate_topk_blocks", kind=int),
-        candidate_block_size=r.get("candidate_block_size", kind=int),
-        engram=engram,
-        image_token_id=r.get("image_token_id", default=None, kind=int),
+        **_read(r, _V41_FIELDS, "hf"),
+        engram=_engram(r, "hf"),
         has_vision=has_vision,
         **common,
         **_hf_rope(r),
@@ -407,40 +429,18 @@ def _parse_flat(r: _Reader, family: str) -> ModelConfig:
     wb = 32 if family == "deepseek_v41" else 128
     common = dict(
         family=family,
-        vocab_size=r.get("vocab_size", kind=int),
-        dim=r.get("dim", kind=int),
-        n_layers=r.get("n_layers", kind=int),
-        n_heads=r.get("n_heads", kind=int),
+        **_read(r, _COMMON_FIELDS, "flat"),
         head_dim=r.get("head_dim", kind=int),
         rope_head_dim=r.get("rope_head_dim", kind=int),
-        q_lora_rank=r.get("q_lora_rank", kind=int),
-        o_groups=r.get("o_groups", kind=int),
-        o_lora_rank=r.get("o_lora_rank", kind=int),
-        norm_eps=r.get("norm_eps", kind=float),
-        window_size=r.get("window_size", kind=int),
-        n_routed_experts=r.get("n_routed_experts", kind=int),
-        n_shared_experts=r.get("n_shared_experts", default=1, kind=int),
-        n_activated_experts=r.get("n_activated_experts", kind=int),
-        moe_inter_dim=r.get("moe_inter_dim", kind=int),
-        route_scale=r.get("route_scale", default=1.0, kind=float),
-        score_func=r.get("score_func", default="sqrtsoftplus"),
-        swiglu_limit=r.get("swiglu_limit", default=0.0, kind=float),
         rope_theta=r.get("rope_theta", default=10000.0, kind=float),
         compress_rope_theta=r.get("compress_rope_theta", default=160000.0, kind=float),
         rope_factor=r.get("rope_factor", default=1.0, kind=float),
         original_seq_len=r.get("original_seq_len", default=65536, kind=int),
         beta_fast=r.get("beta_fast", default=32.0, kind=float),
         beta_slow=r.get("beta_slow", default=1.0, kind=float),
-        hc_mult=r.get("hc_mult", kind=int),
-        hc_sinkhorn_iters=r.get("hc_sinkhorn_iters", kind=int),
-        hc_eps=r.get("hc_eps", kind=float),
-        index_n_heads=r.get("index_n_heads", kind=int),
-        index_head_dim=r.get("index_head_dim", kind=int),
-        index_topk=r.get("index_topk", kind=int),
         weight_block=(wb, wb) if dtype == "fp8" else None,
         expert_dtype=r.get("expert_dtype", default="fp8" if dtype == "fp8" else "bf16"),
         act_block=wb,
-        max_position_embeddings=r.get("max_seq_len", default=1 << 20, kind=int),
         bos_token_id=r.get("bos_token_id", default=0, kind=int),
         eos_token_id=r.get("eos_token_id", default=1, kind=int),
         n_mtp_layers=r.get("n_mtp_layers", default=0, kind=int),
@@ -455,29 +455,8 @@ def _parse_flat(r: _Reader, family: str) -> ModelConfig:
         cfg = V4Config(n_hash_layers=r.get("n_hash_layers", default=0, kind=int), layer_kinds=kinds, **common)
         _check_common(cfg, ratios, r.path)
         return cfg
-    engram = None
-    if "engram_layer_ids" in r.data:
-        engram = EngramConfig(
-            layer_ids=r.get("engram_layer_ids", kind=tuple),
-            num_embeddings=r.get("engram_num_embeddings", kind=tuple),
-            max_ngram=r.get("engram_max_ngram_size", kind=int),
-            n_heads=r.get("engram_n_heads", kind=int),
-            head_dim=r.get("engram_head_dim", kind=int),
-            bucket_base=r.get("engram_vocab_size", kind=int),
-            pad_token_id=r.get("engram_pad_id", "engram_pad_token_id", kind=int),
-            compressed_vocab_size=r.get("engram_compressed_vocab_size", kind=int),
-        )
-    cfg = V41Config(
-        kv_source_layers=r.get("kv_source_layers", kind=tuple),
-        index_source_layers=r.get("index_source_layers", kind=tuple),
-        candidate_source_layer=r.get("candidate_source_layer", kind=int),
-        candidate_topk_blocks=r.get("candidate_topk_blocks", kind=int),
-        candidate_block_size=r.get("candidate_block_size", kind=int),
-        engram=engram,
-        image_token_id=r.get("image_token_id", default=None, kind=int),
-        has_vision=r.get("vision_n_layers", default=0, kind=int) > 0,
-        **common,
-    )
+    cfg = V41Config(**_read(r, _V41_FIELDS, "flat"), engram=_engram(r, "flat"),
+                    has_vision=r.get("vision_n_layers", default=0, kind=int) > 0, **common)
     _check_common(cfg, ratios, r.path)
     _check_v41(cfg, r.path)
     return cfg
