@@ -176,3 +176,20 @@ class GroupedOutput:
         og = o.reshape(t, self.groups, -1).double()  # [T, G, H/G * d]
         u = torch.einsum("tgi,gir->tgr", og, self.wo_a64).to(self.rt.dtype)
         return self.wo_b(u.reshape(t, -1))
+
+
+class AttentionProjections:
+    """What every attention here (V4, V4.1, the drafters') loads alike: low-rank queries (wq_a, q_norm,
+    wq_b), the one shared key/value head (wkv, kv_norm), a sink logit per head and the grouped output."""
+
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str):
+        c, p = cfg, prefix
+        blk, ab = c.weight_block, c.act_block
+        self.wq_a = Linear.load(rt, ckpt, f"{p}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
+        self.q_norm = RMSNorm.load(rt, ckpt, f"{p}.q_norm.weight", c.q_lora_rank, c.norm_eps)
+        self.wq_b = Linear.load(rt, ckpt, f"{p}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
+        self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
+        self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
+        self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
+        self.out = GroupedOutput(rt, ckpt, p, c, ab)
+        self.heads = c.n_heads  # the heads this process computes: all, or one rank's share (sharding.py)

@@ -20,7 +20,7 @@ import torch
 from kernels import acceptance
 from kernels.formats import q8_pow2
 
-from .blocks import Dense, GroupedOutput, Linear, RMSNorm, Runtime
+from .blocks import AttentionProjections, Dense, Linear, RMSNorm, Runtime
 from .config import ModelConfig, V41Config
 from .model_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, v4_moe
 from .model_v41 import StaggeredBlock, moe_for
@@ -47,23 +47,14 @@ class DraftStep:
     captures: list = field(default_factory=list)
 
 
-class DraftAttention:
+class DraftAttention(AttentionProjections):
     """A DSpark stage's attention. Its ring holds keys of committed positions; the block's queries attend
     to the ring's positions max(0, q - W + 1) .. q and to all block rows (bidirectional: row 1 sees rows
     2..4). The window ends at q for every query."""
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, ckpt, prefix: str, name: str, rope: RopeTable, v4: bool):
-        c = cfg
         self.rt, self.cfg, self.name, self.rope, self.v4 = rt, cfg, name, rope, v4
-        blk, ab = c.weight_block, c.act_block
-        self.wq_a = Linear.load(rt, ckpt, f"{prefix}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
-        self.q_norm = RMSNorm.load(rt, ckpt, f"{prefix}.q_norm.weight", c.q_lora_rank, c.norm_eps)
-        self.wq_b = Linear.load(rt, ckpt, f"{prefix}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
-        self.wkv = Linear.load(rt, ckpt, f"{prefix}.wkv.weight", c.head_dim, c.dim, blk, ab)
-        self.kv_norm = RMSNorm.load(rt, ckpt, f"{prefix}.kv_norm.weight", c.head_dim, c.norm_eps)
-        self.sink = ckpt.tensor(f"{prefix}.attn_sink", (c.n_heads,), (torch.float32,))
-        self.out = GroupedOutput(rt, ckpt, prefix, c, ab)
-        self.heads = c.n_heads  # or one rank's share (appliance/sharding.py)
+        super().__init__(rt, cfg, ckpt, prefix)
 
     def init_state(self, state: DecodeState, spare: int) -> None:
         state.ring(self.name, self.cfg.window_size + spare, self.cfg.head_dim, self.rt.dtype)

@@ -16,7 +16,7 @@ import torch
 
 from kernels.formats import q4_e8m0, q8_pow2
 
-from .blocks import Dense, GroupedOutput, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
 from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
@@ -56,7 +56,7 @@ def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
     return q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
 
 
-class V4Attention:
+class V4Attention(AttentionProjections):
     def __init__(self, rt: Runtime, cfg: V4Config, ckpt: Checkpoint, layer: int, rope: RopeTable,
                  prefix: str | None = None):
         """`layer` names the state buffers; `prefix` the tensors (default `layers.{layer}.attn`). Layers past
@@ -66,16 +66,10 @@ class V4Attention:
         self.rt, self.cfg, self.layer, self.rope = rt, cfg, layer, rope
         self.kind = c.layer_kinds[layer] if layer < c.n_layers else "window"
         self.ratio = c.compress_ratios[layer] if layer < c.n_layers else 0
+        super().__init__(rt, c, ckpt, p)
+        # index heads this process computes, and how their partial scores meet (sharding.py)
+        self.index_heads, self.index_reduce = c.index_n_heads, None
         blk, ab = c.weight_block, c.act_block
-        self.wq_a = Linear.load(rt, ckpt, f"{p}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
-        self.q_norm = RMSNorm.load(rt, ckpt, f"{p}.q_norm.weight", c.q_lora_rank, c.norm_eps)
-        self.wq_b = Linear.load(rt, ckpt, f"{p}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
-        self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
-        self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
-        self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
-        # heads this process computes (all of them, or one rank's share: appliance/sharding.py)
-        self.heads, self.index_heads, self.index_reduce = c.n_heads, c.index_n_heads, None
-        self.out = GroupedOutput(rt, ckpt, p, c, ab)
         self.compressor = self.index_compressor = None
         if self.kind != "window":
             self.compressor = self._compressor(ckpt, f"{p}.compressor", c.head_dim, self.kind == "csa")

@@ -21,7 +21,7 @@ import torch
 
 from kernels.formats import q4_e4m3, q4_e8m0, q8_pow2
 
-from .blocks import Dense, GroupedOutput, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
 from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
@@ -31,7 +31,7 @@ from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
 
-class V41Attention:
+class V41Attention(AttentionProjections):
     def __init__(self, rt: Runtime, cfg: V41Config, ckpt: Checkpoint, layer: int, rope: RopeTable):
         p = f"layers.{layer}.attn"
         c = cfg
@@ -39,16 +39,10 @@ class V41Attention:
         self.ratio = c.compress_ratios[layer]
         self.kv_source = c.kv_source_of(layer)
         self.index_source = c.index_source_of(layer)
+        super().__init__(rt, c, ckpt, p)
+        # index heads this process computes, and how their partial scores meet (sharding.py)
+        self.index_heads, self.index_reduce = c.index_n_heads, None
         blk, ab = c.weight_block, c.act_block
-        self.wq_a = Linear.load(rt, ckpt, f"{p}.wq_a.weight", c.q_lora_rank, c.dim, blk, ab)
-        self.q_norm = RMSNorm.load(rt, ckpt, f"{p}.q_norm.weight", c.q_lora_rank, c.norm_eps)
-        self.wq_b = Linear.load(rt, ckpt, f"{p}.wq_b.weight", c.n_heads * c.head_dim, c.q_lora_rank, blk, ab)
-        self.wkv = Linear.load(rt, ckpt, f"{p}.wkv.weight", c.head_dim, c.dim, blk, ab)
-        self.kv_norm = RMSNorm.load(rt, ckpt, f"{p}.kv_norm.weight", c.head_dim, c.norm_eps)
-        self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
-        # heads this process computes (all of them, or one rank's share: appliance/sharding.py)
-        self.heads, self.index_heads, self.index_reduce = c.n_heads, c.index_n_heads, None
-        self.out = GroupedOutput(rt, ckpt, p, c, ab)
         self.compressor = None
         if self.kv_source == layer:
             gate = Dense.load(ckpt, f"{p}.compressor.wgate.weight", c.head_dim, c.dim) if self.ratio > 1 else None
