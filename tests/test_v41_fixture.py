@@ -5,6 +5,10 @@ The model is chaotic under the official FP8/FP4 emulation: one flipped rounding 
 ulp of an e4m3 tie) changes routing and index selection for later tokens. Our float32 evaluation differs
 from the fixture's in the last place of plain products (a different BLAS order), so whole-prompt runs
 diverge after the first such tie (position 116 here: an attn_norm output of -0.359375 +- 1 ulp in layer 3).
+Which tie flips is a lottery of evaluation order, not a defect: computing only the mHC projection with the
+CPU BLAS's float32 sgemm instead of float64 moved the first divergence to position 359 (end-to-end top-1
+0.89 -> 0.975); also computing Engram's gate in float32 moved it back to 116. And the BLAS order is not
+batch invariant (a row's result depends on how many rows share the product), so drafting could not use it.
 The discriminating checks are therefore the segment-forced ones and the short decode; the end-to-end and
 long teacher-forced decode checks use the fixture's own soft gates."""
 
