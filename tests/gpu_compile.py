@@ -1,0 +1,146 @@
+"""Compile every Triton kernel for CUDA targets on a machine without a GPU.
+
+The CPU tests run the kernels under Triton's interpreter, which accepts programs the GPU compiler rejects
+(e.g. a helper returning different types from two branches). This module, run in its own process
+(`python -m tests.gpu_compile --arch 90,100`), switches the interpreter off, replaces each kernel launch by
+a compilation for every requested target (ptxas ships with Triton; no driver is needed) and drives the
+launches two ways: the kernel benchmark's cases at real V4.1 shapes (bf16 and float32 activations, M = 1
+and 6), and the fast path of every tiny checkpoint family (prefill, a verify block, drafting, sampling).
+Nothing is executed: outputs are zero-filled allocations, enough to keep the host code going.
+
+It prints one JSON object: the kernels compiled per target, the kernels of kernels/ never launched, and
+each failure with the compiler's message. Exit status 1 when anything failed or was not reached.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # before Triton is imported: kernels are compiled, not interpreted
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime import jit  # noqa: E402
+
+
+class Compiler:
+    """Stands in for JITFunction.run: compiles each new specialization for every target, launches nothing."""
+
+    def __init__(self, archs: list[int]):
+        self.targets = [GPUTarget("cuda", a, 32) for a in archs]
+        self.done: dict[tuple, float] = {}  # (kernel, arch, signature, constexprs) -> seconds
+        self.failures: list[dict] = []
+
+    def __call__(self, fn: jit.JITFunction, *args, grid, warmup, **kwargs):
+        name = f"{fn.fn.__module__}.{fn.fn.__name__}"
+        for target in self.targets:
+            backend = make_backend(target)
+            bind = jit.create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, options = bind(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            key = (name, target.arch, repr(signature), repr(sorted(constexprs.items())))
+            if key in self.done:
+                continue
+            t = time.perf_counter()
+            try:
+                triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+            except Exception as e:  # the compiler's message is the finding
+                self.failures.append({"kernel": name, "arch": target.arch, "error": str(e)[-2000:]})
+            self.done[key] = time.perf_counter() - t
+
+
+def kernel_names() -> set[str]:
+    """Every kernel of kernels/: the functions decorated `@triton.jit` (helpers called from kernels are
+    `@device_function`s and compile as part of them)."""
+    names = set()
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("kernels."):
+            continue
+        for v in vars(mod).values():
+            if (isinstance(v, jit.JITFunction) and v.fn.__module__ == name
+                    and inspect.getsource(v.fn).lstrip().startswith("@triton.jit")):
+                names.add(f"{name}.{v.fn.__name__}")
+    return names
+
+
+def drive_benchmark_cases(failures: list):
+    from kernels import bench
+
+    bench._copies = lambda nbytes, tiny: 1  # no rotation: nothing is timed
+    bench.fp4_weight = functools.lru_cache(maxsize=None)(bench.fp4_weight)  # 8 experts share 3 weights
+    shapes = dataclasses.replace(bench.V41, experts=8, index_rows=8192)
+    for dt in (torch.bfloat16, torch.float32):
+        for m in (1, 6):
+            for case in bench.BENCHES:
+                try:
+                    case(shapes, m, torch.device("cpu"), dt, 1, False)
+                except Exception:
+                    failures.append({"case": f"{case.__name__} {dt} M={m}", "error": traceback.format_exc()[-2000:]})
+
+
+def drive_tiny_models(failures: list):
+    from appliance.loader import load_model
+    from appliance.tiny import FAMILIES, write_tiny
+
+    root = tempfile.mkdtemp()
+    for family in FAMILIES:
+        for dtype in ("bfloat16",):  # float32 activations: the benchmark cases cover every op
+            try:
+                lm = load_model(write_tiny(os.path.join(root, family), family), dtype=dtype, path="fast",
+                                load_drafter=True, notice=None)
+                m = lm.model
+                state = m.new_state(256)
+                prompt = torch.randint(0, lm.cfg.vocab_size, (40,))
+                out = m.forward(prompt, state)
+                m.forward(prompt[:6], state)  # a verify-sized block
+                m.forward(prompt[:1], state)
+                m.rt.ops.sample(out.logits[-2:], 0.7, 5, 0.9, torch.Generator().manual_seed(0))
+            except Exception:
+                failures.append({"case": f"{family} {dtype}", "error": traceback.format_exc()[-2000:]})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="90,100", help="compute capabilities, e.g. 90 (H100/H200), 100 (B200)")
+    archs = [int(a) for a in ap.parse_args().arch.split(",")]
+    compiler = Compiler(archs)
+    jit.JITFunction.run = lambda fn, *a, grid, warmup, **k: compiler(fn, *a, grid=grid, warmup=warmup, **k)
+
+    import kernels._triton as kt
+    import kernels.registry  # noqa: F401  (every kernel module, bound to the helpers patched below)
+
+    kt.ready = lambda: None  # the fast path resolves although nothing can run here
+    for mod in [m for n, m in sys.modules.items() if n.startswith("kernels.")]:
+        if hasattr(mod, "device_of"):  # CPU tensors are fine: nothing is launched
+            mod.device_of = lambda *ts: next(t.device for t in ts if t is not None)
+    torch.empty = torch.zeros  # kernel outputs stay as allocated: zeros keep indices in range
+    failures = compiler.failures
+    t = time.perf_counter()
+    drive_benchmark_cases(failures)
+    phases = {"benchmark cases": [len(compiler.done), round(time.perf_counter() - t, 1)]}
+    t = time.perf_counter()
+    drive_tiny_models(failures)
+    phases["tiny models"] = [len(compiler.done) - phases["benchmark cases"][0], round(time.perf_counter() - t, 1)]
+    compiled = {a: {} for a in archs}  # arch -> kernel -> specializations compiled
+    for name, arch, _, _ in compiler.done:
+        compiled[arch][name] = compiled[arch].get(name, 0) + 1
+    missing = sorted(kernel_names() - {k[0] for k in compiler.done})
+    print(json.dumps({"archs": archs, "compilations": len(compiler.done),
+                      "seconds": round(sum(compiler.done.values()), 1), "phases (compilations, s)": phases,
+                      "compiled": compiled,
+                      "never_launched": missing, "failures": failures}, indent=1))
+    return 1 if failures or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
