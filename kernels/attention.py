@@ -239,7 +239,9 @@ def fast(q: torch.Tensor, window_kv: torch.Tensor, window_mask: torch.Tensor,
         bh, bn, bd, bdv = pow2(h), min(pow2(nt), 256), pow2(d), pow2(d)
         keys_per_split = 128
     else:
-        bh, bn, bd, bdv = min(64, pow2(h, 16)), 64 if qk_f64 else 128, 64 if qk_f64 else 128, 64
+        # shared memory of the pipelined dot tiles (x3 stages) stays under 227 KB: float64 64x64 tiles,
+        # float32 64 heads x 64 dims and 128 keys x 64 dims
+        bh, bn, bd, bdv = min(64, pow2(h, 16)), 64 if qk_f64 else 128, 64, 64
         keys_per_split = 512
     splits = triton.cdiv(nt, keys_per_split)
     mask_u8 = window_mask.view(torch.uint8)

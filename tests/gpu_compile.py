@@ -32,6 +32,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
+SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
+
 
 class Compiler:
     """Stands in for JITFunction.run: compiles each new specialization for every target, launches nothing."""
@@ -40,6 +42,7 @@ class Compiler:
         self.targets = [GPUTarget("cuda", a, 32) for a in archs]
         self.done: dict[tuple, float] = {}  # (kernel, arch, signature, constexprs) -> seconds
         self.failures: list[dict] = []
+        self.shared = 0  # the most shared memory any compiled kernel asks for, in bytes
 
     def __call__(self, fn: jit.JITFunction, *args, grid, warmup, **kwargs):
         name = f"{fn.fn.__module__}.{fn.fn.__name__}"
@@ -53,7 +56,13 @@ class Compiler:
                 continue
             t = time.perf_counter()
             try:
-                triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+                k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                   options=options.__dict__)
+                if k.metadata.shared > SHARED_LIMIT:  # a launch would fail with OutOfResources
+                    self.failures.append({"kernel": name, "arch": target.arch, "error":
+                                          f"{k.metadata.shared} bytes of shared memory > {SHARED_LIMIT} "
+                                          f"(constexprs {sorted(constexprs.items())})"})
+                self.shared = max(self.shared, k.metadata.shared)
             except Exception as e:  # the compiler's message is the finding
                 self.failures.append({"kernel": name, "arch": target.arch, "error": str(e)[-2000:]})
             self.done[key] = time.perf_counter() - t
@@ -136,7 +145,8 @@ def main() -> int:
         compiled[arch][name] = compiled[arch].get(name, 0) + 1
     missing = sorted(kernel_names() - {k[0] for k in compiler.done})
     print(json.dumps({"archs": archs, "compilations": len(compiler.done),
-                      "seconds": round(sum(compiler.done.values()), 1), "phases (compilations, s)": phases,
+                      "seconds": round(sum(compiler.done.values()), 1),
+                      "max_shared_bytes": compiler.shared, "phases (compilations, s)": phases,
                       "compiled": compiled,
                       "never_launched": missing, "failures": failures}, indent=1))
     return 1 if failures or missing else 0
