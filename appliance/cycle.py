@@ -94,7 +94,8 @@ class DraftStep:
         dstate = spec.state
         N = buf.start
         dstate.journal.begin()
-        row_q = spec.rows.data[(N - 1) % spec.rows.size].view(spec.row_shape)
+        slot = ((N - 1) % spec.rows.size).reshape(1)  # a tensor index: indexing by a 0-dim one reads it on the host
+        row_q = spec.rows.data.index_select(0, slot).view(spec.row_shape)
         d = spec.drafter.draft(dstate, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
         dstate.journal.rollback_from(N)  # chained rows (MTP) were speculative
         buf.drafts[:k].copy_(d.ids)

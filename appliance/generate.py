@@ -20,7 +20,7 @@ from kernels import acceptance
 
 from .api import Done, Error, Progress, Request, Started, Tokens
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep, reach_for, reaches
-from .errors import ApplianceError, ContextLengthError, RequestError
+from .errors import ApplianceError, ContextLengthError, ModelLoadError, RequestError
 from .loader import LoadedModel
 from .speculative import DraftStats, make_speculator
 from .tokenizer import StreamDecoder
@@ -39,6 +39,21 @@ def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
             return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                     bos_token="", eos_token="")
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def graph_blockers(lm: LoadedModel) -> list[str]:
+    """Why this model's cycle steps cannot be captured in CUDA graphs, if anything stops them: a captured
+    step may not read device values on the host nor touch host memory."""
+    why = []
+    if lm.runtime.ops.path == "reference":
+        why.append("the reference ops read values on the host (the MoE's selected experts); use --path fast")
+    for i, layer in enumerate(getattr(lm.model, "layers", [])):
+        table = getattr(getattr(layer, "engram", None), "table", None)
+        if table is not None and table.device != lm.runtime.device:
+            gb = table.numel() * table.element_size() / 1e9
+            why.append(f"layer {i}'s Engram table stays in host memory ({gb:.1f} GB) and a captured step cannot "
+                       "gather its rows from there yet")
+    return why
 
 
 class Generator:
@@ -64,6 +79,9 @@ class Generator:
         # one memory pool for all the cycle graphs: they replay one after another on one stream, and what
         # one leaves for the next (drafts, results) lives in buffers made outside any capture
         cuda = lm.runtime.device.type == "cuda"
+        if graphs and cuda and (blockers := graph_blockers(lm)):
+            raise ModelLoadError("cannot capture the decode cycle in CUDA graphs: " + "; ".join(blockers)
+                                 + " (or run without graphs: --no-graphs)", field="graphs")
         self.graph_pool = torch.cuda.graph_pool_handle() if graphs and cuda else None
 
     # --- request -> ids ------------------------------------------------------------------------------

@@ -101,13 +101,17 @@ class Speculator:
         model = self.gen.model
         widths = self.drafter.cfg.dspark.block_size + 1 if self.drafter.kind == "dspark" else self.k + 1
         state = model.new_state(64 + widths * repeats, self.gen.state.spare)
-        model.forward(torch.zeros(32, dtype=torch.long), state)
+        dev = state.device
+        sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
+        model.forward(torch.zeros(32, dtype=torch.long, device=dev), state)
         cost = [0.0]
         for w in range(1, widths + 1):
             times = []
             for _ in range(repeats):
+                sync()  # device time, not launch time
                 t = time.perf_counter()
-                model.forward(torch.zeros(w, dtype=torch.long), state)
+                model.forward(torch.zeros(w, dtype=torch.long, device=dev), state)
+                sync()
                 times.append((time.perf_counter() - t) * 1e3)
                 state.rewind(32)
             cost.append(sorted(times)[len(times) // 2])

@@ -1,12 +1,14 @@
 """Graph runners: the eager runner runs the cycle step itself; on CUDA (skipped without a GPU) the captured
 graphs give the same tokens as the eager runner and replaying them allocates nothing."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from appliance.api import Request, Sampling
 from appliance.cycle import reach_for, reaches
-from appliance.generate import Generator
+from appliance.generate import Generator, graph_blockers
 from appliance.loader import load_model
 from graphs.runner import CudaGraphRunner, EagerRunner, make_runner
 
@@ -32,6 +34,17 @@ def test_on_cpu_generation_replays_one_cycle_step_per_verify_width(tiny_dirs):
     gen = Generator(lm, capacity=256, draft="auto", draft_tokens=2)
     list(gen.run(Request(input_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)))
     assert set(gen.runners) == {("fixed", 2, 256)} and all(r.kind == "eager" for r in gen.runners.values())
+
+
+def test_what_stops_a_capture_is_named_before_any_is_tried(tiny_dirs):
+    fast = load_model(tiny_dirs["deepseek_v41"], path="fast", notice=None)
+    assert graph_blockers(fast) == []  # the tiny Engram tables live with the model
+    ref = load_model(tiny_dirs["deepseek_v41"], path="reference", notice=None)
+    assert any("reference ops" in why for why in graph_blockers(ref))
+    # the real tables stay in host memory: a model whose device is elsewhere than its Engram table
+    away = dataclasses.replace(fast, runtime=dataclasses.replace(fast.runtime, device=torch.device("meta")))
+    why = graph_blockers(away)
+    assert len(why) == len(fast.cfg.engram.layer_ids) and all("Engram table stays in host memory" in w for w in why)
 
 
 def test_reaches_double_from_the_floor_to_the_capacity():
