@@ -1,5 +1,6 @@
 """Graph runners: the eager runner runs the cycle step itself; on CUDA (skipped without a GPU) the captured
-graphs give the same tokens as the eager runner and replaying them allocates nothing."""
+graphs give the same tokens as the eager runner and replaying them allocates nothing. Without a GPU, replay
+semantics are checked by tests/test_graph_replay.py and capturability by tests/test_gpu_dry_run.py."""
 
 import dataclasses
 
