@@ -47,7 +47,12 @@ def graph_blockers(lm: LoadedModel) -> list[str]:
     why = []
     if lm.runtime.ops.path == "reference":
         why.append("the reference ops read values on the host (the MoE's selected experts); use --path fast")
-    for i, layer in enumerate(getattr(lm.model, "layers", [])):
+    layers = getattr(lm.model, "layers", [])
+    if any(getattr(getattr(layer, "ffn", None), "reduce", None) is not None for layer in layers):
+        why.append("the expert-parallel MoE runs its reference form (the fused kernels do not expose the "
+                   "per-slot partial sums the exact reduction over ranks needs), which reads the selected "
+                   "experts on the host")
+    for i, layer in enumerate(layers):
         table = getattr(getattr(layer, "engram", None), "table", None)
         if table is not None and table.device != lm.runtime.device:
             gb = table.numel() * table.element_size() / 1e9

@@ -46,6 +46,8 @@ def test_what_stops_a_capture_is_named_before_any_is_tried(tiny_dirs):
     away = dataclasses.replace(fast, runtime=dataclasses.replace(fast.runtime, device=torch.device("meta")))
     why = graph_blockers(away)
     assert len(why) == len(fast.cfg.engram.layer_ids) and all("Engram table stays in host memory" in w for w in why)
+    fast.model.layers[0].ffn.reduce = lambda outputs, shared: (outputs, shared)  # what shard_moe installs
+    assert any("expert-parallel MoE" in w for w in graph_blockers(fast))
 
 
 def test_reaches_double_from_the_floor_to_the_capacity():
