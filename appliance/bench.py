@@ -170,11 +170,8 @@ def _generator(model_dir, numerics, dtype, op_path, devices, index_keys, draft, 
 
     lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices, notice=None,
                     load_drafter=draft != "none")
-    gen = Generator(lm, capacity=capacity, chunk=256, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens,
-                    graphs=graphs)
-    if graphs and lm.runtime.device.type == "cuda":
-        gen.capture()
-    return gen
+    return Generator(lm, capacity=capacity, chunk=256, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens,
+                     graphs=graphs)
 
 
 def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None = None):

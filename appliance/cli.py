@@ -127,9 +127,7 @@ def generate(model_dir, numerics, dtype, op_path, devices, index_keys, prompt, i
     req = Request(id="cli", input_ids=_read_ids(ids_file) if ids_file else None, prompt=prompt,
                   max_tokens=max_tokens, sampling=Sampling(temperature, top_p, top_k, seed), ignore_eos=ignore_eos)
     gen = Generator(lm, chunk=chunk, index_keys=index_keys, draft=draft, draft_tokens=draft_tokens,
-                    graphs=not no_graphs)
-    if not no_graphs and lm.runtime.device.type == "cuda":
-        gen.capture()
+                    graphs=not no_graphs, notice=lambda m: click.echo(m, err=True) if lm.world.main else None)
     ids, text, done = [], [], None
     for event in gen.run(req):
         if isinstance(event, Tokens):

@@ -88,11 +88,7 @@ class Engine:
         capacity = plan_context(lm, context, memory_budget)
         say(f"allocating decode state for {capacity} tokens")
         gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
-                        draft_tokens=draft_tokens, graphs=graphs)
-        if graphs and lm.runtime.device.type == "cuda":
-            say(f"capturing the decode cycle as {len(gen.cycle_steps())} CUDA graphs "
-                f"({len(gen.reaches)} reaches up to {capacity} tokens)")
-            gen.capture()
+                        draft_tokens=draft_tokens, graphs=graphs, notice=say)
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
         if not world.main:

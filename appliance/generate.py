@@ -18,7 +18,7 @@ import torch
 from graphs.runner import make_runner
 from kernels import acceptance
 
-from .api import Done, Error, Progress, Request, Started, Tokens
+from .api import Done, Error, Progress, Request, Sampling, Started, Tokens
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep, reach_for, reaches
 from .errors import ApplianceError, ContextLengthError, ModelLoadError, RequestError
 from .loader import LoadedModel
@@ -64,7 +64,9 @@ def graph_blockers(lm: LoadedModel) -> list[str]:
 class Generator:
     def __init__(self, lm: LoadedModel, capacity: int | None = None, chunk: int = 256, index_keys: str = "own",
                  spare: int = 16, draft: str = "none", draft_tokens: int = 3, graphs: bool = True,
-                 reach_floor: int = 4096):
+                 reach_floor: int = 4096, notice=None):
+        """With `graphs` on a CUDA device, every cycle step is captured here (see `capture`); `notice` hears
+        about it first."""
         self.lm = lm
         self.model = lm.model
         self.cfg = lm.cfg
@@ -88,6 +90,11 @@ class Generator:
             raise ModelLoadError("cannot capture the decode cycle in CUDA graphs: " + "; ".join(blockers)
                                  + " (or run without graphs: --no-graphs)", field="graphs")
         self.graph_pool = torch.cuda.graph_pool_handle() if graphs and cuda else None
+        if self.graph_pool is not None:
+            if notice is not None:
+                notice(f"capturing the decode cycle as {len(self.cycle_steps())} CUDA graphs "
+                       f"({len(self.reaches)} reaches up to {self.capacity} tokens)")
+            self.capture()
 
     # --- request -> ids ------------------------------------------------------------------------------
 
@@ -199,8 +206,6 @@ class Generator:
     def capture(self) -> None:
         """Make (on CUDA: capture) every cycle step now, at load, then reset the states: warm-up and capture
         run real cycles, and what they wrote must not survive."""
-        from .api import Sampling
-
         self.start_sampling(Sampling(), 0)
         self.buffers.start.fill_(1)
         for kind, n, reach in self.cycle_steps():

@@ -89,16 +89,14 @@ class TestCudaGraphs:
         lm = load_model(tiny_dirs[family], device="cuda", load_drafter=draft != "none", notice=None)
         prompt = torch.randint(0, lm.cfg.vocab_size, (20,)).tolist()
         for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)):
-            graphs = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=True)
-            graphs.capture()
+            graphs = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=True)  # captures at init
             eager = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=False)
             assert all(isinstance(r, CudaGraphRunner) for r in graphs.runners.values())
             assert _tokens(graphs, prompt, sampling) == _tokens(eager, prompt, sampling)
 
     def test_replay_allocates_no_memory(self, tiny_dirs):
         lm = load_model(tiny_dirs["deepseek_v41"], device="cuda", load_drafter=True, notice=None)
-        gen = Generator(lm, capacity=256, draft="auto", draft_tokens=3, graphs=True)
-        gen.capture()
+        gen = Generator(lm, capacity=256, draft="auto", draft_tokens=3, graphs=True)  # captures at init
         gen.prefill([1, 2, 3, 4, 5])
         gen.start_sampling(Sampling(), 0)
         token = 6
