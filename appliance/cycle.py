@@ -94,8 +94,7 @@ class DraftStep:
         dstate = spec.state
         N = buf.start
         dstate.journal.begin()
-        slot = ((N - 1) % spec.rows.size).reshape(1)  # a tensor index: indexing by a 0-dim one reads it on the host
-        row_q = spec.rows.data.index_select(0, slot).view(spec.row_shape)
+        row_q = spec.rows_at((N - 1).reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
         d = spec.drafter.draft(dstate, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
         dstate.journal.rollback_from(N)  # chained rows (MTP) were speculative
         buf.drafts[:k].copy_(d.ids)

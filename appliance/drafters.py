@@ -139,10 +139,6 @@ class DSpark:
     def row_shape(self) -> tuple[int, ...]:
         return (self.cfg.dim * len(self.cfg.dspark.target_layer_ids),)
 
-    @property
-    def row_numel(self) -> int:
-        return self.row_shape[0]
-
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
         the state's length advances) or a device scalar (a captured cycle: the host counts)."""
@@ -221,10 +217,6 @@ class MTP:
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (self.cfg.hc_mult, self.cfg.dim)
-
-    @property
-    def row_numel(self) -> int:
-        return self.cfg.hc_mult * self.cfg.dim
 
     def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]

@@ -8,6 +8,7 @@ committed positions 0..N-1, the drafter holds rows for 0..N-2, and the target ro
 ring of the target's state (so rewinds restore it) until the next draft writes it.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ class Speculator:
         # the drafter's input rows (DSpark: H; MTP: the final streams) of the target's last positions,
         # kept in the target's state so that rewinds restore them too
         self.row_shape = tuple(drafter.row_shape)
-        self.rows = target_state.ring("draft_rows", target_state.spare + 2, drafter.row_numel,
+        self.rows = target_state.ring("draft_rows", target_state.spare + 2, math.prod(self.row_shape),
                                       generator.lm.runtime.dtype)
         self.block = drafter.cfg.dspark.block_size if drafter.kind == "dspark" else k
         self.step_cost: list[float] | None = None  # verify ms per width 1..k+1 (adaptive)
@@ -88,9 +89,10 @@ class Speculator:
             self.state.skip_to(first)
         positions = torch.arange(first, end, device=device)
         nxt = self.gen.state.tokens[positions + 1]  # the target's history holds the next tokens
-        self.drafter.commit(self.state, self._rows_at(positions), nxt, first)
+        self.drafter.commit(self.state, self.rows_at(positions), nxt, first)
 
-    def _rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The kept target rows of `positions` [n] (a device tensor) -> [n, *row_shape]."""
         return self.rows.data[positions % self.rows.size].reshape(len(positions), *self.row_shape)
 
     def calibrate(self, repeats: int = 5) -> list[float]:

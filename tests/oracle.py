@@ -19,7 +19,7 @@ class OracleDrafter:
         self.target_state = target_state  # the target's committed tokens
         self.corrupt, self.rng = corrupt, random.Random(seed)
         self.mstate = self.model.new_state(target_state.capacity, target_state.spare)
-        self.row_shape, self.row_numel = (self.cfg.vocab_size,), self.cfg.vocab_size
+        self.row_shape = (self.cfg.vocab_size,)
 
     def new_state(self, capacity, spare):
         return DecodeState(capacity, spare, torch.device("cpu"))  # bookkeeping only
