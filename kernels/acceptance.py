@@ -6,8 +6,9 @@ bits. The key tensor [seed, counter] lives on the device; each call consumes a b
 advances the counter in place, so replays draw fresh numbers and a seed reproduces a request exactly, on
 CPU and GPU alike (the arithmetic is integer, identical everywhere).
 
-Semantics match kernels/sampling.py: temperature 0 is argmax; otherwise p = softmax(logits / T),
-truncated by top-k (k = 0: off) and top-p (p = 1: off), renormalized; draws by the exponential race
+The sampling distribution is defined here (kernels/sampling.py's reference is this, with numbers for
+parameters): temperature 0 is argmax; otherwise p = softmax(logits / T), truncated by top-k (k = 0: off)
+and top-p (p = 1: off), renormalized; draws by the exponential race
 argmax(p / E), E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with probability
 min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
 draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
@@ -49,7 +50,7 @@ def distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     rank = torch.arange(p.shape[-1], device=p.device)
     keep = (top_k <= 0) | (rank < top_k)  # top-k on the sorted order
     kth = sp.gather(-1, (top_k.long().clamp(1, p.shape[-1]) - 1).expand(p.shape[0], 1))
-    keep = keep | (sp >= kth)  # ties with the k-th value stay, as in kernels/sampling.py
+    keep = keep | (sp >= kth)  # ties with the k-th value stay
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     before = sp.cumsum(-1) - sp  # mass strictly above each entry
     keep = (top_p >= 1.0) | (before < top_p * sp.sum(-1, keepdim=True))

@@ -13,6 +13,7 @@ entries are kept (the reference's order among ties is its sort's, unspecified); 
 
 import torch
 
+from . import acceptance
 from ._triton import (
     INTERPRET,
     device_function,
@@ -30,19 +31,12 @@ from ._triton import (
 
 
 def distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [R, V] -> the sampling distribution [R, V] (float32, truncated by top-k / top-p, renormalized).
+    """logits [R, V] -> the sampling distribution [R, V] (float32, truncated by top-k / top-p, renormalized):
+    the decode cycle's definition (kernels/acceptance.py), with the parameters as numbers.
 
-    Bytes moved: logits read once, probabilities written once (a sort of V per row for top-p)."""
-    p = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-    if 0 < top_k < p.shape[-1]:
-        kth = p.topk(top_k, dim=-1).values[..., -1:]
-        p = torch.where(p >= kth, p, torch.zeros_like(p))
-    if top_p < 1.0:
-        sp, order = p.sort(dim=-1, descending=True)
-        before = sp.cumsum(-1) - sp  # mass strictly above each entry
-        sp = torch.where(before < top_p * sp.sum(-1, keepdim=True), sp, torch.zeros_like(sp))
-        p = torch.zeros_like(p).scatter(-1, order, sp)
-    return p / p.sum(-1, keepdim=True)
+    Bytes moved: logits read once, probabilities written once (a sort of V per row)."""
+    params = torch.tensor([temperature, top_p, float(top_k)], device=logits.device)
+    return acceptance.distribution(logits, params)
 
 
 def draw(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
