@@ -230,7 +230,7 @@ def score(model_dir, numerics, dtype, op_path, devices, index_keys, ids_file, te
 @friendly
 def tiny(out_dir, family, seed, shape):
     """Write a tiny random checkpoint (official names and formats, FP8/FP4, tokenizer.json) to OUT_DIR."""
-    from .tiny import write_tiny
+    from appliance.model.tiny import write_tiny
 
     out = write_tiny(out_dir, family, seed, shape=shape)
     click.echo(f"wrote a tiny {family} checkpoint to {out}", err=True)
@@ -251,8 +251,9 @@ def info(model_dir, n_devices, gpu_memory, context, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
     bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank. Needs only
     config.json (weights are not read)."""
+    from appliance.model.config import load_config, summary
+
     from . import info as inf
-    from .config import load_config, summary
     from .loader import default_model_dir
     from .memory import parse_bytes, rank_plan
 

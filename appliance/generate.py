@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.model.tokenizer import StreamDecoder
 from graphs.runner import make_runner
 from kernels import acceptance
 
@@ -23,7 +24,6 @@ from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep, 
 from .errors import ApplianceError, ContextLengthError, ModelLoadError, RequestError
 from .loader import LoadedModel
 from .speculative import DraftStats, make_speculator
-from .tokenizer import StreamDecoder
 
 
 def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:

@@ -4,9 +4,10 @@ kernels store them, and as the reference path holds them)."""
 
 from collections import defaultdict
 
-from .config import ModelConfig, V4Config, V41Config
+from appliance.model.config import ModelConfig, V4Config, V41Config
+from appliance.model.weights import ShapeCheckpoint
+
 from .loader import make_runtime
-from .weights import ShapeCheckpoint
 
 
 def inventory(cfg: ModelConfig) -> ShapeCheckpoint:
@@ -14,14 +15,14 @@ def inventory(cfg: ModelConfig) -> ShapeCheckpoint:
     ckpt = ShapeCheckpoint(cfg)
     rt = make_runtime("official", "float32", "reference")
     if isinstance(cfg, V41Config):
-        from .model_v41 import V41Model
+        from appliance.model.deepseek_v41 import V41Model
 
         model = V41Model(cfg, ckpt, rt, token_map=None)
     else:
-        from .model_v4 import V4Model
+        from appliance.model.deepseek_v4 import V4Model
 
         model = V4Model(cfg, ckpt, rt)
-    from .drafters import load_drafter
+    from appliance.model.drafters import load_drafter
 
     load_drafter(cfg, ckpt, rt, model)
     return ckpt

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
+from appliance.model.blocks import Numerics, Runtime
+from appliance.model.config import ModelConfig, V41Config, load_config
+from appliance.model.tokenizer import load_tokenizer
+from appliance.model.weights import Checkpoint
 from kernels.registry import resolve
 
-from .blocks import Numerics, Runtime
-from .config import ModelConfig, V41Config, load_config
 from .errors import ModelLoadError
-from .tokenizer import load_tokenizer
-from .weights import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,18 +84,18 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
     if rt.device.type == "cpu":
         set_cpu_threads(cfg)
     if isinstance(cfg, V41Config):
-        from .model_v41 import V41Model
+        from appliance.model.deepseek_v41 import V41Model
 
         token_map = None
         if cfg.engram is not None:
-            from .engram import build_token_map
+            from appliance.model.engram import build_token_map
 
             token_map = build_token_map(model_dir / "tokenizer.json", cfg.engram.compressed_vocab_size)
         if cfg.has_vision and notice:
             notice(f"{model_dir}: vision_config present; this server is text only (image tokens are rejected)")
         model = V41Model(cfg, ckpt, rt, token_map)
     else:
-        from .model_v4 import V4Model
+        from appliance.model.deepseek_v4 import V4Model
 
         model = V4Model(cfg, ckpt, rt)
     ignore = [r"^mtp\.\d+\.(embed|head)\.weight$"]  # exporters' duplicates of the backbone's
@@ -105,7 +105,7 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
         ignore += [r"^vision\.", r"^aligner\.", r"^image_(start|end|newline)$", r"\.gate\.bias_vl$"]
     drafter = None
     if load_drafter:
-        from .drafters import load_drafter as build_drafter
+        from appliance.model.drafters import load_drafter as build_drafter
 
         drafter = build_drafter(cfg, ckpt, rt, model)
     ckpt.finish(tuple(ignore))

@@ -22,7 +22,7 @@ change the function (up to the order of a float64 sum).
 import torch
 import torch.distributed as dist
 
-from .blocks import Dense, GroupedOutput, Linear, MoE
+from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 
 
 class Comm:

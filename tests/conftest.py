@@ -17,7 +17,7 @@ FIXTURE_EXPECTED = DATA / "v41-tiny-a-expected"
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
-    from appliance.tiny import FAMILIES, write_tiny
+    from appliance.model.tiny import FAMILIES, write_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {f: write_tiny(root / f, f, seed=0) for f in FAMILIES}

@@ -167,7 +167,7 @@ def drive_cycles(failures: list, violations: list):
     import appliance.generate as generate
     from appliance.api import Request
     from appliance.loader import load_model
-    from appliance.tiny import write_tiny
+    from appliance.model.tiny import write_tiny
 
     class CheckedRunner:
         def __init__(self, step, device, graphs=True, pool=None):

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.weights import official_name
+from appliance.model.weights import official_name
 
 CONFIGS = {
     # window + CSA + HCA, one hash layer, index_topk >= every row count (selection cannot differ)

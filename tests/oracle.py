@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from appliance.drafters import Draft
-from appliance.state import DecodeState
+from appliance.model.drafters import Draft
+from appliance.model.state import DecodeState
 from kernels import acceptance
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from appliance.config import V4Config, V41Config, load_config, parse_config
 from appliance.errors import ConfigError
+from appliance.model.config import V4Config, V41Config, load_config, parse_config
 
 from .conftest import DATA, FIXTURE
 

@@ -12,8 +12,8 @@ from appliance.api import Request, Sampling
 from appliance.cycle import CycleBuffers
 from appliance.generate import Generator
 from appliance.loader import load_model
+from appliance.model.tiny import write_tiny
 from appliance.speculative import Speculator
-from appliance.tiny import write_tiny
 from kernels import acceptance
 
 from .oracle import OracleDrafter

@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 
-from appliance.engram import EngramHash, build_token_map
-from appliance.step import begin
+from appliance.model.engram import EngramHash, build_token_map
+from appliance.model.step import begin
 
 from .conftest import FIXTURE
 

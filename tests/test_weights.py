@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from appliance.errors import WeightsError
 from appliance.loader import load_model
-from appliance.weights import Checkpoint, official_name
+from appliance.model.weights import Checkpoint, official_name
 
 
 @pytest.mark.parametrize("stored, official", [

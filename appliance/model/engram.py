@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from appliance.errors import ModelLoadError
 from kernels.formats import e8m0_to_float
 
 from .blocks import Linear, Runtime
-from .errors import ModelLoadError
 
 _WS = re.compile(r"[ \t\r\n]+")
 

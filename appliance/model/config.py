@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from appliance.errors import ConfigError
 
 _MISSING = object()
 

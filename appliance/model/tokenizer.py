@@ -3,7 +3,7 @@ detokenization that never emits half a UTF-8 character."""
 
 from pathlib import Path
 
-from .errors import ModelLoadError, RequestError
+from appliance.errors import ModelLoadError, RequestError
 
 
 class TextTokenizer:

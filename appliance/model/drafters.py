@@ -22,8 +22,8 @@ from kernels.formats import q8_pow2
 
 from .blocks import AttentionProjections, Dense, Linear, RMSNorm, Runtime
 from .config import ModelConfig, V41Config
-from .model_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, v4_moe
-from .model_v41 import StaggeredBlock, moe_for
+from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, v4_moe
+from .deepseek_v41 import StaggeredBlock, moe_for
 from .rope import RopeTable, frequencies
 from .state import DecodeState
 from .step import begin, finish

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from appliance.errors import WeightsError
 from kernels.linear import PackedWeight
-
-from .errors import WeightsError
 
 # Applied in order to every stored name that is not already official. Left: regex on the stored name;
 # right: replacement. Covers transformers' module names and its save_pretrained output, whose reverse

@@ -14,7 +14,7 @@ is tensor for tensor what plain decoding of the accepted tokens leaves.
 
 import torch
 
-from .errors import StateError
+from appliance.errors import StateError
 
 
 class Journal:

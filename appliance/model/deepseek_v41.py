@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash text model, reference definition.
 
 Oracle: the official reference implementation's outputs on tiny random weights (tests/data/v41-tiny-a,
-copied from the shared fixtures). What V4.1 changes against V4 (model_v4.py):
+copied from the shared fixtures). What V4.1 changes against V4 (deepseek_v4.py):
 - window attention on every layer; compressors of ratio 2 (no overlap, no position bias) and 1 only on the
   KV-source layers, whose compressed rows the following layers read;
 - index keys projected from the compressed latent (`wk`, `k_norm`), owned by the KV sources; indexers on
