@@ -165,7 +165,8 @@ def measure_balancedness(gen, tokens: list[int], width: int, ranks: int) -> dict
 
 
 def _generator(model_dir, numerics, dtype, op_path, devices, index_keys, draft, draft_tokens, capacity, graphs=True):
-    from .generate import Generator
+    from appliance.decode.generate import Generator
+
     from .loader import load_model
 
     lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices, notice=None,

@@ -118,8 +118,9 @@ def main():
 def generate(model_dir, numerics, dtype, op_path, devices, index_keys, prompt, ids_file, max_tokens, temperature,
              top_p, top_k, seed, ignore_eos, as_json, chunk, draft, draft_tokens, no_graphs):
     """Generate from a prompt and stream the text to stdout."""
+    from appliance.decode.generate import Generator
+
     from .api import Done, Error, Request, Sampling, Tokens
-    from .generate import Generator
 
     if (prompt is None) == (ids_file is None):
         raise ApplianceError("give exactly one of --prompt or --ids", field="prompt")

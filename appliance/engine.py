@@ -75,8 +75,9 @@ class Engine:
              memory_budget: int | None = None) -> "Engine":
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
         the device), build the decode state, capture the cycle, warm up."""
+        from appliance.decode.generate import Generator
+
         from .distributed import start
-        from .generate import Generator
         from .loader import load_model
         from .memory import plan_context
 

@@ -164,7 +164,7 @@ class CaptureGuard(TorchDispatchMode):
 def drive_cycles(failures: list, violations: list):
     """Generate with every family and drafter mode on the fast path, each cycle step run as a capture
     would: twice to warm up, then under the guard (and under it again for every later replay)."""
-    import appliance.generate as generate
+    import appliance.decode.generate as generate
     from appliance.api import Request
     from appliance.loader import load_model
     from appliance.model.tiny import write_tiny

@@ -146,7 +146,7 @@ def reference_ids(requests: list[tuple[list[int], int]], chunk: int = 8) -> list
     script = (
         "import json, sys\n"
         "from appliance.api import Request, Tokens\n"
-        "from appliance.generate import Generator\n"
+        "from appliance.decode.generate import Generator\n"
         "from appliance.loader import load_model\n"
         f"gen = Generator(load_model(None, notice=None), chunk={chunk})\n"
         "out = []\n"

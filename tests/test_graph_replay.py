@@ -5,7 +5,7 @@ tiny family and drafter mode, on the fast path (the ops a GPU captures)."""
 import pytest
 import torch
 
-import appliance.generate as generate
+import appliance.decode.generate as generate
 from appliance.api import Request
 from appliance.loader import load_model
 

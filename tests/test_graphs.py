@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from appliance.api import Request, Sampling
-from appliance.cycle import reach_for, reaches
-from appliance.generate import Generator, graph_blockers
+from appliance.decode.cycle import reach_for, reaches
+from appliance.decode.generate import Generator, graph_blockers
 from appliance.loader import load_model
 from graphs.runner import CudaGraphRunner, EagerRunner, make_runner
 

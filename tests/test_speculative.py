@@ -9,11 +9,11 @@ import torch
 from scipy.stats import chisquare
 
 from appliance.api import Request, Sampling
-from appliance.cycle import CycleBuffers
-from appliance.generate import Generator
+from appliance.decode.cycle import CycleBuffers
+from appliance.decode.generate import Generator
+from appliance.decode.speculator import Speculator
 from appliance.loader import load_model
 from appliance.model.tiny import write_tiny
-from appliance.speculative import Speculator
 from kernels import acceptance
 
 from .oracle import OracleDrafter

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from appliance.api import Request
-from appliance.generate import Generator
+from appliance.decode.generate import Generator
 from appliance.loader import load_model
 
 from .hf_models import CONFIGS, build, save_both

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RequestError
+from appliance.errors import RequestError
 
 
 @dataclass

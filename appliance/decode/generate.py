@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
+from appliance.api import Done, Error, Progress, Request, Sampling, Started, Tokens
+from appliance.errors import ApplianceError, ContextLengthError, ModelLoadError, RequestError
+from appliance.loader import LoadedModel
 from appliance.model.tokenizer import StreamDecoder
 from graphs.runner import make_runner
 from kernels import acceptance
 
-from .api import Done, Error, Progress, Request, Sampling, Started, Tokens
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, VerifyStep, reach_for, reaches
-from .errors import ApplianceError, ContextLengthError, ModelLoadError, RequestError
-from .loader import LoadedModel
-from .speculative import DraftStats, make_speculator
+from .speculator import DraftStats, make_speculator
 
 
 def render_chat(messages: list[dict], model_dir: Path, tokenizer) -> str:
