@@ -60,7 +60,8 @@ def model_options(fn):
 def _load(model_dir, numerics, dtype, op_path, devices="cpu", **kw):
     """Load for a command; with several devices every rank runs the command on its shard in lockstep
     (rank 0's output alone reaches stdout)."""
-    from .distributed import start
+    from appliance.parallel.world import start
+
     from .loader import load_model
 
     if model_dir is not None and not Path(model_dir).exists():

@@ -83,9 +83,8 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
     and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
 
     Every option can also come from the environment variable APPLIANCE_<OPTION> (the systemd env file)."""
+    from appliance.parallel.world import start
     from server.app import ServerConfig, run
-
-    from .distributed import start
 
     world = start(devices)
     if not world.main:  # ranks 1..n-1 of a split model: no server, they follow rank 0's requests

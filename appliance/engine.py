@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.parallel.world import Cancel
+
 from .api import Done, Error, Progress, Request, Started, Tokens
-from .distributed import Cancel
 from .errors import ApplianceError
 
 HEARTBEAT_IDLE_S = 1.0  # an idle engine thread still advances `heartbeat` this often
@@ -76,8 +77,8 @@ class Engine:
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
         the device), build the decode state, capture the cycle, warm up."""
         from appliance.decode.generate import Generator
+        from appliance.parallel.world import start
 
-        from .distributed import start
         from .loader import load_model
         from .memory import plan_context
 

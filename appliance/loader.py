@@ -26,7 +26,7 @@ class LoadedModel:
     runtime: Runtime
     model_dir: Path
     drafter: object = None  # DSpark or MTP drafter when loaded
-    world: object = None  # appliance.distributed.World when the model is split over ranks
+    world: object = None  # appliance.parallel.world.World when the model is split over ranks
 
 
 def default_model_dir() -> Path:
@@ -36,7 +36,7 @@ def default_model_dir() -> Path:
 
 def parse_device(devices: str) -> torch.device:
     """One process's device from a --devices value: "cpu", "cuda", "cuda:1", or "0" (= cuda:0). (Several
-    devices, "cpu:4" or "0,1,2,3", need a process group: appliance.distributed.start.)"""
+    devices, "cpu:4" or "0,1,2,3", need a process group: appliance.parallel.world.start.)"""
     d = devices.split(",")[0].strip()
     if d.isdigit():
         d = f"cuda:{d}"
@@ -73,7 +73,7 @@ def set_cpu_threads(cfg: ModelConfig) -> int:
 
 def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32", path: str = "auto",
                device: str = "cpu", notice=print, load_drafter: bool = False, world=None) -> LoadedModel:
-    """`world` (appliance.distributed.World): several ranks: this process keeps its shard of the model."""
+    """`world` (appliance.parallel.world.World): several ranks: this process keeps its shard of the model."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     cfg = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -110,11 +110,11 @@ def load_model(model_dir=None, numerics: str = "official", dtype: str = "float32
         drafter = build_drafter(cfg, ckpt, rt, model)
     ckpt.finish(tuple(ignore))
     if world is not None and world.distributed:
-        from .sharding import shard
+        from appliance.parallel.sharding import shard
 
         shard(model, drafter, world.comm())
     if rt.device.type != "cpu":
-        from .placement import place
+        from appliance.parallel.placement import place
 
         place((model, drafter), rt.device)
     return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter, world)
