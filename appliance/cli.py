@@ -253,11 +253,11 @@ def info(model_dir, n_devices, gpu_memory, context, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
     bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank. Needs only
     config.json (weights are not read)."""
+    from appliance.measure import costs as inf
+    from appliance.measure.memory import parse_bytes, rank_plan
     from appliance.model.config import load_config, summary
 
-    from . import info as inf
     from .loader import default_model_dir
-    from .memory import parse_bytes, rank_plan
 
     cfg = load_config(model_dir or default_model_dir())
     report = {"config": summary(cfg), "layers": inf.layer_roles(cfg), "weights": inf.weight_bytes(cfg),
@@ -331,4 +331,4 @@ def run():
 from . import cli_bench  # noqa: E402,F401
 
 from . import cli_serve  # noqa: E402,F401  # isort: skip
-from . import bench  # noqa: E402,F401  (registers `bench decode | forward | prefill`)
+from appliance.measure import bench  # noqa: E402,F401  (registers `bench decode | forward | prefill`)

@@ -77,10 +77,10 @@ class Engine:
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
         the device), build the decode state, capture the cycle, warm up."""
         from appliance.decode.generate import Generator
+        from appliance.measure.memory import plan_context
         from appliance.parallel.world import start
 
         from .loader import load_model
-        from .memory import plan_context
 
         say = status or (lambda m: None)
         world = start(devices)

@@ -5,8 +5,9 @@ shortfall. The engine's maximum context is the config's, capped by what the plan
 import os
 from dataclasses import dataclass
 
-from .errors import MemoryPlanError
-from .info import rank_weights, state_bytes, weight_bytes
+from appliance.errors import MemoryPlanError
+
+from .costs import rank_weights, state_bytes, weight_bytes
 
 GRAPH_BUFFERS = 64 << 20  # static inputs/outputs and scratch of the captured decode cycle (upper estimate)
 HEADROOM = 0.08  # of device memory, for the allocator, NCCL and the CUDA context

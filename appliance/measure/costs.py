@@ -4,10 +4,9 @@ kernels store them, and as the reference path holds them)."""
 
 from collections import defaultdict
 
+from appliance.loader import make_runtime
 from appliance.model.config import ModelConfig, V4Config, V41Config
 from appliance.model.weights import ShapeCheckpoint
-
-from .loader import make_runtime
 
 
 def inventory(cfg: ModelConfig) -> ShapeCheckpoint:

@@ -16,10 +16,11 @@ import time
 import click
 import torch
 
-from .api import Request, Sampling
-from .cli import friendly, model_options
-from .cli_bench import bench
-from .info import step_bytes
+from appliance.api import Request, Sampling
+from appliance.cli import friendly, model_options
+from appliance.cli_bench import bench
+
+from .costs import step_bytes
 
 
 def _quantiles(xs: list[float]) -> dict:
@@ -166,8 +167,7 @@ def measure_balancedness(gen, tokens: list[int], width: int, ranks: int) -> dict
 
 def _generator(model_dir, numerics, dtype, op_path, devices, index_keys, draft, draft_tokens, capacity, graphs=True):
     from appliance.decode.generate import Generator
-
-    from .loader import load_model
+    from appliance.loader import load_model
 
     lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=op_path, device=devices, notice=None,
                     load_drafter=draft != "none")
