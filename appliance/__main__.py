@@ -1,3 +1,3 @@
-from .cli import main
+from appliance.cli import main
 
 main()

@@ -17,8 +17,8 @@ import click
 import torch
 
 from appliance.api import Request, Sampling
-from appliance.cli import friendly, model_options
-from appliance.cli_bench import bench
+from appliance.cli.bench import bench
+from appliance.cli.main import friendly, model_options
 
 from .costs import step_bytes
 

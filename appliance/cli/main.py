@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import ApplianceError
+from appliance.errors import ApplianceError
 
 MODEL_HELP = "model directory (config.json + *.safetensors); default: the embedded tiny DeepSeek-V4.1 model"
 
@@ -60,9 +60,8 @@ def model_options(fn):
 def _load(model_dir, numerics, dtype, op_path, devices="cpu", **kw):
     """Load for a command; with several devices every rank runs the command on its shard in lockstep
     (rank 0's output alone reaches stdout)."""
+    from appliance.loader import load_model
     from appliance.parallel.world import start
-
-    from .loader import load_model
 
     if model_dir is not None and not Path(model_dir).exists():
         raise ApplianceError(f"--model {model_dir}: no such directory", field="model")
@@ -119,9 +118,8 @@ def main():
 def generate(model_dir, numerics, dtype, op_path, devices, index_keys, prompt, ids_file, max_tokens, temperature,
              top_p, top_k, seed, ignore_eos, as_json, chunk, draft, draft_tokens, no_graphs):
     """Generate from a prompt and stream the text to stdout."""
+    from appliance.api import Done, Error, Request, Sampling, Tokens
     from appliance.decode.generate import Generator
-
-    from .api import Done, Error, Request, Sampling, Tokens
 
     if (prompt is None) == (ids_file is None):
         raise ApplianceError("give exactly one of --prompt or --ids", field="prompt")
@@ -253,11 +251,10 @@ def info(model_dir, n_devices, gpu_memory, context, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
     bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank. Needs only
     config.json (weights are not read)."""
+    from appliance.loader import default_model_dir
     from appliance.measure import costs as inf
     from appliance.measure.memory import parse_bytes, rank_plan
     from appliance.model.config import load_config, summary
-
-    from .loader import default_model_dir
 
     cfg = load_config(model_dir or default_model_dir())
     report = {"config": summary(cfg), "layers": inf.layer_roles(cfg), "weights": inf.weight_bytes(cfg),
@@ -328,7 +325,7 @@ def run():
 
 
 # Command groups that live in their own modules register themselves on `main` when imported.
-from . import cli_bench  # noqa: E402,F401
+from . import bench as cli_bench  # noqa: E402,F401
 
-from . import cli_serve  # noqa: E402,F401  # isort: skip
+from . import serve as cli_serve  # noqa: E402,F401  # isort: skip
 from appliance.measure import bench  # noqa: E402,F401  (registers `bench decode | forward | prefill`)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import click
 
-from .cli import MODEL_HELP, friendly, main
-from .errors import ApplianceError
+from appliance.errors import ApplianceError
+
+from .main import MODEL_HELP, friendly, main
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
 DRAFTS = ["none", "dspark", "mtp", "adaptive", "auto"]
@@ -88,7 +89,7 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
 
     world = start(devices)
     if not world.main:  # ranks 1..n-1 of a split model: no server, they follow rank 0's requests
-        from .engine import Engine
+        from appliance.engine import Engine
 
         Engine.load(model_dir, devices=devices, draft=draft, draft_tokens=draft_tokens, numerics=numerics,
                     dtype=dtype, path=op_path, chunk=chunk, context=context, graphs=not no_graphs)
@@ -109,7 +110,7 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
                           idle_timeout_s=idle_timeout, keepalive_s=keepalive, drain_s=drain)
 
     def load_engine(status):
-        from .engine import Engine
+        from appliance.engine import Engine
 
         return Engine.load(model_dir, devices=devices, draft=draft, draft_tokens=draft_tokens, numerics=numerics,
                            dtype=dtype, path=op_path, chunk=chunk, context=context, graphs=not no_graphs,

@@ -1,7 +1,7 @@
 """`appliance bench ...`: measurements printed side by side (medians, ratios), never pass/fail."""
 
 
-from .cli import friendly, main, model_options  # noqa: F401
+from .main import friendly, main, model_options  # noqa: F401
 
 
 @main.group()
