@@ -8,5 +8,5 @@ session    one connection and the one-user box
 app        the asyncio process: routes, load, readiness, SIGTERM
 metrics    decode_* Prometheus metrics;  gpu: NVML gauges
 notify     sd_notify, load watch, watchdog;  service: the systemd unit and env file
-probe      the latency probe client;  probe_stats, probe_plot: its summaries and plot
+probe/     the latency probe: client (one user over decode.v1), stats (summaries, SLOs, files), plot
 """

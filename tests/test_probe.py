@@ -13,8 +13,8 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from server import probe_stats
-from server.probe import ProbeConfig, ProbeRun, RequestRecord, measure_one
+from server.probe import stats as probe_stats
+from server.probe.client import ProbeConfig, ProbeRun, RequestRecord, measure_one
 from tests.server_harness import ROOT, TOKEN, ServerProcess, child_env, open_ws, recv
 
 
@@ -172,7 +172,7 @@ def test_the_table_lists_every_metric():
 
 
 def test_server_modules_never_import_torch():
-    code = ("import sys, server.app, server.probe, server.probe_stats, server.protocol, server.gate, "
+    code = ("import sys, server.app, server.probe.client, server.probe.stats, server.protocol, server.gate, "
             "server.notify, server.gpu, server.metrics, server.service\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=child_env())

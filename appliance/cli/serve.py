@@ -167,8 +167,8 @@ def probe(url, n_requests, warmup, isl, osl, prompt_file, token_file, json_path,
     Exit codes: 0 ok, 2 usage, 3 an SLO missed, 4 the box is busy or not ready, 5 unreachable."""
     import asyncio
 
-    from server import probe_stats
-    from server.probe import ProbeConfig, ProbeError, run_probe
+    from server.probe import stats as probe_stats
+    from server.probe.client import ProbeConfig, ProbeError, run_probe
 
     if prompt_file is not None and isl is not None:
         raise ApplianceError("give --isl (random ids) or --prompt-file, not both", field="isl")
@@ -178,7 +178,7 @@ def probe(url, n_requests, warmup, isl, osl, prompt_file, token_file, json_path,
     _check_range("--osl", osl, 1, 8192)
     slos = probe_stats.parse_slo(slo) if slo else []
     if plot_path is not None:
-        from server.probe_plot import _pyplot
+        from server.probe.plot import _pyplot
 
         _pyplot()  # fail on a missing matplotlib before measuring, not after
     prompt = None
@@ -213,7 +213,7 @@ def probe(url, n_requests, warmup, isl, osl, prompt_file, token_file, json_path,
     if csv_path:
         probe_stats.write_csv(csv_path, run)
     if plot_path:
-        from server.probe_plot import plot
+        from server.probe.plot import plot
 
         plot(run, plot_path)
         click.echo(f"wrote {plot_path}", err=True)

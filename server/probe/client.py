@@ -18,7 +18,7 @@ import orjson
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from .protocol import CLOSE_TRY_AGAIN, PROTOCOL
+from server.protocol import CLOSE_TRY_AGAIN, PROTOCOL
 
 EXIT_SLO = 3
 EXIT_BUSY = 4

@@ -12,7 +12,7 @@ import orjson
 
 from appliance.errors import ApplianceError
 
-from .probe import ProbeRun
+from .client import ProbeRun
 
 # name -> (unit, higher is better)
 METRICS = {

@@ -3,8 +3,8 @@ per-request timeline (send at 0, a tick per token, TTFT marked). matplotlib is t
 
 from appliance.errors import ApplianceError
 
-from .probe import ProbeRun
-from .probe_stats import percentile
+from .client import ProbeRun
+from .stats import percentile
 
 
 def _pyplot():
