@@ -115,14 +115,6 @@ class App:
     async def handle(self, ws) -> None:
         await Session(self, ws).run()
 
-    def retry_after_ms(self) -> int:
-        owner = self.box.owner
-        r = owner.running if owner is not None else None
-        if r is not None and r.produced >= 2 and r.first_t is not None and r.last_t is not None:
-            per_token = (r.last_t - r.first_t) / (r.produced - 1)
-            return int(min(60000, max(100, (r.max_tokens - r.produced) * per_token + 100)))
-        return 1000
-
     # --- lifecycle ---
 
     async def main(self) -> int:

@@ -23,17 +23,12 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from websockets.exceptions import ConnectionClosed
 
 from appliance.api import Done, Error, Progress, Started, Tokens
 
 from . import protocol as proto
-
-if TYPE_CHECKING:
-    from .app import App
-
 
 # --- one user per box --------------------------------------------------------------------------------
 
@@ -69,6 +64,15 @@ class Box:
         for i, (w, _) in enumerate(self.waiting):
             w.tell_position(i + 1)
 
+    def retry_after_ms(self) -> int:
+        """When a refused client should try again: the owner's remaining tokens at its measured pace (100 ms
+        to 60 s), or 1 s when there is no pace to go by."""
+        r = self.owner.running if self.owner is not None else None
+        if r is not None and r.produced >= 2 and r.first_t is not None and r.last_t is not None:
+            per_token = (r.last_t - r.first_t) / (r.produced - 1)
+            return int(min(60000, max(100, (r.max_tokens - r.produced) * per_token + 100)))
+        return 1000
+
 
 # --- one connection ----------------------------------------------------------------------------------
 
@@ -98,7 +102,10 @@ _STOP = object()
 
 
 class Session:
-    def __init__(self, app: "App", ws):
+    """One websocket connection. `app` is the server (server/app.py's App, passed in rather than imported:
+    the app makes sessions) for its state, limits, metrics, engine and the box."""
+
+    def __init__(self, app, ws):
         self.app = app
         self.ws = ws
         self.loop = asyncio.get_running_loop()
@@ -157,7 +164,7 @@ class Session:
         if app.config.on_busy != "queue":
             app.metrics.busy.inc()
             self.send(proto.error_frame("busy", "another user holds this box (one user per box); retry later",
-                                        retry_after_ms=app.retry_after_ms()))
+                                        retry_after_ms=app.box.retry_after_ms()))
             self.close(proto.CLOSE_TRY_AGAIN, "busy: one user per box")
             return False
         app.metrics.queued.inc()
@@ -317,7 +324,7 @@ class Session:
             app.metrics.busy.inc()
             self.send(proto.error_frame("busy", f"request {self.running.id!r} is still running on this "
                                         f"connection: wait for its done, or cancel it", request_id=req.id or None,
-                                        retry_after_ms=app.retry_after_ms()))
+                                        retry_after_ms=app.box.retry_after_ms()))
             return
         if app.state != "ready":
             self.send(proto.error_frame("not_ready", f"the server is {app.state}", request_id=req.id or None,
