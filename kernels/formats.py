@@ -120,3 +120,43 @@ def q4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     amax = xb.abs().amax(-1, keepdim=True).clamp(min=6.0 * 2.0**-9)
     s = (amax / 6.0).to(torch.float8_e4m3fn).float()
     return (round_e2m1((xb / s).clamp(-6.0, 6.0)) * s).flatten(-2)
+
+
+# --- encoders: floats -> the stored formats (tiny checkpoints, benchmarks, tests) -----------------------
+
+
+def e8m0_from_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """float32 powers of two -> float8_e8m0fnu, from the exponent bits (exact; no log2 rounding)."""
+    return ((scale.float().view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """e2m1 values (as `round_e2m1` gives them) -> codes 0..15. A zero of either sign is code 0: the one
+    rule for -0 (what matters is the value, and +0 keeps a packed zero row all zero bytes)."""
+    mags = _E2M1_MAGNITUDES.to(values.device)
+    idx = torch.bucketize(values.abs(), mags)
+    return idx + 8 * ((values < 0) & (idx > 0)).to(idx.dtype)
+
+
+def encode_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (e4m3 [out, in], E8M0 [ceil(out/bo), ceil(in/bi)]): one power-of-two scale per
+    block, the smallest that keeps the block's largest magnitude within e4m3's 448."""
+    out_f, in_f = w.shape
+    bo, bi = block
+    ro, ri = -(-out_f // bo), -(-in_f // bi)
+    pad = torch.zeros(ro * bo, ri * bi, device=w.device)
+    pad[:out_f, :in_f] = w
+    blocks = pad.view(ro, bo, ri, bi)
+    scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.view(ro * bo, ri * bi)[:out_f, :in_f].contiguous(), e8m0_from_pow2(scale)
+
+
+def encode_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (e2m1 packed int8 [out, in/2], E8M0 [out, in/32]): one power-of-two scale per 32
+    inputs, the smallest that keeps their largest magnitude within e2m1's 6, values rounded to nearest even."""
+    out_f, in_f = w.shape
+    wb = w.float().view(out_f, in_f // 32, 32)
+    scale = pow2_ceil(wb.abs().amax(-1).clamp(min=1e-8) / 6.0)
+    values = round_e2m1(wb / scale.unsqueeze(-1)).view(out_f, in_f)
+    return pack_fp4(e2m1_codes(values)), e8m0_from_pow2(scale)

@@ -3,39 +3,13 @@ the window gather and the grouped output projection. Each block loads its own te
 calls its math through the op registry (`rt.ops`), so the reference and fast paths share this code.
 """
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kernels.linear import PackedWeight
-from kernels.registry import Ops
 
+from .runtime import Runtime
 from .state import PositionRing
 from .weights import Checkpoint
-
-
-@dataclass(frozen=True)
-class Numerics:
-    """`official`: the official code's FP8/FP4 activation and KV quantization emulation and its fp32
-    islands; otherwise `plain` (dequantized weights, no quantization emulation: transformers' arithmetic
-    for V4, what a bf16 engine computes for V4.1). `dtype`: the activation dtype every rounding point
-    rounds to (float32 reproduces the official float32 reference runs)."""
-
-    official: bool = True
-    dtype: torch.dtype = torch.float32
-
-
-@dataclass
-class Runtime:
-    """What every block needs besides its weights: numerics, the op registry, the device."""
-
-    num: Numerics
-    ops: Ops
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.num.dtype
 
 
 class Linear:
@@ -178,9 +152,25 @@ class GroupedOutput:
         return self.wo_b(u.reshape(t, -1))
 
 
+def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
+    """V4's per-head re-normalization of the query. Official: every step rounded to the activation dtype;
+    plain: transformers' (fp32 mean and rsqrt, rounded once)."""
+    if official:
+        dt = q.dtype
+        ms = q.square().mean(-1, keepdim=True, dtype=torch.float32).to(dt)
+        return q * torch.rsqrt(ms + eps).to(dt)
+    return q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+
+
 class AttentionProjections:
-    """What every attention here (V4, V4.1, the drafters') loads alike: low-rank queries (wq_a, q_norm,
-    wq_b), the one shared key/value head (wkv, kv_norm), a sink logit per head and the grouped output."""
+    """What every attention here (V4, V4.1, the drafters') shares: low-rank queries (wq_a, q_norm, wq_b),
+    the one shared key/value head (wkv, kv_norm), a sink logit per head, the grouped output, and the core
+    of a forward where the families agree (queries, window keys, the window ring, attention with its
+    inverse RoPE and output). A family sets `renorm_q` (V4's per-head query re-normalization) and its KV
+    fake quantization (`kv_quant`); what differs (compressed rows, indexers, the drafter's window) stays
+    in the family's file."""
+
+    renorm_q = False
 
     def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str):
         c, p = cfg, prefix
@@ -193,3 +183,35 @@ class AttentionProjections:
         self.sink = ckpt.tensor(f"{p}.attn_sink", (c.n_heads,), (torch.float32,))
         self.out = GroupedOutput(rt, ckpt, p, c, ab)
         self.heads = c.n_heads  # the heads this process computes: all, or one rank's share (sharding.py)
+
+    def kv_quant(self, k: torch.Tensor) -> torch.Tensor:
+        """The family's fake quantization of window keys (official numerics); none by default."""
+        return k
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (c_q [T, q_lora] for the indexers, q [T, heads, head_dim] with RoPE)."""
+        c_q = self.q_norm(self.wq_a(x))
+        q = self.wq_b(c_q).view(x.shape[0], self.heads, self.cfg.head_dim)
+        if self.renorm_q:
+            q = q_renorm(q, self.cfg.norm_eps, self.rt.num.official)
+        return c_q, self.rt.ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def window_keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> the window keys [T, head_dim]: kv_norm(wkv(x)), RoPE, KV fake quantization."""
+        return self.kv_quant(self.rt.ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
+
+    def window(self, step, k: torch.Tensor, ring_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window keys each query sees (the ring's, then this call's) and their mask; then this call's
+        keys go to the ring."""
+        ring = step.state.rings[ring_name]
+        kv, mask = window_gather(ring, step.start, k, step.positions, self.cfg.window_size)
+        ring.write(step.positions, k)
+        return kv, mask
+
+    def attend(self, q, kv, mask, comp_kv, index, cos, sin) -> torch.Tensor:
+        """Attention over window keys `kv` (`mask`) and compressed rows `comp_kv` (`index`: the rows each
+        query reads, -1 = none), the sink, inverse RoPE on the output, the grouped output projection."""
+        ops = self.rt.ops
+        p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+        o = ops.attention(q, kv, mask, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, p_dtype)
+        return self.out(ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True))

@@ -13,7 +13,8 @@ the ring's last positions and rewinding needs no snapshot.
 
 import torch
 
-from .blocks import Dense, RMSNorm, Runtime
+from .blocks import Dense, RMSNorm
+from .runtime import Runtime
 from .state import DecodeState, PositionRing
 
 

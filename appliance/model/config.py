@@ -17,6 +17,10 @@ from pathlib import Path
 
 from appliance.errors import ConfigError
 
+# The checkpoint families a user names (tiny checkpoints, chat dialects): V4-Flash-0731 is a deepseek_v4
+# config whose drafter is DSpark instead of the April MTP head.
+FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
+
 _MISSING = object()
 
 

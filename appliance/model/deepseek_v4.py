@@ -16,10 +16,11 @@ import torch
 
 from kernels.formats import q4_e8m0, q8_pow2
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
+from .runtime import Runtime
 from .state import DecodeState
 from .step import Output, Step, begin, finish
 from .weights import Checkpoint
@@ -46,17 +47,9 @@ def nope_quant(k: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat((q8_pow2(k[..., :-rope_dim], 64).to(k.dtype), k[..., -rope_dim:]), dim=-1)
 
 
-def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
-    """V4's per-head re-normalization of the query. Official: every step rounded to the activation dtype;
-    plain: transformers' (fp32 mean and rsqrt, rounded once)."""
-    if official:
-        dt = q.dtype
-        ms = q.square().mean(-1, keepdim=True, dtype=torch.float32).to(dt)
-        return q * torch.rsqrt(ms + eps).to(dt)
-    return q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
-
-
 class V4Attention(AttentionProjections):
+    renorm_q = True
+
     def __init__(self, rt: Runtime, cfg: V4Config, ckpt: Checkpoint, layer: int, rope: RopeTable,
                  prefix: str | None = None):
         """`layer` names the state buffers; `prefix` the tensors (default `layers.{layer}.attn`). Layers past
@@ -108,22 +101,16 @@ class V4Attention(AttentionProjections):
     def _index_quant(self, x: torch.Tensor) -> torch.Tensor:
         return q4_e8m0(hadamard(x), 32).to(x.dtype) if self.rt.num.official else x
 
-    def _q_renorm(self, q: torch.Tensor) -> torch.Tensor:
-        return q_renorm(q, self.cfg.norm_eps, self.rt.num.official)
+    def kv_quant(self, k: torch.Tensor) -> torch.Tensor:
+        return self._nope_quant(k)
 
     # --- forward -------------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        c, L, ops = self.cfg, self.layer, self.rt.ops
-        T = x.shape[0]
+        L = self.layer
         cos, sin = self.rope(step.positions)
-        c_q = self.q_norm(self.wq_a(x))
-        q = self._q_renorm(self.wq_b(c_q).view(T, self.heads, c.head_dim))
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        k = self._nope_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
-        ring = step.state.rings[f"window.{L}"]
-        win_kv, win_mask = window_gather(ring, step.start, k, step.positions, c.window_size)
-        ring.write(step.positions, k)
+        c_q, q = self.queries(x, cos, sin)
+        win_kv, win_mask = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
         comp_kv, comp_index = None, None
         if self.compressor is not None:
             self._compress(x, step, self.compressor, f"compressor.{L}", f"kv.{L}", self._nope_quant)
@@ -134,12 +121,7 @@ class V4Attention(AttentionProjections):
                 comp_index = torch.where(rows.unsqueeze(0) < n_valid.unsqueeze(1), rows.unsqueeze(0), -1)
             else:
                 comp_index = self._index(x, c_q, step)
-        o = ops.attention(q, win_kv, win_mask, comp_kv, comp_index, self.sink, c.head_dim**-0.5, self._p_dtype())
-        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        return self.out(o)
-
-    def _p_dtype(self):
-        return self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+        return self.attend(q, win_kv, win_mask, comp_kv, comp_index, cos, sin)
 
     def _compress(self, x, step: Step, comp: Compressor, ring_name, rows_name, quant) -> None:
         ring = step.state.rings[ring_name]
@@ -242,8 +224,10 @@ class V4Model:
             captured = bool(c.dspark) and L in c.dspark.target_layer_ids
             self.layers.append(PlainBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, captured))
 
-    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
-        state = DecodeState(capacity, spare, self.rt.device)
+    def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
+        """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
+        without allocating)."""
+        state = DecodeState(capacity, spare, device or self.rt.device)
         for layer in self.layers:
             layer.attn.init_state(state, spare)
         return state

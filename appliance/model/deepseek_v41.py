@@ -21,11 +21,12 @@ import torch
 
 from kernels.formats import q4_e4m3, q4_e8m0, q8_pow2
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, Runtime, window_gather
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
 from .rope import RopeTable, frequencies
+from .runtime import Runtime
 from .state import DecodeState
 from .step import Output, Step, begin, finish
 from .weights import Checkpoint
@@ -69,7 +70,7 @@ class V41Attention(AttentionProjections):
 
     # --- numerics ------------------------------------------------------------------------------------
 
-    def _kv_quant(self, k):
+    def kv_quant(self, k):
         return q8_pow2(k, 32).to(k.dtype) if self.rt.num.official else k
 
     def _row_quant(self, row):
@@ -81,16 +82,10 @@ class V41Attention(AttentionProjections):
     # --- forward -------------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        c, L, ops = self.cfg, self.layer, self.rt.ops
-        T = x.shape[0]
+        L = self.layer
         cos, sin = self.rope(step.positions)
-        c_q = self.q_norm(self.wq_a(x))
-        q = self.wq_b(c_q).view(T, self.heads, c.head_dim)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        k = self._kv_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
-        ring = step.state.rings[f"window.{L}"]
-        win_kv, win_mask = window_gather(ring, step.start, k, step.positions, c.window_size)
-        ring.write(step.positions, k)
+        c_q, q = self.queries(x, cos, sin)
+        win_kv, win_mask = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
 
         if self.compressor is not None:
             self._compress(x, step)
@@ -99,13 +94,7 @@ class V41Attention(AttentionProjections):
         else:
             topk = self._index(x, c_q, step) if self.index_source == L else step.topk[self.index_source]
             comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
-        o = ops.attention(q, win_kv, win_mask, comp_kv, topk, self.sink, c.head_dim**-0.5,
-                          self._p_dtype())
-        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        return self.out(o)
-
-    def _p_dtype(self):
-        return self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+        return self.attend(q, win_kv, win_mask, comp_kv, topk, cos, sin)
 
     def _compress(self, x: torch.Tensor, step: Step) -> None:
         """KV source: pool completed groups, then write their index key and their compressed row."""
@@ -229,8 +218,10 @@ class V41Model:
             captured = bool(c.dspark) and L in c.dspark.target_layer_ids
             self.layers.append(StaggeredBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, engrams.get(L), captured))
 
-    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
-        state = DecodeState(capacity, spare, self.rt.device)
+    def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
+        """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
+        without allocating)."""
+        state = DecodeState(capacity, spare, device or self.rt.device)
         for layer in self.layers:
             layer.attn.init_state(state, spare)
         return state

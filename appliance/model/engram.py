@@ -19,7 +19,8 @@ import torch
 from appliance.errors import ModelLoadError
 from kernels.formats import e8m0_to_float
 
-from .blocks import Linear, Runtime
+from .blocks import Linear
+from .runtime import Runtime
 
 _WS = re.compile(r"[ \t\r\n]+")
 

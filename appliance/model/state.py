@@ -47,6 +47,10 @@ class Journal:
             data[index] = torch.where(restore, old, data[index])
         self.transaction = None
 
+    def commit(self) -> None:
+        """End the transaction keeping everything it wrote."""
+        self.transaction = None
+
     def undo(self, position: int) -> None:
         """Restore every value overwritten by a write for a position >= `position`, newest first."""
         kept = []

@@ -63,3 +63,10 @@ class Output:
     logits: torch.Tensor  # [R, V] float32 (R = T, or 1 with logits="last")
     hidden: torch.Tensor | None  # [T, n_targets * D]: DSpark inputs (captured target-layer streams)
     streams: torch.Tensor | None = None  # [T, hc, D] final residual streams (V4's MTP head reads them)
+
+
+@dataclass
+class Draft:
+    ids: torch.Tensor  # [k] int64: proposed tokens for positions q+2 .. q+1+k
+    logits: torch.Tensor  # [k, V] float32: the distribution each draft was drawn from (before sampling)
+    confidence: torch.Tensor | None = None  # [k] raw logits of the confidence head (DSpark)

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kernels.formats import pack_fp4, pow2_ceil, round_e2m1
+from kernels.formats import encode_fp4, encode_fp8
 
+from .config import FAMILIES
 from .engram import build_token_map
 
 _CORPUS = [
@@ -64,40 +65,16 @@ class _Writer:
 
     def fp8(self, name, out_f, in_f, gain=1.0):
         w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f))
-        b = self.block
-        ro, ri = -(-out_f // b), -(-in_f // b)
-        pad = torch.zeros(ro * b, ri * b)
-        pad[:out_f, :in_f] = w
-        blocks = pad.view(ro, b, ri, b)
-        scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
-        codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        self[f"{name}.weight"] = codes.view(ro * b, ri * b)[:out_f, :in_f].contiguous()
-        self[f"{name}.scale"] = _e8m0(scale)
+        self[f"{name}.weight"], self[f"{name}.scale"] = encode_fp8(w, (self.block, self.block))
 
     def fp4(self, name, out_f, in_f, gain=1.0):
-        w = self.randn(out_f, in_f, std=gain / math.sqrt(in_f)).view(out_f, in_f // 32, 32)
-        scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-8) / 6.0)
-        values = round_e2m1(w / scale.unsqueeze(-1)).view(out_f, in_f)
-        codes = _e2m1_codes(values)
-        self[f"{name}.weight"] = pack_fp4(codes)
-        self[f"{name}.scale"] = _e8m0(scale)
+        self[f"{name}.weight"], self[f"{name}.scale"] = encode_fp4(self.randn(out_f, in_f, std=gain / math.sqrt(in_f)))
 
     def norm(self, name, dim):
         self[name] = (1.0 + self.randn(dim, std=0.1)).to(torch.bfloat16)
 
     def f32(self, name, *shape, std=1.0, mean=0.0):
         self[name] = (mean + self.randn(*shape, std=std)).float()
-
-
-def _e8m0(scale: torch.Tensor) -> torch.Tensor:
-    exp = torch.log2(scale).round().to(torch.int32) + 127
-    return exp.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    idx = (values.abs().unsqueeze(-1) == mags).float().argmax(-1)
-    return idx + 8 * (values < 0).to(idx.dtype) * (idx > 0).to(idx.dtype)
 
 
 def _hc(w: _Writer, prefix: str, hc: int, dim: int):
@@ -202,10 +179,8 @@ def _write_v41(out: Path, seed: int, shape: str = "tiny") -> None:
             r = rows[c["engram_layers"].index(L)]
             n_cols = (c["engram_ngram"] - 1) * c["engram_heads"]
             w.fp8(f"{p}.engram.wkv", (hc + 1) * dim, n_cols * c["engram_head_dim"])
-            table = w.randn(r, c["engram_head_dim"]).view(r, -1, 32)
-            scale = pow2_ceil(table.abs().amax(-1).clamp(min=1e-8) / 448.0)
-            w[f"{p}.engram.embed.weight"] = (table / scale.unsqueeze(-1)).view(r, -1).to(torch.float8_e4m3fn)
-            w[f"{p}.engram.embed.scale"] = _e8m0(scale)
+            table = w.randn(r, c["engram_head_dim"])
+            w[f"{p}.engram.embed.weight"], w[f"{p}.engram.embed.scale"] = encode_fp8(table, (1, 32))
             w[f"{p}.engram.q_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
             w[f"{p}.engram.k_weight"] = (1 + w.randn(hc, dim, std=0.1)).to(torch.bfloat16)
     for s in range(3):
@@ -340,9 +315,6 @@ def _write_v4(out: Path, seed: int, drafter: str, vocab: int | None) -> None:
         config.update(dspark_block_size=5, dspark_noise_token_id=noise_id, dspark_target_layer_ids=c["dspark_targets"],
                       dspark_markov_rank=c["markov_rank"])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
 
 
 def write_tiny(out_dir, family: str = "deepseek_v41", seed: int = 0, vocab: int | None = None,

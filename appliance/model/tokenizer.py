@@ -3,7 +3,7 @@ detokenization that never emits half a UTF-8 character."""
 
 from pathlib import Path
 
-from appliance.errors import ModelLoadError, RequestError
+from appliance.errors import ContextLengthError, ModelLoadError, RequestError
 
 
 class TextTokenizer:
@@ -76,3 +76,22 @@ class StreamDecoder:
         piece = text[len(self.emitted):]
         self.start, self.emitted = len(self.ids), ""
         return piece
+
+
+def check_ids(ids: list[int], cfg, limit: int, reserve: int = 0) -> None:
+    """The one check of a prompt's ids: not empty, inside the vocabulary, no image token (text only), and
+    `len(ids) + reserve` (the tokens still to generate) within `limit` positions of context."""
+    if not ids:
+        raise RequestError("the prompt encodes to no tokens", field="prompt")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise RequestError(f"input_ids: {len(bad)} id(s) outside the vocabulary 0..{cfg.vocab_size - 1} "
+                           f"(first: {bad[0]})", field="input_ids", value=bad[0])
+    image = getattr(cfg, "image_token_id", None)
+    if image is not None and image in ids:
+        raise RequestError(f"input_ids: image token {image} found; this server is text only",
+                           field="input_ids", value=image)
+    if len(ids) + reserve > limit:
+        what = f"prompt of {len(ids)} tokens" + (f" + max_tokens {reserve}" if reserve else "")
+        raise ContextLengthError(f"{what} exceeds the context limit {limit}",
+                                 field="max_tokens" if len(ids) < limit else "prompt", value=len(ids))

@@ -1,39 +1,30 @@
-"""Drafters for speculative decoding, built from the checkpoint's `mtp.*` tensors.
+"""DSpark, the block drafter of V4.1 and V4-Flash-0731, built from the checkpoint's `mtp.*` tensors.
 
-- DSpark (V4.1; V4-Flash-0731): a block drafter. One pass of three window-only stages over the block
-  [anchor, noise x 4] proposes base logits for five future positions at once; a rank-r Markov head then
-  chains them left to right. Each stage keeps a ring of keys computed from the target's hidden states at
-  committed positions (`m(q) = main_norm(main_proj(H(q)))`, H = the streams entering the target layers,
-  averaged over the mHC copies). Oracle: the official reference outputs in tests/data/v41-tiny-a.
-- MTP (V4-Flash, April): one V4 block fed with the target's final streams and the next token; chained
-  for several drafts, its ring holds rows of committed positions only.
+One pass of three window-only stages over the block [anchor, noise x 4] proposes base logits for five future
+positions at once; a rank-r Markov head then chains them left to right. Each stage keeps a ring of keys
+computed from the target's hidden states at committed positions (`m(q) = main_norm(main_proj(H(q)))`, H =
+the streams entering the target layers, averaged over the mHC copies). Oracle: the official reference
+outputs in tests/data/v41-tiny-a.
 
-Both expose the same calls: `new_state`, `commit` (ring rows for positions whose next token is known),
-`draft` (write the row of the last committed position q, then propose k tokens for q+2..q+1+k given the
-anchor token for q+1) and `rows` (what the target's forward output carries for them).
+A drafter exposes `new_state`, `commit` (ring rows for positions whose next token is known), `draft` (write
+the row of the last committed position q, then propose k tokens for q+2..q+1+k given the anchor token for
+q+1) and `rows` (what the target's forward output carries for them); mtp.py is the other one.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels import acceptance
 from kernels.formats import q8_pow2
 
-from .blocks import AttentionProjections, Dense, Linear, RMSNorm, Runtime
+from .blocks import AttentionProjections, Dense, Linear, RMSNorm
 from .config import ModelConfig, V41Config
-from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, nope_quant, q_renorm, v4_moe
+from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
 from .deepseek_v41 import StaggeredBlock, moe_for
 from .rope import RopeTable, frequencies
+from .runtime import Runtime
 from .state import DecodeState
-from .step import begin, finish
-
-
-@dataclass
-class Draft:
-    ids: torch.Tensor  # [k] int64: proposed tokens for positions q+2 .. q+1+k
-    logits: torch.Tensor  # [k, V] float32: the distribution each draft was drawn from (before sampling)
-    confidence: torch.Tensor | None = None  # [k] raw logits of the confidence head (DSpark)
+from .step import Draft
 
 
 @dataclass
@@ -54,40 +45,33 @@ class DraftAttention(AttentionProjections):
 
     def __init__(self, rt: Runtime, cfg: ModelConfig, ckpt, prefix: str, name: str, rope: RopeTable, v4: bool):
         self.rt, self.cfg, self.name, self.rope, self.v4 = rt, cfg, name, rope, v4
+        self.renorm_q = v4  # 0731's stages are V4 attention
         super().__init__(rt, cfg, ckpt, prefix)
 
     def init_state(self, state: DecodeState, spare: int) -> None:
         state.ring(self.name, self.cfg.window_size + spare, self.cfg.head_dim, self.rt.dtype)
 
-    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Window keys of rows x [n, D] at `positions`: kv_norm(wkv(x)), RoPE, KV fake quantization."""
-        cos, sin = self.rope(positions)
-        k = self.rt.ops.rope(self.kv_norm(self.wkv(x)), cos, sin)
+    def kv_quant(self, k: torch.Tensor) -> torch.Tensor:
         if not self.rt.num.official:
             return k
         return nope_quant(k, self.cfg.rope_head_dim) if self.v4 else q8_pow2(k, 32).to(k.dtype)
 
     def write(self, state: DecodeState, x: torch.Tensor, positions: torch.Tensor) -> None:
-        state.rings[self.name].write(positions, self.keys(x, positions))
+        cos, sin = self.rope(positions)
+        state.rings[self.name].write(positions, self.window_keys(x, cos, sin))
 
     def __call__(self, x: torch.Tensor, step: DraftStep) -> torch.Tensor:
-        c, ops = self.cfg, self.rt.ops
+        c = self.cfg
         B = x.shape[0]
         cos, sin = self.rope(step.positions)
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, self.heads, c.head_dim)
-        if self.v4:
-            q = q_renorm(q, c.norm_eps, self.rt.num.official)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        block = self.keys(x, step.positions)
+        _, q = self.queries(x, cos, sin)
+        block = self.window_keys(x, cos, sin)
         ring = step.state.rings[self.name]
         ring_pos = ring.slot_positions(step.q + 1)
         ring_ok = (ring_pos >= 0) & (ring_pos > step.q - c.window_size)
         kv = torch.cat((ring.data.to(block.dtype), block))
         mask = torch.cat((ring_ok, torch.ones(B, dtype=torch.bool, device=ring_ok.device))).unsqueeze(0).expand(B, -1)
-        p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
-        o = ops.attention(q, kv, mask, None, None, self.sink, c.head_dim**-0.5, p_dtype)
-        o = ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        return self.out(o)
+        return self.attend(q, kv, mask, None, None, cos, sin)
 
 
 class DSpark:
@@ -124,8 +108,10 @@ class DSpark:
         self.markov_head = Dense.load(ckpt, f"{last}.markov_head.{head_name}.weight", c.vocab_size, d.markov_rank)
         self.confidence = Dense.load(ckpt, f"{last}.confidence_head.proj.weight", 1, c.dim + d.markov_rank)
 
-    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
-        state = DecodeState(capacity, spare, self.rt.device)
+    def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
+        """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
+        without allocating)."""
+        state = DecodeState(capacity, spare, device or self.rt.device)
         for stage in self.stages:
             stage.attn.init_state(state, spare)
         return state
@@ -179,82 +165,7 @@ class DSpark:
             li = base[i:i + 1] + self.markov_head(mu.float(), torch.float32)
             logits.append(li)
             marks.append(mu)
-            y = acceptance.sample(li, params, key)
+            y = self.rt.ops.sample(li, params, key)
             out_ids.append(y)
         conf = self.confidence(torch.cat((x[:k].float(), torch.cat(marks).float()), dim=-1), torch.float32)[:, 0]
         return Draft(torch.cat(out_ids), torch.cat(logits), conf)
-
-
-class MTP:
-    """V4-Flash's one-layer MTP head, chained: draft i reads the previous draft's output streams."""
-
-    kind = "mtp"
-
-    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, plain_rope):
-        c = cfg
-        self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
-        L = c.n_layers  # the head's block is layer n_layers
-        blk, ab = c.weight_block, c.act_block
-        self.e_proj = Linear.load(rt, ckpt, "mtp.0.e_proj.weight", c.dim, c.dim, blk, ab)
-        self.h_proj = Linear.load(rt, ckpt, "mtp.0.h_proj.weight", c.dim, c.dim, blk, ab)
-        self.enorm = RMSNorm.load(rt, ckpt, "mtp.0.enorm.weight", c.dim, c.norm_eps)
-        self.hnorm = RMSNorm.load(rt, ckpt, "mtp.0.hnorm.weight", c.dim, c.norm_eps)
-        self.norm = RMSNorm.load(rt, ckpt, "mtp.0.norm.weight", c.dim, c.norm_eps)
-        self.hc_head = HyperHead(rt, c, ckpt, "mtp.0.")
-        attn = V4Attention(rt, c, ckpt, L, plain_rope, prefix="mtp.0.attn")
-        ffn = v4_moe(rt, c, ckpt, "mtp.0.ffn", c.n_routed_experts, c.n_activated_experts, hashed=False)
-        self.block = PlainBlock(rt, c, ckpt, "mtp.0", attn, ffn)
-
-    def new_state(self, capacity: int, spare: int = 16) -> DecodeState:
-        state = DecodeState(capacity, spare, self.rt.device)
-        self.block.attn.init_state(state, spare)
-        return state
-
-    @staticmethod
-    def rows(out) -> torch.Tensor:
-        return out.streams
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return (self.cfg.hc_mult, self.cfg.dim)
-
-    def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
-        h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
-        return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
-
-    def _forward(self, state, streams, tokens, start) -> torch.Tensor:
-        """`start` a host int: eager (must equal the state's length); a device scalar: static."""
-        step = begin(state, tokens, None if isinstance(start, int) else start, "own", None)
-        Y = self.block(self._inputs(streams, tokens), step)
-        finish(step)
-        return Y
-
-    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:
-        """Run the head over positions start.. (target streams `rows`, next tokens) to fill its ring."""
-        self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
-
-    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
-              params: torch.Tensor, key: torch.Tensor) -> Draft:
-        """Position q from the target's streams and the anchor; then k-1 chained steps at q+1.. . The chained
-        steps write ring rows of speculative positions: the caller runs this in a state transaction and
-        rolls back from q+1."""
-        streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
-        ids, logits = [], []
-        for i in range(k):
-            Y = self._forward(state, streams, token, q + i)
-            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)
-            token = acceptance.sample(li, params, key)
-            ids.append(token)
-            logits.append(li)
-            streams = Y
-        return Draft(torch.cat(ids), torch.cat(logits))
-
-
-def load_drafter(cfg: ModelConfig, ckpt, rt: Runtime, model):
-    """The checkpoint's own drafter (None when it has none)."""
-    if cfg.dspark is not None:
-        return DSpark(cfg, ckpt, rt, model.embed, model.head)
-    if cfg.n_mtp_layers and not isinstance(cfg, V41Config):
-        return MTP(cfg, ckpt, rt, model.embed, model.head, model.plain_rope)
-    return None

@@ -1,0 +1,80 @@
+"""MTP, V4-Flash's (April) one-layer multi-token-prediction head, built from the checkpoint's `mtp.0.*`
+tensors: one V4 block fed with the target's final streams and the next token, chained for several drafts.
+Its ring holds rows of committed positions only. Same calls as the DSpark drafter (dspark.py)."""
+
+import torch
+
+from .blocks import Dense, Linear, RMSNorm
+from .config import ModelConfig
+from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, v4_moe
+from .runtime import Runtime
+from .state import DecodeState
+from .step import Draft, begin, finish
+
+
+class MTP:
+    """V4-Flash's one-layer MTP head, chained: draft i reads the previous draft's output streams."""
+
+    kind = "mtp"
+
+    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, plain_rope):
+        c = cfg
+        self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
+        L = c.n_layers  # the head's block is layer n_layers
+        blk, ab = c.weight_block, c.act_block
+        self.e_proj = Linear.load(rt, ckpt, "mtp.0.e_proj.weight", c.dim, c.dim, blk, ab)
+        self.h_proj = Linear.load(rt, ckpt, "mtp.0.h_proj.weight", c.dim, c.dim, blk, ab)
+        self.enorm = RMSNorm.load(rt, ckpt, "mtp.0.enorm.weight", c.dim, c.norm_eps)
+        self.hnorm = RMSNorm.load(rt, ckpt, "mtp.0.hnorm.weight", c.dim, c.norm_eps)
+        self.norm = RMSNorm.load(rt, ckpt, "mtp.0.norm.weight", c.dim, c.norm_eps)
+        self.hc_head = HyperHead(rt, c, ckpt, "mtp.0.")
+        attn = V4Attention(rt, c, ckpt, L, plain_rope, prefix="mtp.0.attn")
+        ffn = v4_moe(rt, c, ckpt, "mtp.0.ffn", c.n_routed_experts, c.n_activated_experts, hashed=False)
+        self.block = PlainBlock(rt, c, ckpt, "mtp.0", attn, ffn)
+
+    def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
+        """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
+        without allocating)."""
+        state = DecodeState(capacity, spare, device or self.rt.device)
+        self.block.attn.init_state(state, spare)
+        return state
+
+    @staticmethod
+    def rows(out) -> torch.Tensor:
+        return out.streams
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.cfg.hc_mult, self.cfg.dim)
+
+    def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
+        h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
+        return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
+
+    def _forward(self, state, streams, tokens, start) -> torch.Tensor:
+        """`start` a host int: eager (must equal the state's length); a device scalar: static."""
+        step = begin(state, tokens, None if isinstance(start, int) else start, "own", None)
+        Y = self.block(self._inputs(streams, tokens), step)
+        finish(step)
+        return Y
+
+    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start: int) -> None:
+        """Run the head over positions start.. (target streams `rows`, next tokens) to fill its ring."""
+        self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
+
+    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
+              params: torch.Tensor, key: torch.Tensor) -> Draft:
+        """Position q from the target's streams and the anchor; then k-1 chained steps at q+1.. . The chained
+        steps write ring rows of speculative positions: the caller runs this in a state transaction and
+        rolls back from q+1."""
+        streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
+        ids, logits = [], []
+        for i in range(k):
+            Y = self._forward(state, streams, token, q + i)
+            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)
+            token = self.rt.ops.sample(li, params, key)
+            ids.append(token)
+            logits.append(li)
+            streams = Y
+        return Draft(torch.cat(ids), torch.cat(logits))
