@@ -1,4 +1,29 @@
-"""decode-appliance: the engine (configs, weights, model math, decode state, speculative decoding, the
-Engine API) and the command line."""
+"""decode-appliance: the engine and its command line.
+
+Module map (wings by concern; the arrows are the only imports allowed, held by tests/test_layering.py):
+
+    front     api.py      Request and events: the Engine API's plain objects (no torch)
+              errors.py   exceptions with code, field and value
+              options.py  RunOptions: how a model runs, built once (no torch)
+              loader.py   a model directory -> LoadedModel (config, weights, drafter, shards, capture blockers)
+              engine.py   Engine: one engine thread, requests in, events out
+    model/    what a checkpoint computes, in plain torch over the op registry (kernels/): config, weights,
+              tokenizer, runtime, state, step, blocks, rope, compressor, engram, one file per family
+              (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py, tiny.py
+    decode/   the request loop (loop.py), the decode session that owns state, speculator and graphs
+              (session.py), the cycle steps (cycle.py), the speculator (speculator.py)
+    parallel/ several devices: process group and collectives (world.py), sharding, placement
+    measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py)
+    cli/      one module per command family; the only place that imports server/
+
+    model    -> kernels, errors
+    parallel -> model
+    decode   -> model, graphs, kernels, api, options
+    measure  -> model, kernels, api
+    loader   -> model, parallel, options
+    engine   -> decode, measure, parallel, loader
+    cli      -> everything, and server (the one upward arrow)
+    server   -> api, errors (never torch); kernels and graphs import nothing of ours
+"""
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The Engine API: the one narrow waist between the server (or CLI) and the model.
 
-    engine = Engine.load(model_dir, devices="cpu", draft="none")
+    engine = Engine.load(RunOptions(model_dir=..., devices="0,1,2,3", draft="dspark"))
     for event in engine.generate(Request(...), cancel):   # Started, Progress*, Tokens*, Done | Error
         ...
 
@@ -22,10 +22,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.parallel.world import Cancel
+from appliance.decode.loop import RequestLoop
+from appliance.decode.session import DecodeSession
+from appliance.measure.memory import plan_context
+from appliance.parallel.world import Cancel, start
 
 from .api import Done, Error, Progress, Request, Started, Tokens
 from .errors import ApplianceError
+from .loader import load_model
+from .options import RunOptions
 
 HEARTBEAT_IDLE_S = 1.0  # an idle engine thread still advances `heartbeat` this often
 
@@ -51,11 +56,11 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, generator, info: EngineInfo, warmup: bool = True):
-        self.generator = generator
+    def __init__(self, loop: RequestLoop, info: EngineInfo, warmup: bool = True):
+        self.loop = loop
+        self.session = loop.session
         self.info = info
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
-        self._busy = threading.Lock()
         self._running: _Job | None = None
         self.heartbeat = time.monotonic()  # advanced by the engine thread whenever it makes progress
         self.ready = threading.Event()
@@ -68,44 +73,33 @@ class Engine:
     # --- construction --------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_dir=None, devices: str = "cpu", draft: str = "none", draft_tokens: int = 3,
-             numerics: str = "official",
-             dtype: str = "float32", path: str = "auto", chunk: int = 256, context: int | None = None,
-             graphs: bool = True,
-             index_keys: str = "own", warmup: bool = True, status: Callable[[str], None] | None = None,
+    def load(cls, options: RunOptions, warmup: bool = True, status: Callable[[str], None] | None = None,
              memory_budget: int | None = None) -> "Engine":
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
-        the device), build the decode state, capture the cycle, warm up."""
-        from appliance.decode.generate import Generator
-        from appliance.measure.memory import plan_context
-        from appliance.parallel.world import start
-
-        from .loader import load_model
-
+        the device's memory), build the decode state, capture the cycle, warm up. `status` hears progress."""
         say = status or (lambda m: None)
-        world = start(devices)
+        world = start(options.devices)
         say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
-        lm = load_model(model_dir, numerics=numerics, dtype=dtype, path=path, device=devices,
-                        notice=say, load_drafter=draft != "none", world=world)
-        capacity = plan_context(lm, context, memory_budget)
+        lm = load_model(options, notice=say, world=world)
+        capacity = plan_context(lm, options.context, memory_budget)
         say(f"allocating decode state for {capacity} tokens")
-        gen = Generator(lm, capacity=capacity, chunk=chunk, index_keys=index_keys, draft=draft,
-                        draft_tokens=draft_tokens, graphs=graphs, notice=say)
+        session = DecodeSession(lm, options, capacity=capacity, notice=say)
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
-                          vocab_size=lm.cfg.vocab_size, draft=draft, device=devices)
+                          vocab_size=lm.cfg.vocab_size, draft=options.draft, device=options.devices)
+        loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
         if not world.main:
-            follow(gen, world)  # the other ranks run rank 0's requests in lockstep until it stops
+            follow(loop, world)  # the other ranks run rank 0's requests in lockstep until it stops
             sys.exit(0)
         say("warming up")
-        return cls(gen, info, warmup=warmup)
+        return cls(loop, info, warmup=warmup)
 
     def _warmup(self) -> None:
         """One real generation end to end (readiness means a request has gone through)."""
-        req = Request(id="warmup", input_ids=[self.generator.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
+        req = Request(id="warmup", input_ids=[self.session.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
         events = list(self.generate(req))
         if not isinstance(events[-1], Done):
             raise ApplianceError(f"warm-up generation failed: {events[-1]}", code="internal")
-        self.generator.state.reset()
+        self.session.reset()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -139,7 +133,7 @@ class Engine:
             self._running.cancel.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        world = self.generator.lm.world
+        world = self.session.world
         if world is not None and world.distributed:
             world.broadcast(None)  # the other ranks' `follow` ends
             world.stop()
@@ -164,23 +158,23 @@ class Engine:
 
     def _serve(self, job: _Job) -> None:
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
-        world = self.generator.lm.world
+        world = self.session.world
         cancel = job.cancel
         if world is not None and world.distributed:  # every rank runs the request; rank 0's cancel rules
             world.broadcast(job.request)
             cancel = Cancel(world, job.cancel)
         try:
-            for event in self.generator.run(job.request, cancel):
+            for event in self.loop.run(job.request, cancel):
                 self.heartbeat = time.monotonic()
                 if isinstance(event, Done):
                     event.timings["queue_ms"] = queue_ms
                 job.emit(event)
         except Exception as e:  # an engine fault must still end the request with exactly one Error
-            self.generator.state.reset()
+            self.session.reset()
             job.emit(Error(job.request.id, "internal", f"engine fault: {type(e).__name__}: {e}"))
 
 
-def follow(gen, world) -> None:
+def follow(loop: RequestLoop, world) -> None:
     """Ranks 1..n-1 of a split model: run every request rank 0 broadcasts, in lockstep, until it
     broadcasts None. Their events are dropped: rank 0 answers the user."""
     cancel = Cancel(world)
@@ -188,8 +182,8 @@ def follow(gen, world) -> None:
         request = world.broadcast()
         if request is None:
             return
-        for _ in gen.run(request, cancel):
+        for _ in loop.run(request, cancel):
             pass
 
 
-__all__ = ["Engine", "EngineInfo", "Request", "Started", "Progress", "Tokens", "Done", "Error"]
+__all__ = ["Engine", "EngineInfo", "RunOptions", "Request", "Started", "Progress", "Tokens", "Done", "Error"]

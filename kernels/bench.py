@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
-from .formats import pack_fp4, pow2_ceil, round_e2m1
+from .formats import encode_fp4, encode_fp8
 from .linear import PackedWeight
 
 L2_BYTES = 64 << 20  # rotate through at least 4x this (H200: 50 MB L2)
@@ -28,31 +28,16 @@ L2_BYTES = 64 << 20  # rotate through at least 4x this (H200: 50 MB L2)
 # --- random operands (shared with the tests) --------------------------------------------------------------
 
 
-def _e8m0(scale: torch.Tensor) -> torch.Tensor:
-    return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
 def fp8_weight(n: int, k: int, block: tuple[int, int] = (32, 32), device="cpu", gain: float = 1.0) -> PackedWeight:
     """A random FP8 e4m3 weight [n, k] with E8M0 block scales, values ~ N(0, gain^2 / k)."""
-    bo, bi = block
-    ro, ri = -(-n // bo), -(-k // bi)
-    w = torch.zeros(ro * bo, ri * bi, device=device)
-    w[:n, :k] = torch.randn(n, k, device=device) * (gain / math.sqrt(k))
-    blocks = w.view(ro, bo, ri, bi)
-    scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-8) / 448.0)
-    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    data = codes.view(ro * bo, ri * bi)[:n, :k].contiguous()
-    return PackedWeight("bench.fp8", (n, k), "fp8", data, _e8m0(scale), (bo, bi))
+    data, scale = encode_fp8(torch.randn(n, k, device=device) * (gain / math.sqrt(k)), block)
+    return PackedWeight("bench.fp8", (n, k), "fp8", data, scale, block)
 
 
 def fp4_weight(n: int, k: int, device="cpu", gain: float = 1.0) -> PackedWeight:
     """A random FP4 e2m1 weight [n, k] (packed two per byte) with one E8M0 scale per 32 inputs."""
-    w = (torch.randn(n, k, device=device) * (gain / math.sqrt(k))).view(n, k // 32, 32)
-    scale = pow2_ceil(w.abs().amax(-1).clamp(min=1e-8) / 6.0)
-    values = round_e2m1(w / scale.unsqueeze(-1)).view(n, k)
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=device)
-    codes = torch.bucketize(values.abs(), mags) + 8 * torch.signbit(values).to(torch.int64)
-    return PackedWeight("bench.fp4", (n, k), "fp4", pack_fp4(codes), _e8m0(scale), (1, 32))
+    data, scale = encode_fp4(torch.randn(n, k, device=device) * (gain / math.sqrt(k)))
+    return PackedWeight("bench.fp4", (n, k), "fp4", data, scale, (1, 32))
 
 
 def dense_weight(n: int, k: int, dtype=torch.bfloat16, device="cpu") -> PackedWeight:
@@ -266,8 +251,9 @@ def _bench_small(s, m, dev, dt, iters, tiny):
     t = _time(lambda q: rope.fast(q, cos, sin), qs, iters, cuda)
     out.append(("rope q", f"H={s.heads} d={s.head_dim} r={s.rope_dim}", t, 2 * m * s.heads * s.head_dim * dt.itemsize))
     lg = [(torch.randn(m, s.vocab, device=dev),) for _ in range(4)]
-    gen = torch.Generator(device=dev).manual_seed(0)
-    t = _time(lambda x: sampling.fast_sample(x, 0.8, 0, 0.95, gen), lg, max(3, iters // 4), cuda)
+    params = torch.tensor([0.8, 0.95, 0.0], device=dev)  # temperature, top_p, top_k
+    key = torch.zeros(2, dtype=torch.long, device=dev)
+    t = _time(lambda x: sampling.fast_sample(x, params, key), lg, max(3, iters // 4), cuda)
     out.append(("sample top-p", f"V={s.vocab}", t, 3 * 4 * m * s.vocab))
     return out
 

@@ -8,7 +8,7 @@ run here at all, resolve("fast") raises with the reason; it never falls back to 
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from . import _triton, attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
 
@@ -29,7 +29,8 @@ class Ops:
     candidate_mask: Callable
     moe_route: Callable
     moe: Callable
-    sample: Callable = field(default=sampling.sample)  # sampling.sample's signature
+    sample: Callable
+    accept: Callable
 
     def names(self) -> list[str]:
         return [f.name for f in fields(self) if f.name != "path"]
@@ -64,6 +65,7 @@ REFERENCE = Ops(
     moe_route=moe.route,
     moe=moe.reference,
     sample=sampling.sample,
+    accept=sampling.accept,
 )
 
 FAST = Ops(
@@ -82,6 +84,7 @@ FAST = Ops(
     moe_route=moe.fast_route,
     moe=moe.fast,
     sample=sampling.fast_sample,
+    accept=sampling.fast_accept,
 )
 
 _KERNELS = frozenset(getattr(FAST, n) for n in FAST.names() if getattr(FAST, n) is not getattr(REFERENCE, n))

@@ -1,19 +1,29 @@
-"""Token sampling on device: temperature, top-k, top-p, and exact categorical draws by the exponential race
-(argmax p_v / E_v with E_v ~ Exp(1), the official sampler's Gumbel-max form), from a seeded generator so a
-request's samples are reproducible. Temperature 0 is argmax (ties to the lowest id).
+"""Sampling and draft acceptance on the device, with every parameter a tensor: nothing reads the host, so a
+whole decode cycle (draft, verify, accept) can be captured in one CUDA graph and replayed. The decode cycle
+and the drafters reach these through the op registry (`ops.sample`, `ops.accept`): one sampler.
 
-Kernels (`fast_distribution`, `fast_draw`, `fast_sample`), one program per row, looping over the vocab:
+Randomness comes from a counter-based generator: uniform(key, i) = splitmix64(seed, counter, i) in 53
+bits. The key tensor [seed, counter] lives on the device; each call consumes a block of counter values and
+advances the counter in place, so replays draw fresh numbers and a seed reproduces a request exactly, on
+CPU and GPU alike (the arithmetic is integer, identical everywhere).
+
+Reference (plain torch): temperature 0 is argmax; otherwise p = softmax(logits / T), truncated by top-k
+(k = 0: off) and top-p (p = 1: off), renormalized; draws by the exponential race argmax(p / E),
+E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with probability
+min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
+draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
+
+Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), one program per row, looping over the vocab:
 softmax in float64 rounded to float32; top-k and top-p thresholds by radix search on the float bit
-patterns (32 counting passes each; the top-p mass sums in float64), so no sort; the draw is the same
-exponential race with the same torch-generated E (same generator, same samples) and an argmax kernel.
-Tolerance: probabilities within 4 float32 ulps (2^-21 relative: torch's float32 exp and sum order differ
-by an ulp); the kept set is the reference's except at exact ties on the top-p boundary, where all tied
-entries are kept (the reference's order among ties is its sort's, unspecified); draws equal.
+patterns (32 counting passes each; the top-p mass sums in float64), so no sort; greedy by an argmax kernel
+(ties to the lowest id); draws by the reference race over the kernel's p. Tolerance: probabilities within
+4 float32 ulps (2^-21 relative: torch's float32 exp and sum order differ by an ulp); the kept set is the
+reference's except at exact ties on the top-p boundary, where all tied entries are kept (the reference's
+order among ties is its sort's, unspecified).
 """
 
 import torch
 
-from . import acceptance
 from ._triton import (
     INTERPRET,
     device_function,
@@ -29,27 +39,88 @@ from ._triton import (
     tsum,
 )
 
-
-def distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [R, V] -> the sampling distribution [R, V] (float32, truncated by top-k / top-p, renormalized):
-    the decode cycle's definition (kernels/acceptance.py), with the parameters as numbers.
-
-    Bytes moved: logits read once, probabilities written once (a sort of V per row)."""
-    params = torch.tensor([temperature, top_p, float(top_k)], device=logits.device)
-    return acceptance.distribution(logits, params)
+_M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
+_M2 = -7723592293110705685  # 0x94d049bb133111eb
+_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15
 
 
-def draw(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One categorical draw per row of p [R, V] -> int64 [R]."""
-    e = torch.empty_like(p).exponential_(1.0, generator=generator)
-    return (p / e).argmax(-1)
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    return draw(distribution(logits, temperature, top_k, top_p), generator)
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+def uniform(key: torch.Tensor, n: int) -> torch.Tensor:
+    """n uniforms in [0, 1) (float64) from key = [seed, counter] (int64, device); advances the counter."""
+    i = torch.arange(n, device=key.device, dtype=torch.int64)
+    x = _mix(key[0] * _GOLDEN + _mix((key[1] + i) * _GOLDEN))
+    key[1] += n
+    return _shr(x, 11).double() * 2.0**-53
+
+
+def distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; params = [temperature, top_p, top_k] (float tensor) -> p [R, V] float32."""
+    temperature, top_p, top_k = params[0], params[1], params[2]
+    p = torch.softmax(logits.float() / temperature.clamp(min=1e-5), dim=-1)
+    sp, order = p.sort(dim=-1, descending=True)
+    rank = torch.arange(p.shape[-1], device=p.device)
+    keep = (top_k <= 0) | (rank < top_k)  # top-k on the sorted order
+    kth = sp.gather(-1, (top_k.long().clamp(1, p.shape[-1]) - 1).expand(p.shape[0], 1))
+    keep = keep | (sp >= kth)  # ties with the k-th value stay
+    sp = torch.where(keep, sp, torch.zeros_like(sp))
+    before = sp.cumsum(-1) - sp  # mass strictly above each entry
+    keep = (top_p >= 1.0) | (before < top_p * sp.sum(-1, keepdim=True))
+    sp = torch.where(keep, sp, torch.zeros_like(sp))
+    p = torch.zeros_like(p).scatter(-1, order, sp)
+    return p / p.sum(-1, keepdim=True)
+
+
+def draw(p: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """One categorical draw per row of p [R, V] -> int64 [R] (exponential race)."""
+    e = -torch.log1p(-uniform(key, p.numel()).view(p.shape))
+    return (p.double() / e).argmax(-1)
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Greedy when params[0] (temperature) is 0, else a draw: both computed, one selected (no branch on a
+    device value)."""
+    greedy = logits.argmax(-1)
+    drawn = draw(distribution(logits, params), key)
+    return torch.where(params[0] == 0, greedy, drawn)
+
+
+def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
+           key: torch.Tensor, distribution=distribution) -> tuple[torch.Tensor, torch.Tensor]:
+    """target logits [k+1, V], drafts [k], draft_logits [k, V] -> (j, b): accepted drafts and the next token
+    (both int64 scalars on the device). `distribution`: this reference's, or the kernel's (fast_accept)."""
+    k = drafts.numel()
+    # greedy
+    best = target.argmax(-1)
+    match = torch.cat((drafts == best[:k], torch.zeros(1, dtype=torch.bool, device=drafts.device)))
+    j_greedy = torch.cumprod(match.long(), 0).sum()
+    b_greedy = best.gather(0, j_greedy.view(1))[0]
+    # sampling: p for every verify row, r for every draft row
+    p = distribution(target, params)
+    r = distribution(draft_logits, params)
+    pd = p[:k].gather(1, drafts.view(-1, 1))[:, 0]
+    rd = r.gather(1, drafts.view(-1, 1))[:, 0]
+    u = uniform(key, k)
+    ok = torch.cat((u * rd < pd, torch.zeros(1, dtype=torch.bool, device=drafts.device)))
+    j_sampled = torch.cumprod(ok.long(), 0).sum()
+    residual = (p[:k] - r).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[:k])
+    rows = torch.cat((residual, p[k:]), 0)  # row i: where the next token comes from if i is the first miss
+    b_sampled = draw(rows, key).gather(0, j_sampled.view(1))[0]
+    sampled = params[0] > 0
+    return torch.where(sampled, j_sampled, j_greedy), torch.where(sampled, b_sampled, b_greedy)
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -64,9 +135,12 @@ def _key(v):
 @triton.jit
 def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
                          p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
-                         V, stride_l, temperature, top_k, top_p,
-                         TOP_K: tl.constexpr, TOP_P: tl.constexpr, BV: tl.constexpr):
+                         params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
+                         V, stride_l, BV: tl.constexpr):
     r = tl.program_id(0)
+    temperature = tl.maximum(tl.load(params_ptr), 1e-5)
+    top_p = tl.load(params_ptr + 1)
+    top_k = tl.load(params_ptr + 2).to(tl.int64)
     lrow = l_ptr + r * stride_l
     prow = p_ptr + r * V
     # softmax of logits / temperature (the division in float32, as the reference does it)
@@ -86,7 +160,7 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         tl.store(prow + cols, (tl.exp(x.to(tl.float64) - mx) / tot).to(tl.float32), mask=cols < V)
     # top-k: keep p >= the k-th largest p (the largest T with count(p >= T) >= k)
     kth = tl.zeros((1,), dtype=tl.int64)
-    if TOP_K:
+    if (top_k > 0) & (top_k < V):
         for b in range(30, -1, -1):
             cand = kth | (1 << b)
             cnt = tl.zeros((1,), dtype=tl.int64)
@@ -98,7 +172,7 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     # top-p: keep entries whose strictly larger mass is < top_p * total, i.e. p >= the largest T with
     # mass(p >= T) >= top_p * total
     thr = kth
-    if TOP_P:
+    if top_p < 1.0:
         total = tl.zeros((1,), dtype=tl.float64)
         for v0 in range(0, V, BV):
             cols = v0 + tl.arange(0, BV)
@@ -128,19 +202,19 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         tl.store(prow + cols, q, mask=cols < V)
 
 
-def fast_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """The kernel for `distribution` (same signature and result, see the tolerance above)."""
     require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
     require_dtype(logits, "logits", (torch.float32, torch.bfloat16, torch.float16))
     require_rows(logits, "logits")
-    require(0.0 < top_p <= 1.0, "top_p", top_p, "must be in (0, 1]")
-    dev = device_of(logits)
+    require_dtype(params, "params", (torch.float32,))
+    require(tuple(params.shape) == (3,), "params.shape", tuple(params.shape), "must be (3,): temperature, top_p, top_k")
+    dev = device_of(logits, params)
     r, v = logits.shape
     p = torch.empty((r, v), dtype=torch.float32, device=dev)
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        _distribution_kernel[(r,)](logits, p, v, logits.stride(0), max(temperature, 1e-5), top_k, top_p,
-                                   TOP_K=0 < top_k < v, TOP_P=top_p < 1.0, BV=bv)
+        _distribution_kernel[(r,)](logits, p, params, v, logits.stride(0), BV=bv)
     return p
 
 
@@ -167,6 +241,7 @@ def _argmax_kernel(p_ptr,    # [R, V] values (probabilities or logits), row stri
 
 
 def _argmax(x: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+    """argmax over the last dim of x [R, V] (of x / e when e is given), ties to the lowest index."""
     r, v = x.shape
     out = torch.empty(r, dtype=torch.int64, device=x.device)
     if r and v:
@@ -175,22 +250,18 @@ def _argmax(x: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def fast_draw(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The kernel for `draw`: the same E from the same generator, argmax(p / E) fused."""
-    require(p.dim() == 2, "p.dim()", p.dim(), "must be 2 ([R, V])")
-    require_dtype(p, "p", (torch.float32,))
-    require_rows(p, "p")
-    device_of(p)
-    e = torch.empty_like(p).exponential_(1.0, generator=generator)
-    return _argmax(p, e.contiguous())
-
-
-def fast_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """The kernels for `sample` (same signature and result)."""
+def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The kernels for `sample` (same signature): greedy by the argmax kernel, a draw from the distribution
+    kernel's p by the reference race (the same counter values, so the same draws where p agrees)."""
     require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
-    device_of(logits)
-    if temperature == 0:
-        require_rows(logits, "logits")
-        return _argmax(logits, None)
-    return fast_draw(fast_distribution(logits, temperature, top_k, top_p), generator)
+    require_rows(logits, "logits")
+    device_of(logits, params, key)
+    greedy = _argmax(logits, None)
+    drawn = draw(fast_distribution(logits, params), key)
+    return torch.where(params[0] == 0, greedy, drawn)
+
+
+def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels for `accept` (same signature): its distributions from the distribution kernel."""
+    return accept(target, drafts, draft_logits, params, key, distribution=fast_distribution)

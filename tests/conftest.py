@@ -30,11 +30,27 @@ def expected():
     return load_file(str(FIXTURE_EXPECTED / "expected.safetensors"))
 
 
+def load(model_dir, **options):
+    """A loaded model with these run options (appliance.options.RunOptions fields), quietly."""
+    from appliance.loader import load_model
+    from appliance.options import RunOptions
+
+    return load_model(RunOptions(model_dir=model_dir, **options), notice=None)
+
+
+def open_loop(lm, capacity: int | None = 1024, reach_floor: int = 4096, **options):
+    """A request loop over a fresh decode session of `lm` (its `.session` holds the state)."""
+    from appliance.decode.loop import RequestLoop
+    from appliance.decode.session import DecodeSession
+    from appliance.options import RunOptions
+
+    session = DecodeSession(lm, RunOptions(**options), capacity=capacity, reach_floor=reach_floor)
+    return RequestLoop(session, lm.tokenizer, lm.model_dir)
+
+
 @pytest.fixture(scope="session")
 def fixture_model():
-    from appliance.loader import load_model
-
-    return load_model(FIXTURE, load_drafter=True, notice=None)
+    return load(FIXTURE, draft="auto")
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -164,13 +164,16 @@ class CaptureGuard(TorchDispatchMode):
 def drive_cycles(failures: list, violations: list):
     """Generate with every family and drafter mode on the fast path, each cycle step run as a capture
     would: twice to warm up, then under the guard (and under it again for every later replay)."""
-    import appliance.decode.generate as generate
+    import graphs.runner
     from appliance.api import Request
+    from appliance.decode.loop import RequestLoop
+    from appliance.decode.session import DecodeSession
     from appliance.loader import load_model
     from appliance.model.tiny import write_tiny
+    from appliance.options import RunOptions
 
     class CheckedRunner:
-        def __init__(self, step, device, graphs=True, pool=None):
+        def __init__(self, step, device, graphs=True, pool=None, check_inputs=False):
             self.step, self.name = step, type(step).__name__
             step()
             step()
@@ -181,15 +184,16 @@ def drive_cycles(failures: list, violations: list):
             with CaptureGuard(self.name, violations):
                 return self.step()
 
-    generate.make_runner = CheckedRunner
+    graphs.runner.make_runner = CheckedRunner
     root = tempfile.mkdtemp()
     for family, draft in (("deepseek_v41", "none"), ("deepseek_v41", "dspark"), ("deepseek_v41", "adaptive"),
                           ("deepseek_v4", "mtp"), ("deepseek_v4_0731", "dspark")):
         try:
-            lm = load_model(write_tiny(os.path.join(root, family), family), dtype="bfloat16", path="fast",
-                            load_drafter=True, notice=None)
-            gen = generate.Generator(lm, capacity=512, draft=draft, draft_tokens=3, reach_floor=128)
-            gen.capture()
+            model_dir = write_tiny(os.path.join(root, family), family)
+            options = RunOptions(model_dir=model_dir, dtype="bfloat16", path="fast", draft=draft, draft_tokens=3)
+            lm = load_model(options, notice=None)
+            session = DecodeSession(lm, options, capacity=512, reach_floor=128)  # makes every step now
+            gen = RequestLoop(session, lm.tokenizer)
             for _ in gen.run(Request(input_ids=list(range(3, 43)), max_tokens=8, ignore_eos=True)):
                 pass
         except Exception:

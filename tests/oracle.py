@@ -6,22 +6,26 @@ import random
 
 import torch
 
-from appliance.model.drafters import Draft
 from appliance.model.state import DecodeState
-from kernels import acceptance
+from appliance.model.step import Draft
+from kernels import sampling as sampler
 
 
 class OracleDrafter:
     kind = "oracle"
 
-    def __init__(self, lm, target_state: DecodeState, corrupt: float = 0.0, seed: int = 0):
-        self.model, self.cfg = lm.model, lm.cfg
-        self.target_state = target_state  # the target's committed tokens
+    def __init__(self, lm, corrupt: float = 0.0, seed: int = 0):
+        self.model, self.cfg, self.rt = lm.model, lm.cfg, lm.runtime
         self.corrupt, self.rng = corrupt, random.Random(seed)
-        self.mstate = self.model.new_state(target_state.capacity, target_state.spare)
         self.row_shape = (self.cfg.vocab_size,)
+        self.target_state = self.mstate = None
 
-    def new_state(self, capacity, spare):
+    def bind(self, target_state: DecodeState) -> None:
+        """Read the target's committed tokens from `target_state` (the session's, once it exists)."""
+        self.target_state = target_state
+        self.mstate = self.model.new_state(target_state.capacity, target_state.spare)
+
+    def new_state(self, capacity, spare, device=None):
         return DecodeState(capacity, spare, torch.device("cpu"))  # bookkeeping only
 
     @staticmethod
@@ -43,7 +47,7 @@ class OracleDrafter:
         ids, rows = [], []
         for _ in range(k):
             rows.append(logits)
-            token = acceptance.sample(logits, params, key)
+            token = sampler.sample(logits, params, key)
             if float(params[0]) == 0 and self.rng.random() < self.corrupt:
                 token = (token + 1 + self.rng.randrange(self.cfg.vocab_size - 1)) % self.cfg.vocab_size
             ids.append(token)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from .conftest import load
+
 APPLIANCE = [sys.executable, "-m", "appliance"]
 
 
@@ -48,7 +50,6 @@ def test_a_prompt_longer_than_the_maximum_context_is_one_line_and_exit_2(tiny_di
 
 
 def test_score_writes_teacher_forced_float32_logits(tiny_dirs, tmp_path):
-    from appliance.loader import load_model
 
     ids = torch.randint(0, 512, (23,)).tolist()
     (tmp_path / "ids.json").write_text(json.dumps(ids))
@@ -57,7 +58,7 @@ def test_score_writes_teacher_forced_float32_logits(tiny_dirs, tmp_path):
             "--dump", "engram_ids,index_topk,main_hidden")
     assert p.returncode == 0, p.stderr
     t = load_file(str(out))
-    lm = load_model(tiny_dirs["deepseek_v41"], notice=None)
+    lm = load(tiny_dirs["deepseek_v41"])
     want = lm.model.forward(torch.tensor(ids), lm.model.new_state(64)).logits
     assert t["logits"].dtype == torch.float32 and torch.equal(t["logits"], want)
     assert t["engram_hash_ids"].shape == (23, 2, 6)

@@ -11,11 +11,12 @@ import pytest
 from appliance.api import Done, Error, Progress, Request, Started
 from appliance.engine import Engine
 from appliance.errors import MemoryPlanError
+from appliance.options import RunOptions
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine.load(None, chunk=16)
+    e = Engine.load(RunOptions(chunk=16))
     yield e
     e.close()
 
@@ -63,7 +64,7 @@ def test_cancel_during_a_long_prefill_stops_within_one_chunk_and_the_next_reques
     assert events[-1].finish_reason == "cancelled" and events[-1].usage["completion_tokens"] == 0
     assert max(progress) <= 64 + 16  # at most one more chunk ran after the cancel
     after = list(engine.generate(Request(id="next", input_ids=[9, 8, 7, 6], max_tokens=5, ignore_eos=True)))
-    cold = Engine.load(None, chunk=16, warmup=False)
+    cold = Engine.load(RunOptions(chunk=16), warmup=False)
     try:
         want = list(cold.generate(Request(id="cold", input_ids=[9, 8, 7, 6], max_tokens=5, ignore_eos=True)))
     finally:
@@ -79,7 +80,7 @@ def test_a_multi_turn_prompt_reuses_the_state_and_matches_a_cold_run(engine):
     started = turn2[0]
     assert started.cached_tokens >= len(first) + 7  # everything but the last generated token was kept
     assert turn2[-1].usage["cached_tokens"] == started.cached_tokens
-    cold = Engine.load(None, chunk=16, warmup=False)
+    cold = Engine.load(RunOptions(chunk=16), warmup=False)
     try:
         want = list(cold.generate(Request(id="c", input_ids=second, max_tokens=8, ignore_eos=True)))
     finally:
@@ -96,5 +97,5 @@ def test_a_request_over_the_context_limit_is_refused_before_any_work(engine):
 
 def test_a_memory_plan_that_cannot_fit_names_the_part_and_the_shortfall():
     with pytest.raises(MemoryPlanError) as e:
-        Engine.load(None, context=4000, warmup=False, memory_budget=10_000)
+        Engine.load(RunOptions(context=4000), warmup=False, memory_budget=10_000)
     assert "decode_state" in str(e.value) and "short by" in str(e.value)

@@ -1,19 +1,18 @@
 """Graph runners: the eager runner runs the cycle step itself; on CUDA (skipped without a GPU) the captured
-graphs give the same tokens as the eager runner and replaying them allocates nothing. Without a GPU, replay
+graphs give the same tokens as the eager runner and replaying them allocates nothing. The graph set builds
+steps largest first, times runs through its hook, and (debug) refuses a step whose input moved. Without a GPU, replay
 semantics are checked by tests/test_graph_replay.py and capturability by tests/test_gpu_dry_run.py."""
-
-import dataclasses
 
 import pytest
 import torch
 
 from appliance.api import Request, Sampling
 from appliance.decode.cycle import reach_for, reaches
-from appliance.decode.generate import Generator, graph_blockers
-from appliance.loader import load_model
+from appliance.parallel import placement
+from graphs.graph_set import GraphSet
 from graphs.runner import CudaGraphRunner, EagerRunner, make_runner
 
-from .conftest import requires_cuda
+from .conftest import load, open_loop, requires_cuda
 
 
 def test_the_eager_runner_calls_the_step_and_returns_its_buffers():
@@ -30,24 +29,61 @@ def test_the_eager_runner_calls_the_step_and_returns_its_buffers():
     assert runner.run()["out"] is buf and runner.run()["out"].tolist() == [2.0, 2.0, 2.0] and len(calls) == 2
 
 
-def test_on_cpu_generation_replays_one_cycle_step_per_verify_width(tiny_dirs):
-    lm = load_model(tiny_dirs["deepseek_v41"], load_drafter=True, notice=None)
-    gen = Generator(lm, capacity=256, draft="auto", draft_tokens=2)
-    list(gen.run(Request(input_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)))
-    assert set(gen.runners) == {("fixed", 2, 256)} and all(r.kind == "eager" for r in gen.runners.values())
+def test_on_cpu_a_session_runs_one_eager_cycle_step_per_verify_width(tiny_dirs):
+    lm = load(tiny_dirs["deepseek_v41"], draft="auto")
+    loop = open_loop(lm, capacity=256, draft="auto", draft_tokens=2)
+    list(loop.run(Request(input_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)))
+    graphs = loop.session.graphs
+    assert set(graphs.runners) == {("fixed", 2, 256)} and graphs.kinds == {"eager"}
 
 
-def test_what_stops_a_capture_is_named_before_any_is_tried(tiny_dirs):
-    fast = load_model(tiny_dirs["deepseek_v41"], path="fast", notice=None)
-    assert graph_blockers(fast) == []  # the tiny Engram tables live with the model
-    ref = load_model(tiny_dirs["deepseek_v41"], path="reference", notice=None)
-    assert any("reference ops" in why for why in graph_blockers(ref))
-    # the real tables stay in host memory: a model whose device is elsewhere than its Engram table
-    away = dataclasses.replace(fast, runtime=dataclasses.replace(fast.runtime, device=torch.device("meta")))
-    why = graph_blockers(away)
-    assert len(why) == len(fast.cfg.engram.layer_ids) and all("Engram table stays in host memory" in w for w in why)
-    fast.model.layers[0].ffn.reduce = lambda outputs, shared: (outputs, shared)  # what shard_moe installs
-    assert any("expert-parallel MoE" in w for w in graph_blockers(fast))
+class _Step:
+    """A step over one input buffer, named for the address check."""
+
+    def __init__(self):
+        self.buf = torch.zeros(2)
+
+    def inputs(self):
+        return {"buf": self.buf}
+
+    def __call__(self):
+        self.buf.add_(1)
+        return {"out": self.buf}
+
+
+def test_the_graph_set_makes_steps_largest_first_and_times_every_run():
+    made, timed = [], []
+    steps = {("verify", w, 64): _Step() for w in (2, 4, 3)}
+    graphs = GraphSet(torch.device("cpu"))
+    graphs.build(steps, size=lambda key: key[1])
+    made = [key[1] for key in graphs.runners]
+    graphs.timer = lambda key, run: timed.append(key) or run()
+    graphs.run(("verify", 3, 64))
+    assert made == [4, 3, 2] and timed == [("verify", 3, 64)]
+
+
+def test_a_step_input_that_moved_since_capture_fails_the_debug_check():
+    step = _Step()
+    runner = make_runner(step, torch.device("cpu"), check_inputs=True)
+    runner.run()
+    step.buf = torch.zeros(2)  # rebinding instead of writing in place: a replay would read stale memory
+    with pytest.raises(RuntimeError, match="input buf moved since capture"):
+        runner.run()
+    assert make_runner(_Step(), torch.device("cpu")).run()["out"].tolist() == [1.0, 1.0]  # off by default
+
+
+def test_what_stops_a_capture_is_published_by_the_loader(tiny_dirs, monkeypatch):
+    assert load(tiny_dirs["deepseek_v41"], path="fast").capture_blockers == []
+    ref = load(tiny_dirs["deepseek_v41"], path="reference")
+    assert any("reference ops" in why for why in ref.capture_blockers)
+    # the real Engram tables (~100 GB) stay in host memory when the model moves to its device
+    fast = load(tiny_dirs["deepseek_v41"], path="fast")
+    monkeypatch.setattr(placement, "HOST_TABLE_BYTES", 0)
+    kept = []
+    placement.place((fast.model, None), torch.device("meta"), kept=kept)
+    layers = fast.cfg.engram.layer_ids
+    assert sorted(name for name, _ in kept) == sorted(f"Engram.{t} of layer {L}" for L in layers
+                                                      for t in ("table", "table_scale"))
 
 
 def test_reaches_double_from_the_floor_to_the_capacity():
@@ -63,15 +99,17 @@ def test_reaches_double_from_the_floor_to_the_capacity():
 @pytest.mark.parametrize("draft", ["none", "auto"])
 def test_cycles_that_read_only_their_reach_give_the_tokens_of_full_capacity_cycles(tiny_dirs, family, draft):
     """Decoding across four reaches (16 .. 128) equals decoding with the whole capacity visible."""
-    lm = load_model(tiny_dirs[family], load_drafter=draft != "none", notice=None)
+    lm = load(tiny_dirs[family], draft=draft)
     prompt = torch.randint(0, lm.cfg.vocab_size, (9,)).tolist()
-    reached = Generator(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=16)
-    whole = Generator(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=256)
+    reached = open_loop(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=16)
+    whole = open_loop(lm, capacity=256, draft=draft, draft_tokens=3, reach_floor=256)
+    used = [set(), set()]
+    for loop, seen in zip((reached, whole), used):
+        loop.session.graphs.timer = lambda key, run, seen=seen: seen.add(key[2]) or run()
     req = Request(input_ids=prompt, max_tokens=100, ignore_eos=True)
     tokens = [[t for e in g.run(req) for t in getattr(e, "ids", [])] for g in (reached, whole)]
     assert len(tokens[0]) == 100 and tokens[0] == tokens[1]
-    assert {key[2] for key in reached.runners if key[2] is not None} == {16, 32, 64, 128}
-    assert {key[2] for key in whole.runners if key[2] is not None} == {256}
+    assert used[0] - {None} == {16, 32, 64, 128} and used[1] - {None} == {256}
 
 
 def _tokens(gen, prompt, sampling):
@@ -86,18 +124,18 @@ class TestCudaGraphs:
     @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4", "deepseek_v4_0731"])
     @pytest.mark.parametrize("draft", ["none", "auto"])
     def test_captured_graphs_give_the_same_tokens_as_the_eager_runner(self, tiny_dirs, family, draft):
-        lm = load_model(tiny_dirs[family], device="cuda", load_drafter=draft != "none", notice=None)
+        lm = load(tiny_dirs[family], devices="cuda", draft=draft)
         prompt = torch.randint(0, lm.cfg.vocab_size, (20,)).tolist()
         for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=7)):
-            graphs = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=True)  # captures at init
-            eager = Generator(lm, capacity=256, draft=draft, draft_tokens=3, graphs=False)
-            assert all(isinstance(r, CudaGraphRunner) for r in graphs.runners.values())
+            graphs = open_loop(lm, capacity=256, draft=draft, draft_tokens=3, graphs=True)  # captures at init
+            eager = open_loop(lm, capacity=256, draft=draft, draft_tokens=3, graphs=False)
+            assert all(isinstance(r, CudaGraphRunner) for r in graphs.session.graphs.runners.values())
             assert _tokens(graphs, prompt, sampling) == _tokens(eager, prompt, sampling)
 
     def test_replay_allocates_no_memory(self, tiny_dirs):
-        lm = load_model(tiny_dirs["deepseek_v41"], device="cuda", load_drafter=True, notice=None)
-        gen = Generator(lm, capacity=256, draft="auto", draft_tokens=3, graphs=True)  # captures at init
-        gen.prefill([1, 2, 3, 4, 5])
+        lm = load(tiny_dirs["deepseek_v41"], devices="cuda", draft="auto")
+        gen = open_loop(lm, capacity=256, draft="auto", draft_tokens=3, graphs=True).session  # captures at init
+        gen.prefill_all([1, 2, 3, 4, 5])
         gen.start_sampling(Sampling(), 0)
         token = 6
         token = gen.cycle(token)[-1]  # first replay

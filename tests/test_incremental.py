@@ -7,14 +7,14 @@ candidate-block boundaries many times."""
 import pytest
 import torch
 
-from appliance.loader import load_model
+from .conftest import load
 
 CHUNKS = {"deepseek_v41": (1, 8, 61), "deepseek_v4": (1, 7, 64), "deepseek_v4_0731": (1, 7, 64)}
 
 
 @pytest.fixture(scope="module", params=sorted(CHUNKS))
 def family_model(request, tiny_dirs):
-    return request.param, load_model(tiny_dirs[request.param], notice=None)
+    return request.param, load(tiny_dirs[request.param])
 
 
 def decode(model, tokens, chunk, prefill, state):

@@ -7,10 +7,9 @@ every kernel reproduces its reference's roundings). Short on purpose: the interp
 import pytest
 import torch
 
-from appliance.loader import load_model
 from kernels import _triton
 
-from .conftest import FIXTURE
+from .conftest import FIXTURE, load
 from .kernel_check import assert_close
 
 LOGIT_TOL = 2.0**-20
@@ -18,7 +17,7 @@ PREFILL, STEPS = 16, 6
 
 
 def greedy(model_dir, path):
-    lm = load_model(model_dir, path=path, notice=None)
+    lm = load(model_dir, path=path)
     model = lm.model
     state = model.new_state(PREFILL + STEPS + 8)
     prompt = (torch.arange(PREFILL) * 7 + 3) % lm.cfg.vocab_size

@@ -1,6 +1,6 @@
-"""The sampling kernels: the truncated distribution (temperature, top-k, top-p), the exponential-race draw
-from the same generator, and greedy argmax. Tolerance: probabilities within 2^-21 of the largest (an ulp
-of torch's float32 softmax), the same entries kept, the same draws."""
+"""The sampling kernels: the truncated distribution (temperature, top-k, top-p, read from a device tensor),
+the draw of the shared counter RNG over it, and greedy argmax. Tolerance: probabilities within 2^-21 of the
+largest (an ulp of torch's float32 softmax), the same entries kept, the same draws."""
 
 import pytest
 import torch
@@ -12,18 +12,23 @@ from .kernel_check import DEVICE, assert_close, assert_equal, requires_cuda, run
 P_TOL = 2.0**-21
 
 
+def params_of(temperature, top_k, top_p, device):
+    return torch.tensor([temperature, top_p, float(top_k)], dtype=torch.float32, device=device)
+
+
 def check(rows, vocab, temperature, top_k, top_p, device=DEVICE):
     s = seed()
     logits = torch.randn(rows, vocab, device=device) * 3
     ctx = f"(seed {s}, V={vocab} T={temperature} top_k={top_k} top_p={top_p})"
-    want = sampling.distribution(logits, temperature, top_k, top_p)
-    got = run(sampling.fast_distribution, logits, temperature, top_k, top_p)
+    params = params_of(temperature, top_k, top_p, device)
+    want = sampling.distribution(logits, params)
+    got = run(sampling.fast_distribution, logits, params)
     assert_equal("kept entries", want > 0, got > 0, ctx)
     assert_close("p", want, got, P_TOL, context=ctx)
-    g1 = torch.Generator(device=device).manual_seed(s)
-    g2 = torch.Generator(device=device).manual_seed(s)
-    assert_equal("draws", sampling.sample(logits, temperature, top_k, top_p, g1),
-                 run(sampling.fast_sample, logits, temperature, top_k, top_p, g2), ctx)
+    k1 = torch.tensor([s, 0], device=device)
+    k2 = k1.clone()
+    assert_equal("draws", sampling.sample(logits, params, k1), run(sampling.fast_sample, logits, params, k2), ctx)
+    assert_equal("counter", k1, k2, ctx)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 50, 0.8)])
@@ -35,8 +40,25 @@ def test_greedy_sampling_takes_the_lowest_id_among_equal_maxima():
     s = seed()
     logits = torch.randn(4, 301, device=DEVICE)
     logits[1, 7] = logits[1, 200] = logits[1].max() + 1
-    assert_equal("argmax", sampling.sample(logits, 0, 0, 1.0, None), run(sampling.fast_sample, logits, 0, 0, 1.0, None),
-                 f"(seed {s})")
+    params = params_of(0.0, 0, 1.0, DEVICE)
+    key = torch.tensor([s, 0], device=DEVICE)
+    got = run(sampling.fast_sample, logits, params, key.clone())
+    assert_equal("argmax", sampling.sample(logits, params, key), got, f"(seed {s})")
+    assert got[1].item() == 7
+
+
+def test_the_accept_kernels_accept_what_the_reference_accepts():
+    s = seed()
+    k, vocab = 4, 500
+    target, draft_logits = torch.randn(k + 1, vocab, device=DEVICE) * 2, torch.randn(k, vocab, device=DEVICE) * 2
+    drafts = torch.randint(0, vocab, (k,), device=DEVICE)
+    drafts[:2] = target[:2].argmax(-1)  # a greedy prefix of two
+    for temperature in (0.0, 0.9):
+        params = params_of(temperature, 0, 0.95, DEVICE)
+        key = torch.tensor([s, 0], device=DEVICE)
+        want = sampling.accept(target, drafts, draft_logits, params, key.clone())
+        got = run(sampling.fast_accept, target, drafts, draft_logits, params, key.clone())
+        assert_equal("accepted and next", torch.stack(want), torch.stack(got), f"(seed {s}, T={temperature})")
 
 
 @requires_cuda

@@ -2,6 +2,7 @@
 token, sampled output has the target's distribution, a verified block equals single steps bitwise, and
 rollback leaves exactly the state plain decoding of the accepted tokens leaves."""
 
+import dataclasses
 import random
 
 import pytest
@@ -9,13 +10,10 @@ import torch
 from scipy.stats import chisquare
 
 from appliance.api import Request, Sampling
-from appliance.decode.cycle import CycleBuffers
-from appliance.decode.generate import Generator
-from appliance.decode.speculator import Speculator
-from appliance.loader import load_model
 from appliance.model.tiny import write_tiny
-from kernels import acceptance
+from kernels import sampling as sampler
 
+from .conftest import load, open_loop
 from .oracle import OracleDrafter
 
 FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
@@ -23,11 +21,11 @@ FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v4_0731")
 
 @pytest.fixture(scope="module")
 def drafter_models(tiny_dirs):
-    return {f: load_model(tiny_dirs[f], load_drafter=True, notice=None) for f in FAMILIES}
+    return {f: load(tiny_dirs[f], draft="auto") for f in FAMILIES}
 
 
 def greedy(lm, prompt, n, **kw):
-    g = Generator(lm, capacity=1024, **kw)
+    g = open_loop(lm, **kw)
     ids, done = [], None
     for event in g.run(Request(input_ids=prompt, max_tokens=n, ignore_eos=True)):
         ids += getattr(event, "ids", [])
@@ -55,33 +53,34 @@ def test_partially_accepted_drafts_still_give_the_plain_greedy_output(drafter_mo
     lm = drafter_models[family]
     prompt = torch.randint(0, lm.cfg.vocab_size, (17,)).tolist()
     want, _ = greedy(lm, prompt, 48)
-    g = Generator(lm, capacity=1024)
-    g.spec = Speculator(g, OracleDrafter(lm, g.state, corrupt=0.3, seed=random.randrange(1 << 20)), "oracle", 4)
-    g.keep_streams, g.buffers = False, CycleBuffers(g.buffers.anchor.device, 4, lm.cfg.vocab_size)
+    oracle = OracleDrafter(lm, corrupt=0.3, seed=random.randrange(1 << 20))
+    g = open_loop(dataclasses.replace(lm, drafter=oracle), draft="auto", draft_tokens=4)
+    oracle.bind(g.session.state)
     got = []
     for event in g.run(Request(input_ids=prompt, max_tokens=48, ignore_eos=True)):
         got += getattr(event, "ids", [])
     assert got == want
-    hist = g.stats.histogram
-    assert g.stats.accepted > 0 and sum(hist[1:-1]) > 0, f"no partial acceptance exercised: {hist}"
+    stats = g.session.stats
+    assert stats.accepted > 0 and sum(stats.histogram[1:-1]) > 0, f"no partial acceptance exercised: {stats}"
 
 
 def test_an_oracle_drafter_that_proposes_the_targets_own_samples_is_always_accepted(drafter_models):
     lm = drafter_models["deepseek_v4"]
-    g = Generator(lm, capacity=1024)
-    g.spec = Speculator(g, OracleDrafter(lm, g.state), "oracle", 3)
-    g.buffers = CycleBuffers(g.buffers.anchor.device, 3, lm.cfg.vocab_size)
+    oracle = OracleDrafter(lm)
+    g = open_loop(dataclasses.replace(lm, drafter=oracle), draft="auto", draft_tokens=3)
+    oracle.bind(g.session.state)
     req = Request(input_ids=[3, 4, 5, 6], max_tokens=40, ignore_eos=True,
                   sampling=Sampling(temperature=1.0, seed=random.randrange(1 << 30)))
     events = list(g.run(req))
-    assert g.stats.drafted > 0 and g.stats.accepted == g.stats.drafted, g.stats.as_dict()
+    stats = g.session.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted, stats.as_dict()
     assert type(events[-1]).__name__ == "Done"
 
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     d = write_tiny(tmp_path_factory.mktemp("v24"), "deepseek_v4_0731", seed=7, vocab=24)
-    return load_model(d, load_drafter=True, notice=None)
+    return load(d, draft="auto")
 
 
 def _chi2(samples, p, label):
@@ -111,19 +110,19 @@ def test_sampling_with_and_without_drafting_follows_the_target_distribution(smal
     target = model.forward(anchor, state, logits="last").logits  # L_1: the next token's logits
     params = torch.tensor([sampling.temperature, sampling.top_p, float(sampling.top_k)])
     key = torch.tensor([random.randrange(1 << 40), 0])
-    p = acceptance.distribution(target, params)[0]
-    plain = acceptance.draw(p.unsqueeze(0).expand(trials, -1).contiguous(), key)
+    p = sampler.distribution(target, params)[0]
+    plain = sampler.draw(p.unsqueeze(0).expand(trials, -1).contiguous(), key)
     _chi2(plain, p, "without drafting")
     state.rewind(12)
     dstate = lm.drafter.new_state(64)
     lm.drafter.commit(dstate, out.hidden[:11], prompt[1:], 0)
     d = lm.drafter.draft(dstate, 11, anchor, out.hidden[11], 3, params, key)
     rows = target.expand(4, -1)  # only the first verify row decides the first token's distribution
-    r = acceptance.distribution(d.logits, params)
+    r = sampler.distribution(d.logits, params)
     first = []
     for _ in range(trials):
-        drafts = acceptance.draw(r, key)  # drafts drawn from the drafter's distribution, as the drafter does
-        j, b = acceptance.accept(rows, drafts, d.logits, params, key)
+        drafts = sampler.draw(r, key)  # drafts drawn from the drafter's distribution, as the drafter does
+        j, b = sampler.accept(rows, drafts, d.logits, params, key)
         first.append(int(drafts[0]) if int(j) > 0 else int(b))
     _chi2(torch.tensor(first), p, "with drafting")
 
@@ -135,7 +134,7 @@ def test_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(drafter_models, 
 
 def test_on_the_fast_path_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(tiny_dirs):
     # (the Triton interpreter is slow: a shorter prefix)
-    _verify_block_equals_single_steps(load_model(tiny_dirs["deepseek_v41"], path="fast", notice=None), 12)
+    _verify_block_equals_single_steps(load(tiny_dirs["deepseek_v41"], path="fast"), 12)
 
 
 def _verify_block_equals_single_steps(lm, prefix=34):
@@ -161,8 +160,8 @@ def test_rollback_after_random_accept_lengths_leaves_the_plain_decoding_state(dr
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
     prompt = torch.randint(0, lm.cfg.vocab_size, (21,)).tolist()
-    spec = Generator(lm, capacity=256, draft="auto", draft_tokens=4)
-    logits = spec.prefill(prompt)
+    spec = open_loop(lm, capacity=256, draft="auto", draft_tokens=4).session
+    logits = spec.prefill_all(prompt)
     spec.start_sampling(Sampling(), 0)
     committed = list(prompt)
     token = int(logits.argmax())
@@ -172,8 +171,8 @@ def test_rollback_after_random_accept_lengths_leaves_the_plain_decoding_state(dr
         committed.append(token)
         committed += new[:-1]
         token = new[-1]
-    plain = Generator(lm, capacity=256, draft="auto", draft_tokens=4)
-    plain.prefill(prompt)
+    plain = open_loop(lm, capacity=256, draft="auto", draft_tokens=4).session
+    plain.prefill_all(prompt)
     for t in committed[len(prompt):]:  # plain decoding of the accepted tokens, one per step
         out = plain.forward_out([t])
         plain.spec.observe(out, plain.state.length - 1)

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from appliance.api import Request
-from appliance.decode.generate import Generator
-from appliance.loader import load_model
 
+from .conftest import load, open_loop
 from .hf_models import CONFIGS, build, save_both
 
 
@@ -34,7 +33,7 @@ def test_teacher_forced_logits_match_transformers_from_both_spellings(hf_case):
     with torch.no_grad():
         want = model(ids.unsqueeze(0), use_cache=False).logits[0]
     for d in (hf_dir, off_dir):
-        lm = load_model(d, numerics="plain", notice=None)
+        lm = load(d, numerics="plain")
         got = lm.model.forward(ids, lm.model.new_state(128)).logits
         err = (got - want).abs().max().item()
         assert err <= 1e-4, f"{name} (seed {seed}) from {d.name}: max |delta| {err:.3g}"
@@ -49,8 +48,8 @@ def test_greedy_generation_matches_transformers_for_64_tokens(hf_case):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         want = model.generate(prompt.unsqueeze(0), max_new_tokens=64, do_sample=False, use_cache=False)[0, 19:]
-    lm = load_model(off_dir, numerics="plain", notice=None)
+    lm = load(off_dir, numerics="plain")
     got = []
-    for event in Generator(lm, capacity=256).run(Request(input_ids=prompt.tolist(), max_tokens=64, ignore_eos=True)):
+    for event in open_loop(lm, capacity=256).run(Request(input_ids=prompt.tolist(), max_tokens=64, ignore_eos=True)):
         got += getattr(event, "ids", [])
     assert got == want.tolist(), f"{name} (seed {seed})"

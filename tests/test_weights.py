@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from appliance.errors import WeightsError
 from appliance.loader import load_model
 from appliance.model.weights import Checkpoint, official_name
+from appliance.options import RunOptions
 
 
 @pytest.mark.parametrize("stored, official", [
@@ -60,7 +61,7 @@ def test_one_error_lists_every_missing_unexpected_and_misshaped_tensor(tiny_dirs
     t["layers.99.surprise"] = torch.zeros(2)  # unexpected
     save_file(t, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightsError) as e:
-        load_model(tmp_path, notice=None)
+        load_model(RunOptions(model_dir=tmp_path), notice=None)
     msg = str(e.value)
     for needle in ("missing layers.0.attn.wq_a.weight", "missing layers.5.ffn.experts.3.w2.scale",
                    "mis-shaped layers.1.attn_norm.weight", "unexpected layers.99.surprise", "4 checkpoint problem"):
@@ -81,8 +82,8 @@ def test_sharded_checkpoints_load_through_their_index(tiny_dirs, tmp_path):
         save_file({k: t[k] for k in keys}, str(tmp_path / file))
         weight_map.update({k: file for k in keys})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    a = load_model(src, notice=None)
-    b = load_model(tmp_path, notice=None)
+    a = load_model(RunOptions(model_dir=src), notice=None)
+    b = load_model(RunOptions(model_dir=tmp_path), notice=None)
     ids = torch.randint(0, a.cfg.vocab_size, (9,))
     assert torch.equal(a.model.forward(ids, a.model.new_state(16)).logits,
                        b.model.forward(ids, b.model.new_state(16)).logits)

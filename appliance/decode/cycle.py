@@ -19,15 +19,18 @@ A fixed draft length runs 1-4 as one step (one graph). `--draft adaptive` runs t
 confidences (a second small copy), and replays the verify step of the width it chose.
 The host then sets the states' lengths from `count`: nothing else crosses to the host.
 
+A step receives what it uses: the `Target` (model, its state, how it runs), the speculator, the buffers;
+sampling and acceptance are the op registry's (`ops.sample`, `ops.accept`), the same code on every path.
+
 Reach: a target step reads the compressed rows of positions below its reach, not the whole capacity, so
 a cycle at 2K tokens of a 1M-token state costs what the 2K-token context needs. The reach is static (a
 graph's shapes are), so each target step is made once per reach (`reaches`: doubling from `floor` to the
 capacity) and the host picks the smallest reach that holds every position the cycle writes.
 """
 
-import torch
+from dataclasses import dataclass
 
-from kernels import acceptance
+import torch
 
 
 def reaches(capacity: int, floor: int) -> list[int]:
@@ -61,23 +64,48 @@ class CycleBuffers:
         self.draft_logits = torch.zeros(block, vocab, dtype=torch.float32, device=device)
         self.confidence = torch.zeros(block, dtype=torch.float32, device=device)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(vars(self))
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target model as a cycle step runs it: its decode state, its op registry, and the two options of
+    its forward (V4.1's index-key order; whether the final streams are kept, for V4's MTP drafter)."""
+
+    model: object
+    state: object  # appliance.model.state.DecodeState
+    ops: object  # kernels.registry.Ops
+    index_keys: str
+    keep_streams: bool
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, reach: int, logits: str = "all"):
+        """A static forward over `tokens` at positions start.. (a device scalar), none past reach - 1."""
+        return self.model.forward(tokens, self.state, logits=logits, index_keys=self.index_keys, start=start,
+                                  keep_streams=self.keep_streams, bound=reach - 1)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return self.state.buffers()
+
 
 class PlainCycle:
     """Width 1: the anchor in, the next token out."""
 
     width = 1
 
-    def __init__(self, gen, buf: CycleBuffers, reach: int):
-        self.gen, self.buf, self.reach = gen, buf, reach
+    def __init__(self, target: Target, buf: CycleBuffers, reach: int):
+        self.target, self.buf, self.reach = target, buf, reach
         self.result = torch.zeros(3, dtype=torch.long, device=buf.anchor.device)
 
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {**self.buf.tensors(), **self.target.inputs()}
+
     def __call__(self) -> dict[str, torch.Tensor]:
-        gen, state, buf = self.gen, self.gen.state, self.buf
-        state.journal.begin()
-        out = gen.model.forward(buf.anchor, state, logits="last", index_keys=gen.index_keys, start=buf.start,
-                                keep_streams=gen.keep_streams, bound=self.reach - 1)
-        state.journal.transaction = None  # everything this cycle wrote is committed
-        token = acceptance.sample(out.logits[-1:], buf.params, buf.key)
+        target, buf = self.target, self.buf
+        target.state.journal.begin()
+        out = target.forward(buf.anchor, buf.start, self.reach, logits="last")
+        target.state.journal.commit()
+        token = target.ops.sample(out.logits[-1:], buf.params, buf.key)
         one = torch.ones(1, dtype=torch.long, device=token.device)
         self.result.copy_(torch.cat((one, 0 * one, token)))
         return {"result": self.result}
@@ -86,11 +114,14 @@ class PlainCycle:
 class DraftStep:
     """Step 1: the drafter's row of N-1, then `k` drafts into the buffers."""
 
-    def __init__(self, gen, buf: CycleBuffers, k: int):
-        self.gen, self.buf, self.k = gen, buf, k
+    def __init__(self, spec, buf: CycleBuffers, k: int):
+        self.spec, self.buf, self.k = spec, buf, k
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {**self.buf.tensors(), **self.spec.inputs()}
 
     def __call__(self) -> dict[str, torch.Tensor]:
-        spec, buf, k = self.gen.spec, self.buf, self.k
+        spec, buf, k = self.spec, self.buf, self.k
         dstate = spec.state
         N = buf.start
         dstate.journal.begin()
@@ -107,23 +138,25 @@ class DraftStep:
 class VerifyStep:
     """Steps 2-4 for the first `width - 1` drafts in the buffers."""
 
-    def __init__(self, gen, buf: CycleBuffers, width: int, reach: int):
-        self.gen, self.buf, self.width, self.reach = gen, buf, width, reach
+    def __init__(self, target: Target, spec, buf: CycleBuffers, width: int, reach: int):
+        self.target, self.spec, self.buf, self.width, self.reach = target, spec, buf, width, reach
         self.result = torch.zeros(width + 2, dtype=torch.long, device=buf.anchor.device)
 
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {**self.buf.tensors(), **self.target.inputs(), **self.spec.inputs()}
+
     def __call__(self) -> dict[str, torch.Tensor]:
-        gen, buf = self.gen, self.buf
-        spec, state = gen.spec, gen.state
+        target, spec, buf = self.target, self.spec, self.buf
+        state = target.state
         k = self.width - 1
         N = buf.start
         drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
         tokens = torch.cat((buf.anchor, drafts))
         state.journal.begin()
-        out = gen.model.forward(tokens, state, index_keys=gen.index_keys, start=N, keep_streams=gen.keep_streams,
-                                bound=self.reach - 1)
+        out = target.forward(tokens, N, self.reach)
         rows = spec.drafter.rows(out)
         spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
-        j, b = acceptance.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
+        j, b = target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
         forced = buf.force.clamp(max=k)
         j = torch.where(buf.force >= 0, forced, j)
         b = torch.where(buf.force >= 0, out.logits.argmax(-1).gather(0, forced.clamp(min=0).view(1))[0], b)
@@ -140,9 +173,12 @@ class VerifyStep:
 class FixedCycle:
     """Steps 1-4 with a fixed draft length: one callable, one graph."""
 
-    def __init__(self, gen, buf: CycleBuffers, k: int, reach: int):
-        self.draft, self.verify = DraftStep(gen, buf, k), VerifyStep(gen, buf, k + 1, reach)
+    def __init__(self, target: Target, spec, buf: CycleBuffers, k: int, reach: int):
+        self.draft, self.verify = DraftStep(spec, buf, k), VerifyStep(target, spec, buf, k + 1, reach)
         self.width = k + 1
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return self.verify.inputs()
 
     def __call__(self) -> dict[str, torch.Tensor]:
         self.draft()

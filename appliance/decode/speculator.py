@@ -42,23 +42,30 @@ class DraftStats:
 
 
 class Speculator:
-    """The drafter, its state kept one position behind the target's, and the cycle."""
+    """The drafter, its state kept one position behind the target's, and what a cycle needs of them."""
 
-    def __init__(self, generator, drafter, mode: str, k: int):
-        self.gen = generator
+    def __init__(self, drafter, mode: str, k: int, target_state):
         self.drafter = drafter
         self.mode = mode  # "dspark" | "mtp" | "adaptive"
         self.k = k
-        target_state = generator.state
+        self.target_state = target_state  # read for the next tokens of committed positions (observe)
         self.state = drafter.new_state(target_state.capacity, target_state.spare)
         # the drafter's input rows (DSpark: H; MTP: the final streams) of the target's last positions,
         # kept in the target's state so that rewinds restore them too
         self.row_shape = tuple(drafter.row_shape)
         self.rows = target_state.ring("draft_rows", target_state.spare + 2, math.prod(self.row_shape),
-                                      generator.lm.runtime.dtype)
+                                      drafter.rt.dtype)
         self.block = drafter.cfg.dspark.block_size if drafter.kind == "dspark" else k
         self.step_cost: list[float] | None = None  # verify ms per width 1..k+1 (adaptive)
         self.force_accept: int | None = None  # benchmarks: accept exactly this many drafts per cycle
+
+    @property
+    def adaptive(self) -> bool:
+        """Draft and verify as two steps, the host choosing the verify width from the drafter's confidence."""
+        return self.mode == "adaptive" and self.drafter.kind == "dspark"
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {f"draft.{name}": t for name, t in self.state.buffers().items()}
 
     def reset(self) -> None:
         self.state.reset()
@@ -88,21 +95,20 @@ class Speculator:
             first = end - window
             self.state.skip_to(first)
         positions = torch.arange(first, end, device=device)
-        nxt = self.gen.state.tokens[positions + 1]  # the target's history holds the next tokens
+        nxt = self.target_state.tokens[positions + 1]  # the target's history holds the next tokens
         self.drafter.commit(self.state, self.rows_at(positions), nxt, first)
 
     def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         """The kept target rows of `positions` [n] (a device tensor) -> [n, *row_shape]."""
         return self.rows.data[positions % self.rows.size].reshape(len(positions), *self.row_shape)
 
-    def calibrate(self, repeats: int = 5) -> list[float]:
-        """Measure the verify cost per width (1 .. block + 1 rows) on this device, in ms (median), on a
-        scratch state: the table `--draft adaptive` trims drafts with."""
+    def calibrate(self, model, repeats: int = 5) -> list[float]:
+        """Measure the target `model`'s verify cost per width (1 .. block + 1 rows) on this device, in ms
+        (median), on a scratch state: the table `--draft adaptive` trims drafts with."""
         import time
 
-        model = self.gen.model
         widths = self.drafter.cfg.dspark.block_size + 1 if self.drafter.kind == "dspark" else self.k + 1
-        state = model.new_state(64 + widths * repeats, self.gen.state.spare)
+        state = model.new_state(64 + widths * repeats, self.target_state.spare)
         dev = state.device
         sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
         model.forward(torch.zeros(32, dtype=torch.long, device=dev), state)
@@ -134,11 +140,12 @@ class Speculator:
         return best
 
 
-def make_speculator(generator, lm, draft: str, k: int, index_keys: str):
-    """`draft`: none | dspark | mtp | adaptive | auto (the checkpoint's own drafter)."""
+def make_speculator(drafter, draft: str, k: int, index_keys: str, model, target_state) -> Speculator | None:
+    """`draft`: none | dspark | mtp | adaptive | auto (the checkpoint's own `drafter`, None when it has
+    none). `model` and `target_state`: the target the drafts are for."""
     if draft == "none":
         return None
-    d = lm.drafter
+    d = drafter
     if d is None:
         if draft == "auto":
             return None
@@ -152,7 +159,7 @@ def make_speculator(generator, lm, draft: str, k: int, index_keys: str):
     if not 1 <= k <= block:
         raise RequestError(f"--draft-tokens {k}: must be 1..{block}", field="draft_tokens")
     mode = "adaptive" if draft == "adaptive" else d.kind
-    spec = Speculator(generator, d, mode, k)
+    spec = Speculator(d, mode, k, target_state)
     if mode == "adaptive":
-        spec.calibrate()
+        spec.calibrate(model)
     return spec

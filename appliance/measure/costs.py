@@ -4,8 +4,9 @@ kernels store them, and as the reference path holds them)."""
 
 from collections import defaultdict
 
-from appliance.loader import make_runtime
 from appliance.model.config import ModelConfig, V4Config, V41Config
+from appliance.model.families import build_drafter, build_model
+from appliance.model.runtime import make_runtime
 from appliance.model.weights import ShapeCheckpoint
 
 
@@ -13,17 +14,7 @@ def inventory(cfg: ModelConfig) -> ShapeCheckpoint:
     """Every tensor the model (and its drafter) reads, by building it on a shape-only checkpoint."""
     ckpt = ShapeCheckpoint(cfg)
     rt = make_runtime("official", "float32", "reference")
-    if isinstance(cfg, V41Config):
-        from appliance.model.deepseek_v41 import V41Model
-
-        model = V41Model(cfg, ckpt, rt, token_map=None)
-    else:
-        from appliance.model.deepseek_v4 import V4Model
-
-        model = V4Model(cfg, ckpt, rt)
-    from appliance.model.drafters import load_drafter
-
-    load_drafter(cfg, ckpt, rt, model)
+    build_drafter(cfg, ckpt, rt, build_model(cfg, ckpt, rt))
     return ckpt
 
 

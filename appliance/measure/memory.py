@@ -79,24 +79,47 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_context(lm, requested: int | None = None, budget: int | None = None) -> int:
-    """The engine's context limit: the config's maximum (or `requested`), capped by memory.
+def state_cost(lm, spare: int = 16) -> tuple[float, int]:
+    """(bytes per position, constant bytes) of the decode state as this process allocates it: the target's
+    and the drafter's states built on the meta device (sizes without memory) at two capacities."""
+    def nbytes(capacity: int) -> int:
+        n = lm.model.new_state(capacity, spare, device="meta").nbytes
+        if lm.drafter is not None:
+            n += lm.drafter.new_state(capacity, spare, device="meta").nbytes
+        return n
 
-    On CPU the reference path holds the state in the activation dtype; a `requested` context that does
-    not fit raises MemoryPlanError, an unrequested one is capped to what fits."""
+    small, large = 1 << 12, 1 << 13
+    per_token = (nbytes(large) - nbytes(small)) / (large - small)
+    return per_token, int(nbytes(small) - per_token * small)
+
+
+def memory_budget(device) -> int:
+    """Bytes the decode state may take on `device` now that the weights are loaded: the free device memory
+    less graph buffers and headroom on CUDA; half the host memory on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, free - GRAPH_BUFFERS - int(total * HEADROOM))
+    return int(host_memory_bytes() * 0.5)
+
+
+def plan_context(lm, requested: int | None = None, budget: int | None = None) -> int:
+    """The engine's context limit: the config's maximum (or `requested`), capped by what the decode state
+    as allocated (`state_cost`) leaves room for in `budget` bytes (default: `memory_budget` of the model's
+    device). A `requested` context that does not fit raises MemoryPlanError; an unrequested one is capped."""
     cfg = lm.cfg
     limit = cfg.max_context if requested is None else requested
     if requested is not None and requested > cfg.max_context:
         raise MemoryPlanError(f"context {requested} exceeds the model's maximum {cfg.max_context}",
                               field="context", value=requested)
-    per_token = state_bytes(cfg)["per_token_reference_bf16"] * (4 if lm.runtime.dtype.itemsize == 4 else 2) / 2
-    per_token += 8  # the token history
-    capacity = budget if budget is not None else int(host_memory_bytes() * 0.5)
-    need = int(per_token * limit)
+    per_token, constant = state_cost(lm)
+    capacity = budget if budget is not None else memory_budget(lm.runtime.device)
+    need = int(per_token * limit + constant)
     if need > capacity:
         if requested is not None:
             raise MemoryPlanError(
                 f"decode state for a {requested}-token context needs {need} bytes, the budget is {capacity}; "
                 f"short by {need - capacity} bytes (part: decode_state)", field="decode_state", value=need - capacity)
-        limit = int(capacity // per_token)
+        limit = int(max(0, capacity - constant) // per_token)
     return limit

@@ -132,21 +132,28 @@ def shard_moe(moe: MoE, comm: Comm) -> None:
     moe.reduce = reduce
 
 
-def shard(model, drafter, comm: Comm) -> None:
-    """Split `model` (and its drafter) in place for this rank."""
+def shard(model, drafter, comm: Comm) -> list[str]:
+    """Split `model` (and its drafter) in place for this rank. Returns why the split model's steps cannot
+    be captured in CUDA graphs (empty when they can)."""
     for layer in model.layers:
         shard_attention(layer.attn, comm)
         shard_moe(layer.ffn, comm)
     head = VocabParallel(model.head, comm)
     model.head = head
+    blockers = [EP_MOE_BLOCKER]
     if drafter is None:
-        return
+        return blockers
     drafter.head = head  # the drafter shares the backbone's head
     for block in getattr(drafter, "stages", None) or [drafter.block]:
         shard_attention(block.attn, comm)
         shard_moe(block.ffn, comm)
     if hasattr(drafter, "markov_head"):
         drafter.markov_head = VocabParallel(drafter.markov_head, comm)
+    return blockers + ["the drafter's expert-parallel MoE runs the same reference form"]
+
+
+EP_MOE_BLOCKER = ("the expert-parallel MoE runs its reference form (the fused kernels do not expose the per-slot "
+                  "partial sums the exact reduction over ranks needs), which reads the selected experts on the host")
 
 
 def _splits(w, comm: Comm) -> bool:

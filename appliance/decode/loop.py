@@ -1,0 +1,141 @@
+"""The request loop, without threads or I/O: one request in, Engine API events out.
+
+For each request the loop
+1. validates it and turns it into token ids (text, chat messages or ids);
+2. asks the decode session to keep the longest reusable prefix of its state and prefill the rest, in
+   chunks, reporting progress and checking `cancel` between chunks;
+3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
+   between cycles, until max_tokens, EOS or a stop string, turning ids into text as it goes.
+The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
+"""
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from appliance.api import Done, Error, Progress, Request, Started, Tokens
+from appliance.errors import ApplianceError
+from appliance.model.tokenizer import StreamDecoder, check_ids
+
+from .chat import render_chat
+
+
+class RequestLoop:
+    def __init__(self, session, tokenizer, model_dir=None):
+        """`session`: a DecodeSession; `tokenizer`: the model's (appliance.model.tokenizer); `model_dir`:
+        where a chat template may live."""
+        self.session = session
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.cfg = session.cfg
+
+    def prompt_ids(self, req: Request) -> list[int]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt)
+        else:
+            ids = self.tokenizer.encode(render_chat(req.messages, self.model_dir))
+        check_ids(ids, self.cfg, self.session.capacity, reserve=req.max_tokens)
+        return ids
+
+    def run(self, req: Request, cancel=None) -> Iterator:
+        t0 = time.perf_counter()
+        try:
+            req.validate()
+            ids = self.prompt_ids(req)
+        except ApplianceError as e:
+            yield Error(req.id, e.code, e.message, e.field)
+            return
+        try:
+            yield from self._run(req, ids, cancel, t0)
+        except ApplianceError as e:
+            self.session.reset()
+            yield Error(req.id, e.code, e.message, e.field)
+
+    def _seed(self, req: Request) -> int:
+        seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        world = self.session.world
+        if world is not None:  # every rank samples with rank 0's seed
+            seed = world.broadcast(seed)
+        return seed
+
+    def _run(self, req: Request, ids: list[int], cancel, t0: float) -> Iterator:
+        session = self.session
+        cached = session.prepare(ids)
+        yield Started(req.id, len(ids), cached)
+        session.start_sampling(req.sampling, self._seed(req))
+        for done in session.prefill(ids, cancel):
+            if done < len(ids):
+                yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)
+        logits = session.logits
+        t_prefill = time.perf_counter()
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
+        if logits is None:
+            yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0))
+            return
+        decoder = StreamDecoder(self.tokenizer)
+        produced: list[int] = []
+        t_first = None
+        finish = "length"
+        text_so_far = ""
+        pending = [session.sample_first(logits)]
+        while finish == "length":
+            now = time.perf_counter()
+            t_first = t_first or now
+            ids, piece = [], ""
+            for token in pending:
+                if token == self.cfg.eos_token_id and not req.ignore_eos:
+                    finish = "stop"
+                    break
+                ids.append(token)
+                text = decoder.push([token])
+                stop_at = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
+                if stop_at is not None:
+                    piece = (text_so_far + piece + text)[len(text_so_far):stop_at]
+                    finish = "stop"
+                    break
+                piece += text
+                if len(produced) + len(ids) >= req.max_tokens:
+                    break
+            if ids or piece:
+                yield Tokens(req.id, ids, piece, len(produced), [(now - t0) * 1e3] * len(ids))
+            produced += ids
+            text_so_far += piece
+            if finish != "length" or len(produced) >= req.max_tokens:
+                break
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            pending = session.cycle(pending[-1])
+        tail = decoder.flush() if finish != "stop" or not req.stop else ""
+        if tail:
+            yield Tokens(req.id, [], tail, len(produced), [])
+        usage["completion_tokens"] = len(produced)
+        end = time.perf_counter()
+        spec = session.stats.as_dict() if session.spec is not None else None
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec)
+
+
+def _timings(t0, t_prefill, t_first, end, n) -> dict:
+    decode_ms = (end - t_first) * 1e3 if t_first else 0.0
+    return {
+        "queue_ms": 0.0,
+        "prefill_ms": (t_prefill - t0) * 1e3,
+        "ttft_ms": (t_first - t0) * 1e3 if t_first else None,
+        "decode_ms": decode_ms,
+        "tpot_ms": decode_ms / (n - 1) if n > 1 else None,
+        "tokens_per_s": (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else None,
+        "e2e_ms": (end - t0) * 1e3,
+    }
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, if one ends in the new part of `text`."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,62 @@
+"""How a model runs: one frozen object built once (by the CLI's `run_options` decorator, from flags or
+APPLIANCE_* environment variables) and handed to `Engine.load`, the loader and the decode session. No torch
+here: the server and the CLI's help read it without loading anything."""
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .errors import ApplianceError
+
+DRAFTS = ("none", "dspark", "mtp", "adaptive", "auto")
+NUMERICS = ("official", "plain")
+DTYPES = ("float32", "bfloat16")
+PATHS = ("auto", "reference", "fast")
+INDEX_KEYS = ("own", "reference")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything about how one model runs. Defaults: the embedded tiny model on the CPU, no drafting."""
+
+    model_dir: Path | None = None  # None: the embedded tiny DeepSeek-V4.1 checkpoint
+    devices: str = "cpu"  # cpu | cuda | cuda:N | N | cpu:4 | 0,1,2,3 (several: one process per device)
+    numerics: str = "official"  # official: the official FP8/FP4 quantization emulation; plain: without it
+    dtype: str = "float32"  # the activation dtype every rounding point rounds to
+    path: str = "auto"  # reference | fast | auto (fast on CUDA, reference on CPU)
+    index_keys: str = "own"  # V4.1: own | reference (the released decode-time publication order)
+    draft: str = "none"  # speculative drafting, one of DRAFTS (auto: the checkpoint's own drafter)
+    draft_tokens: int = 3  # drafts per cycle
+    chunk: int = 256  # prefill chunk: cancel and progress act between chunks
+    context: int | None = None  # context limit in tokens; None: the model's, capped by memory
+    graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
+
+    def __post_init__(self):
+        if self.model_dir is not None and not isinstance(self.model_dir, Path):
+            object.__setattr__(self, "model_dir", Path(self.model_dir))
+        self.check()
+
+    @property
+    def load_drafter(self) -> bool:
+        return self.draft != "none"
+
+    def check(self) -> None:
+        """Refuse what no run can use, naming the option (the CLI turns it into one line and exit 2)."""
+        for name, allowed in (("draft", DRAFTS), ("numerics", NUMERICS), ("dtype", DTYPES), ("path", PATHS),
+                              ("index_keys", INDEX_KEYS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be one of {', '.join(allowed)}",
+                                     field=name, value=value)
+        _at_least("chunk", self.chunk, 1)
+        _at_least("draft_tokens", self.draft_tokens, 1)
+        if self.context is not None:
+            _at_least("context", self.context, 2)
+
+    def describe(self) -> dict:
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+def _at_least(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be an integer >= {low}", field=name,
+                             value=value)

@@ -1,0 +1,158 @@
+"""The import rules of the house (README, Layout), read from the source with `ast` (imports inside functions
+count too): which wing may import which, no import circles, and the one upward arrow (appliance/cli ->
+server)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("appliance", "kernels", "graphs", "server")
+
+# what each part of the tree may import of ours (a module always may import inside its own wing)
+ALLOWED = {
+    "kernels": set(),
+    "graphs": set(),
+    "appliance.errors": set(),
+    "appliance.api": {"appliance.errors"},
+    "appliance.options": {"appliance.errors"},
+    "appliance.model": {"appliance.errors", "kernels"},
+    "appliance.parallel": {"appliance.errors", "appliance.model"},
+    "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model", "graphs",
+                         "kernels"},
+    "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "kernels"},
+    "appliance.loader": {"appliance.errors", "appliance.options", "appliance.model", "appliance.parallel",
+                         "kernels"},
+    "appliance.engine": {"appliance.api", "appliance.errors", "appliance.options", "appliance.loader",
+                         "appliance.decode", "appliance.measure", "appliance.parallel"},
+    "appliance.cli": {"appliance", "kernels", "graphs", "server"},
+    "appliance": {"appliance.cli"},  # __init__ / __main__
+    "server": {"appliance.api", "appliance.errors"},
+}
+NO_TORCH = ("server", "appliance.api", "appliance.errors", "appliance.options")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """Every module `name` imports (absolute names, relative imports resolved), at any depth of the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+    return found
+
+
+def ours(graph_modules: dict[str, Path], target: str) -> str | None:
+    """The module of ours `target` names (a module, or the module of an imported attribute), if any."""
+    while target and target not in graph_modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def part_of(name: str) -> str:
+    """The most specific key of ALLOWED that `name` falls under."""
+    keys = [k for k in ALLOWED if name == k or name.startswith(k + ".")]
+    return max(keys, key=len)
+
+
+def wing(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "appliance" and len(parts) > 1 else parts[0]
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges = {}
+    for name, path in mods.items():
+        targets = {ours(mods, t) for t in imports_of(name, path)}
+        edges[name] = {t for t in targets if t is not None and t != name}
+    return edges
+
+
+def forbidden_imports(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, targets in edges.items():
+        allowed = ALLOWED[part_of(name)]
+        for t in targets:
+            if wing(t) == wing(name) or any(t == a or t.startswith(a + ".") for a in allowed):
+                continue
+            bad.append(f"{name} imports {t} ({part_of(name)} may import: {', '.join(sorted(allowed)) or 'nothing'})")
+    return sorted(bad)
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles between modules (a module that imports its own package's __init__ excepted: Python
+    runs the package first, which is no circle)."""
+    found, state, stack = [], {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for t in sorted(edges.get(n, ())):
+            if n.startswith(t + "."):
+                continue
+            if state.get(t) == "open":
+                found.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[n] = "done"
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n)
+    return found
+
+
+def test_every_wing_imports_only_what_the_layout_allows():
+    assert forbidden_imports(graph()) == []
+
+
+def test_there_are_no_import_circles():
+    assert circles(graph()) == []
+
+
+def test_the_one_upward_arrow_is_the_cli_starting_the_server():
+    edges = graph()
+    into_server = {n for n, ts in edges.items() if wing(n) != "server" and any(wing(t) == "server" for t in ts)}
+    assert into_server and all(n.startswith("appliance.cli") for n in into_server), into_server
+
+
+def test_the_server_and_the_front_objects_never_import_torch():
+    mods = modules()
+    for name, path in mods.items():
+        if part_of(name) in NO_TORCH or name.startswith("server"):
+            heavy = {i for i in imports_of(name, path) if i.split(".")[0] in ("torch", "triton", "numpy")}
+            assert not heavy, f"{name} imports {sorted(heavy)}"
+
+
+def test_the_request_loop_is_short_and_knows_no_kernels_or_graphs():
+    mods = modules()
+    path = mods["appliance.decode.loop"]
+    assert len(path.read_text().splitlines()) < 250
+    assert not {t for t in graph()["appliance.decode.loop"] if wing(t) in ("kernels", "graphs")}
+
+
+def test_the_checker_sees_a_forbidden_import_and_a_circle():
+    edges = graph()
+    edges["appliance.model.state"] = edges["appliance.model.state"] | {"appliance.decode.session",
+                                                                       "appliance.model.blocks"}
+    assert any(b.startswith("appliance.model.state imports appliance.decode.session") for b in forbidden_imports(edges))
+    assert ["appliance.model.blocks", "appliance.model.state", "appliance.model.blocks"] in circles(edges)
