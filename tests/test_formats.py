@@ -5,7 +5,11 @@ import torch
 from kernels.formats import (
     dequant_fp4,
     dequant_fp8,
+    e2m1_codes,
+    e8m0_from_pow2,
     e8m0_to_float,
+    encode_fp4,
+    encode_fp8,
     pack_fp4,
     pow2_ceil,
     q4_e4m3,
@@ -95,3 +99,22 @@ def test_q4_quantizers_land_on_the_e2m1_grid_of_their_scale():
     y4 = q4_e4m3(x, 16).view(4, -1, 16)
     assert torch.equal(y4, round_e2m1(xb / s4) * s4)
     assert torch.equal(y4.to(torch.bfloat16).float(), y4)
+
+
+def test_a_zero_of_either_sign_is_fp4_code_0_and_encoded_weights_round_trip():
+    s = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(s)
+    w = torch.randn(6, 64, generator=g)
+    w[0, :32] = 0.0
+    w[1, :32] = -1e-9  # rounds to -0 in e2m1
+    packed, scale = encode_fp4(w)
+    assert torch.all(packed[:2, :16] == 0), f"seed {s}: zeros must be code 0 whatever their sign"
+    assert torch.equal(e2m1_codes(torch.tensor([0.0, -0.0, -0.5, 6.0])), torch.tensor([0, 0, 9, 7]))
+    want = (round_e2m1(w.view(6, 2, 32) / e8m0_to_float(scale).unsqueeze(-1)) * e8m0_to_float(scale).unsqueeze(-1))
+    assert torch.equal(dequant_fp4(packed, scale), want.view(6, 64)), f"seed {s}"
+    data, scale8 = encode_fp8(w, (4, 32))
+    per = e8m0_to_float(scale8).repeat_interleave(4, 0)[:6].repeat_interleave(32, 1)
+    assert torch.equal(dequant_fp8(data, scale8, (4, 32)), (w / per).to(torch.float8_e4m3fn).float() * per), s
+    assert (w.abs().view(6, 2, 32).amax(-1) / e8m0_to_float(scale8).repeat_interleave(4, 0)[:6] <= 448).all(), s
+    assert torch.equal(e8m0_from_pow2(torch.tensor([1.0, 0.5, 2.0**-20])).view(torch.uint8),
+                       torch.tensor([127, 126, 107], dtype=torch.uint8))
