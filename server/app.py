@@ -13,6 +13,7 @@ on a thread, then READY=1; SIGTERM drains (see `App._stop`).
 """
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from websockets.asyncio.server import serve
+from websockets.http11 import Response
 
 from . import gate, notify
 from . import protocol as proto
@@ -41,6 +43,8 @@ class ServerConfig:
     keepalive_s: float = 1.0  # progress keepalive when a prefill has sent nothing for this long (< 2 s)
     drain_s: float = 5.0  # SIGTERM: let the running request finish this long, then cancel it
     nvml: bool = True
+    metrics_auth: bool = True  # with a token configured, /metrics asks for it too (--no-metrics-auth: open)
+
 
 
 def _version() -> str:
@@ -82,31 +86,52 @@ class App:
     # --- HTTP ---
 
     def process_request(self, connection, request):
-        path = request.path.split("?", 1)[0]
-        if path == "/healthz":
-            return connection.respond(200, "ok\n")
+        """An HTTP answer (routes, refusals) or None to go on with the websocket upgrade."""
+        path = gate.split_target(request.path)[0]
+        verdict = gate.check_method(request.method, path)
+        if verdict.status is None:
+            verdict = self._route(path, request)
+        if verdict.status is None:
+            # Read no message longer than a prompt that fills the context (close 1009 beyond).
+            connection.protocol.max_message_size = self.limits.max_message_bytes
+            return None
+        if verdict.status == 401:
+            self.metrics.errors.labels("unauthorized").inc()
+        return self._respond(connection, verdict, head=request.method == "HEAD")
+
+    def _route(self, path: str, request) -> gate.Verdict:
+        if path == "/healthz":  # 200 while the process lives, SIGTERM's drain included
+            return gate.Verdict(200, "ok\n")
         if path == "/readyz":
-            if self.state == "ready":
-                return connection.respond(200, "ready\n")
-            return connection.respond(503, f"{self.state}: {self.status}\n")
+            return gate.Verdict(200, "ready\n") if self.state == "ready" else gate.Verdict(
+                503, f"{self.state}: {self.status}\n")
         if path == "/metrics":
+            if self.config.metrics_auth:
+                verdict = gate.check_token(request.headers, self.config.token)
+                if verdict.status is not None:
+                    return verdict
             if self.engine is not None:
                 self.metrics.heartbeat_age.set(max(0.0, time.monotonic() - self.engine.heartbeat))
-            resp = connection.respond(200, self.metrics.exposition().decode())
-            del resp.headers["Content-Type"]
-            resp.headers["Content-Type"] = CONTENT_TYPE
-            return resp
+            return gate.Verdict(200, self.metrics.exposition().decode(), content_type=CONTENT_TYPE)
         verdict = gate.check_upgrade(request.path, request.headers, self.config.token, self.config.origins)
-        if verdict.status is not None:
-            if verdict.status == 401:
-                self.metrics.errors.labels("unauthorized").inc()
-            resp = connection.respond(verdict.status, verdict.text)
-            if verdict.www_authenticate:
-                resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
-            return resp
-        # Read no message longer than a prompt that fills the context (close 1009 beyond).
-        connection.protocol.max_message_size = self.limits.max_message_bytes
-        return None
+        if verdict.status is None and self.state == "draining":
+            return gate.Verdict(503, "the server is stopping (SIGTERM): connect again when /readyz answers 200\n")
+        return verdict
+
+    @staticmethod
+    def _respond(connection, verdict: gate.Verdict, head: bool) -> Response:
+        # backslashreplace: a header value echoed in the text may hold what UTF-8 cannot encode
+        resp = connection.respond(verdict.status, verdict.text.encode("utf-8", "backslashreplace").decode())
+        if verdict.content_type is not None:
+            del resp.headers["Content-Type"]
+            resp.headers["Content-Type"] = verdict.content_type
+        if verdict.www_authenticate:
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
+        if verdict.allow:
+            resp.headers["Allow"] = ", ".join(verdict.allow)
+        if head:  # the GET answer's headers (Content-Length included), no body
+            resp = dataclasses.replace(resp, body=b"")
+        return resp
 
     @staticmethod
     def select_subprotocol(connection, offered):

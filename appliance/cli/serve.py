@@ -48,6 +48,10 @@ def _token(token_file) -> str | None:
 @click.option("--token-file", type=click.Path(path_type=Path), envvar="APPLIANCE_TOKEN_FILE",
               help="file holding the bearer token; without it (and without a systemd credential `token`) "
                    "auth is off")
+@click.option("--metrics-auth/--no-metrics-auth", default=True, show_default=True, envvar="APPLIANCE_METRICS_AUTH",
+              help="with a token, /metrics asks for it too (Prometheus: `authorization: {credentials_file: ...}`); "
+                   "--no-metrics-auth leaves /metrics open for a scraper that cannot send it (/healthz and "
+                   "/readyz are always open)")
 @click.option("--origin", "origins", multiple=True, envvar="APPLIANCE_ORIGIN",
               help="browser origin allowed to connect (repeatable; `*` for any); none: browsers are refused")
 @click.option("--on-busy", type=click.Choice(["reject", "queue"]), default="reject", show_default=True,
@@ -78,7 +82,7 @@ def _token(token_file) -> str | None:
 @click.option("--keepalive", type=float, default=1.0, show_default=True,
               help="seconds without a frame during a prefill before the server sends a progress keepalive")
 @friendly
-def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, dtype, op_path, devices,
+def serve(model_dir, host, port, token_file, metrics_auth, origins, on_busy, draft, numerics, dtype, op_path, devices,
           draft_tokens, no_graphs, chunk, context, idle_timeout, drain, keepalive):
     """Serve the model over websocket (protocol decode.v1, ws://HOST:PORT/v1/stream) with /healthz, /readyz
     and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
@@ -107,7 +111,7 @@ def serve(model_dir, host, port, token_file, origins, on_busy, draft, numerics, 
         click.echo(f"appliance: warning: serving on {host} without a token: anyone who reaches the port can "
                    f"use the box (--token-file)", err=True)
     config = ServerConfig(host=host, port=port, token=token, origins=tuple(origins), on_busy=on_busy,
-                          idle_timeout_s=idle_timeout, keepalive_s=keepalive, drain_s=drain)
+                          idle_timeout_s=idle_timeout, keepalive_s=keepalive, drain_s=drain, metrics_auth=metrics_auth)
 
     def load_engine(status):
         from appliance.engine import Engine
