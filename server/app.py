@@ -9,7 +9,8 @@ disconnects, so one user's session (and the prefix of its last request kept in t
 never interleaved with another's.
 
 Lifecycle: bind the port first (so /healthz answers and /readyz says 503 during the load), load the engine
-on a thread, then READY=1; SIGTERM drains (see `App._stop`).
+on a thread, then READY=1; SIGTERM drains (see `App._stop`), and the process exits within `drain_s +
+STOP_BOUND_S` whatever its connections and its engine do.
 """
 
 import asyncio
@@ -45,6 +46,15 @@ class ServerConfig:
     nvml: bool = True
     metrics_auth: bool = True  # with a token configured, /metrics asks for it too (--no-metrics-auth: open)
 
+
+# SIGTERM's bounds after the drain (seconds): the engine sees a cancel within one prefill chunk or decode
+# cycle; a client answers a close handshake at once; a connection that does neither is dropped.
+CANCEL_GRACE_S = 5.0
+CLOSE_GRACE_S = 2.0
+ABORT_GRACE_S = 1.0
+ENGINE_CLOSE_S = 5.0
+STOP_BOUND_S = CANCEL_GRACE_S + CLOSE_GRACE_S + 2 * ABORT_GRACE_S + ENGINE_CLOSE_S
+log = logging.getLogger("server.app")
 
 
 def _version() -> str:
@@ -226,32 +236,91 @@ class App:
             self.stopping.set_result(None)
 
     async def _stop(self, code: int) -> int:
-        """SIGTERM: stop accepting, let the running request finish for `drain_s` then cancel it, close every
-        connection with 1012, release the engine. Returns the exit code."""
+        """SIGTERM: refuse new websocket connections (HTTP 503; /healthz still answers 200 and /readyz 503),
+        let the running request finish for `drain_s` then cancel it, close every connection with 1012, stop
+        listening, release the engine. Each step after the drain is bounded (STOP_BOUND_S in all), so a
+        client that does not read or an engine that hangs cannot hold the process. Returns the exit code."""
         failed = self.state == "failed"
         self.state, self.status = ("failed" if failed else "draining"), ("load failed" if failed else "draining")
         self.metrics.ready.set(0)
         notify.notify("STOPPING=1", f"STATUS={self.status}",
-                      f"EXTEND_TIMEOUT_USEC={int((self.config.drain_s + 30) * 1e6)}")
+                      f"EXTEND_TIMEOUT_USEC={int((self.config.drain_s + STOP_BOUND_S + 30) * 1e6)}")
         self.say("stopping: no new connections; draining the running request")
+        await self._drain()
+        await self._close_sessions()
         self.server.close(close_connections=False)
-        owner = self.box.owner
-        if owner is not None and owner.running is not None:
-            try:
-                await asyncio.wait_for(owner.idle.wait(), self.config.drain_s)
-            except TimeoutError:
-                if owner.running is not None:
-                    owner.running.cancel.set()
-                await owner.idle.wait()
-        for s in list(self.sessions):
-            s.close(proto.CLOSE_RESTART, "server restart")
-        await self.server.wait_closed()
-        if self.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        if not await _within(self.server.wait_closed(), ABORT_GRACE_S):
+            log.warning("stopping: the listener did not close within %g s", ABORT_GRACE_S)
+        if self.engine is not None and not await _in_thread(self.engine.close, ENGINE_CLOSE_S):
+            log.warning("stopping: the engine did not close within %g s; exiting without it", ENGINE_CLOSE_S)
         if self.gpu is not None:
             self.gpu.stop()
         self.say("stopped")
         return code
+
+    async def _drain(self) -> None:
+        """Let running requests finish for `drain_s`, then cancel them and wait CANCEL_GRACE_S more."""
+        busy = [s for s in self.sessions if s.running is not None]
+        if not busy or await _within(_all(s.idle.wait() for s in busy), self.config.drain_s):
+            return
+        for s in busy:
+            if s.running is not None:
+                s.running.cancel.set()
+        if not await _within(_all(s.idle.wait() for s in busy), CANCEL_GRACE_S):
+            log.warning("stopping: the engine did not end a cancelled request within %g s", CANCEL_GRACE_S)
+
+    async def _close_sessions(self) -> None:
+        """Close every connection with 1012; abort those that have not ended CLOSE_GRACE_S later."""
+        sessions = list(self.sessions)
+        for s in sessions:
+            s.close(proto.CLOSE_RESTART, "server restart")
+        if await _within(_all(s.finished.wait() for s in sessions), CLOSE_GRACE_S):
+            return
+        stuck = [s for s in sessions if not s.finished.is_set()]
+        log.warning("stopping: %d connection(s) did not close within %g s; dropping them", len(stuck),
+                    CLOSE_GRACE_S)
+        for s in stuck:
+            s.abort()
+        await _within(_all(s.finished.wait() for s in stuck), ABORT_GRACE_S)
+
+
+async def _all(awaitables) -> None:
+    aws = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        if aws:
+            await asyncio.wait(aws)
+    finally:  # timed out: leave no waiter behind
+        for a in aws:
+            a.cancel()
+
+
+async def _within(awaitable, timeout_s: float) -> bool:
+    """Await for at most `timeout_s`; False (and the awaitable cancelled) when it took longer."""
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _in_thread(fn: Callable, timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread, waiting at most `timeout_s` (an executor thread would hold up the exit of
+    `asyncio.run` if `fn` hangs). False when it did not return in time."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def work():
+        try:
+            fn()
+        except BaseException as e:  # reported, never lost with the thread
+            log.warning("stopping: %r failed: %r", fn, e)
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop closed while we ran: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="engine-close", daemon=True).start()
+    return await _within(done, timeout_s)
 
 
 def run(config: ServerConfig, load_engine: Callable) -> int:

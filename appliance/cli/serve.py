@@ -78,7 +78,8 @@ def _token(token_file) -> str | None:
 @click.option("--idle-timeout", type=float, default=300.0, show_default=True, envvar="APPLIANCE_IDLE_TIMEOUT",
               help="seconds a connection may hold the box without sending anything (0: forever); then close 4408")
 @click.option("--drain", type=float, default=5.0, show_default=True, envvar="APPLIANCE_DRAIN",
-              help="on SIGTERM, seconds the running request may finish before it is cancelled")
+              help="on SIGTERM, seconds the running request may finish before it is cancelled (the process exits "
+                   "at most 15 s after that, whatever its connections do)")
 @click.option("--keepalive", type=float, default=1.0, show_default=True,
               help="seconds without a frame during a prefill before the server sends a progress keepalive")
 @friendly
