@@ -230,22 +230,32 @@ class Frames:
 
     def encode_checked(self, frame: dict) -> tuple[str, str | None]:
         """(text, None), or, when orjson cannot write the frame (a value no client message can produce, e.g.
-        an engine's odd type), (an `internal` error frame for the same request, why). Never raises: the
-        connection's writer must outlive any one frame. Either way the frame takes the next `seq`."""
-        self.seq += 1
+        an engine's odd type), (the text of `unencodable(frame, why)`, why). Never raises: the connection's
+        writer must outlive any one frame."""
+        text, why = self.try_encode(frame)
+        if text is None:
+            text = self.try_encode(unencodable(frame, why))[0]
+        if text is None:  # unreachable: that error holds plain strings only; still never raise
+            text = self.try_encode(error_frame("internal", "the server could not encode a frame"))[0]
+        return text, why
+
+    def try_encode(self, frame: dict) -> tuple[str | None, str | None]:
+        """(text, None), taking the next `seq`; or (None, why) when orjson cannot write the frame, taking no
+        `seq` (the caller may send something else in its place, or nothing)."""
         try:
-            return strict_json.dumps({"type": frame["type"], "seq": self.seq, **frame}), None
+            text = strict_json.dumps({"type": frame["type"], "seq": self.seq + 1, **frame})
         except (TypeError, ValueError, KeyError) as e:  # orjson.JSONEncodeError is a TypeError
-            why = f"{type(e).__name__}: {e}"
-        kind = _printable(frame.get("type")) if isinstance(frame, dict) else type(frame).__name__
-        rid = _printable(frame.get("id")) if isinstance(frame, dict) and frame.get("id") is not None else None
-        err = error_frame("internal", f"the server could not encode a {kind} frame ({why}); this request is "
-                          f"ended: retry it", request_id=rid)
-        try:
-            return strict_json.dumps({"type": "error", "seq": self.seq, **err}), why
-        except (TypeError, ValueError):  # unreachable: every value above is a plain str; still never raise
-            return strict_json.dumps({"type": "error", "seq": self.seq, **error_frame(
-                "internal", "the server could not encode a frame")}), why
+            return None, f"{type(e).__name__}: {e}"
+        self.seq += 1
+        return text, None
+
+
+def unencodable(frame, why: str) -> dict:
+    """The `internal` error that stands for a frame the server could not encode (for its request, if any)."""
+    kind = _printable(frame.get("type")) if isinstance(frame, dict) else type(frame).__name__
+    rid = _printable(frame.get("id")) if isinstance(frame, dict) and frame.get("id") is not None else None
+    return error_frame("internal", f"the server could not encode a {kind} frame ({why}); this request is ended: "
+                       f"retry it", request_id=rid)
 
 
 def _printable(value, limit: int = MAX_ID_CHARS) -> str:

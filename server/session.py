@@ -18,10 +18,11 @@ In every case the request ends with exactly one `done` (finish_reason `cancelled
 `error`; after a disconnect the writer still consumes that terminal event (metrics), sending nothing.
 
 No client message can end a task: the reader answers a message it cannot handle with an error frame, and the
-writer answers a frame it cannot encode with an `internal` error for that request (which it then cancels,
-so the error is the request's one terminal frame). Whatever ends the connection, `_end` runs: the request
-is cancelled, the box passes on, the timer stops, and the connections gauge goes down (even when the writer
-never ends: `abort` is SIGTERM's last resort for a client that does not read, or an engine that hangs).
+writer answers a frame it cannot encode with an `internal` error for that request (it cancels the request
+and sends the error in place of its terminal frame: still exactly one). Whatever ends the connection, `_end`
+runs: the request is cancelled, the box passes on, the timer stops, and the connections gauge goes down (even
+when the writer never ends: `abort` is SIGTERM's last resort for a client that does not read, or an engine
+that hangs).
 """
 
 import asyncio
@@ -128,7 +129,7 @@ class Session:
         self.gone = False
         self.position = None
         self.n_requests = 0
-        self.silenced: str | None = None  # a request whose frame could not be encoded: its later frames drop
+        self.failed: tuple[str, dict] | None = None  # (id, error to send as its terminal frame): see _fail
         self.writer: asyncio.Task | None = None
         self.timer: asyncio.Task | None = None
         self.finished = asyncio.Event()  # set once `_end` has run to the end
@@ -270,14 +271,11 @@ class Session:
             if events:
                 timings = self.running.timings if self.running is not None else "final"
                 terminal = self._account(events)
-                frames, failed = self._event_frames(events, timings)
+                frames = self._event_frames(events, timings, terminal)
                 for frame in frames:
-                    if self.silenced is None or frame.get("id") != self.silenced:  # read when sent: lazily
+                    frame = self._unless_failed(frame)  # read when sent (lazily): _send may just have failed
+                    if frame is not None:
                         yield frame
-                if failed is not None:
-                    self._end_request(failed)
-                if terminal:
-                    self.silenced = None
                 events = []
                 if terminal and self.ending:
                     yield _STOP
@@ -285,24 +283,34 @@ class Session:
             if item is not None:
                 yield item
 
-    def _event_frames(self, events: list, timings: str) -> tuple[list[dict], str | None]:
-        """(frames, None), or ([an internal error], the request's id) for events the protocol cannot render."""
+    def _event_frames(self, events: list, timings: str, terminal: bool) -> list[dict]:
         try:
-            return proto.event_frames(events, timings), None
-        except Exception as e:
+            return proto.event_frames(events, timings)
+        except Exception as e:  # events the protocol cannot render: the request still ends with one frame
             log.exception("connection writer: could not convert engine events")
-            rid = events[0].id
-            return [proto.error_frame("internal", f"the server could not convert engine events ({type(e).__name__}:"
-                                      f" {e}); this request is ended: retry it", request_id=rid)], rid
+            error = proto.error_frame("internal", f"the server could not convert engine events ({type(e).__name__}"
+                                      f": {e}); this request is ended: retry it", request_id=events[0].id)
+            if terminal:
+                return [error]
+            self._fail(events[0].id, error)
+            return []
 
-    def _end_request(self, rid) -> None:
-        """After an internal error frame sent for a request instead of one of its frames: cancel it (if it is
-        still running) and drop its later frames up to its terminal one (which may already be accounted for,
-        in the batch being sent), so that error is its one terminal frame."""
-        self.silenced = rid
+    def _fail(self, rid: str, error: dict) -> None:
+        """A frame of request `rid` could not be sent: cancel it, drop its later frames, and send `error` in
+        place of its terminal frame, so the client hears one terminal frame, when the connection is free for
+        its next request (an error sent at once would come while the request still held the connection)."""
+        self.failed = (rid, error)
         r = self.running
         if r is not None and r.id == rid:
             r.cancel.set()
+
+    def _unless_failed(self, frame: dict) -> dict | None:
+        if self.failed is None or frame.get("id") != self.failed[0]:
+            return frame
+        if frame["type"] in ("done", "error"):
+            error, self.failed = self.failed[1], None
+            return error
+        return None
 
     def _account(self, events: list) -> bool:
         r = self.running
@@ -312,7 +320,7 @@ class Session:
                 break
             if isinstance(ev, Started):
                 r.total, r.processed = ev.prompt_tokens, ev.cached_tokens
-                self.silenced = None  # a new request: nothing of an earlier one is left to drop
+                self.failed = None  # a new request: nothing of an earlier one is left to drop
             elif isinstance(ev, Progress):
                 r.processed, r.total = ev.processed, ev.total
             elif isinstance(ev, Tokens):
@@ -336,15 +344,18 @@ class Session:
         return terminal
 
     async def _send(self, frame: dict) -> None:
-        text, unencodable = self.frames.encode_checked(frame)
-        if unencodable is not None:
-            log.error("connection writer: a %s frame could not be encoded (%s); sent an internal error instead",
-                      frame.get("type"), unencodable)
-            self.app.metrics.errors.labels("internal").inc()
-            if frame.get("type") not in ("done", "error"):  # its request would otherwise end twice
-                self._end_request(frame.get("id"))
-        elif frame["type"] == "error":  # every error frame is counted here, engine errors included
+        text, why = self.frames.try_encode(frame)
+        if text is not None and frame["type"] == "error":  # every error frame is counted here, engine errors too
             self.app.metrics.errors.labels(frame["error"]["code"]).inc()
+        if text is None:
+            log.error("connection writer: a %s frame could not be encoded (%s); the request gets an internal "
+                      "error instead", frame.get("type"), why)
+            error = proto.unencodable(frame, why)
+            if frame.get("id") is not None and frame.get("type") not in ("done", "error"):
+                self._fail(frame["id"], error)  # sent (and counted) in place of the request's terminal frame
+                return
+            self.app.metrics.errors.labels("internal").inc()
+            text = self.frames.encode(error)
         if self.gone:
             return
         try:
