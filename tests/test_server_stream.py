@@ -17,6 +17,7 @@ from tests.server_harness import (
     generate,
     open_ws,
     prompt,
+    raw_http,
     recv,
     send,
     token_ids,
@@ -193,3 +194,21 @@ def test_only_listed_browser_origins_may_connect(server):
     assert _status(server, origin="https://evil.example.com", additional_headers=auth) == 403
     assert _status(server, origin=ORIGIN, additional_headers=auth) == 101
     assert _status(server, additional_headers=auth) == 101  # scripts send no Origin
+
+
+
+def test_a_repeated_origin_or_authorization_header_is_400_with_no_traceback(server):
+    upgrade = ("GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n")
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    for extra, header in [(f"Origin: {ORIGIN}\r\nOrigin: https://evil.example.com\r\n" + auth, "Origin"),
+                          (f"Origin: {ORIGIN}\r\norigin: {ORIGIN}\r\n" + auth, "Origin"),
+                          (auth + "Authorization: Bearer wrong\r\n", "Authorization"),
+                          (auth + auth, "Authorization")]:
+        status, _, body = raw_http(server.port, (upgrade + extra + "\r\n").encode())
+        assert status == 400 and f"the {header} header is sent 2 times".encode() in body, (extra, status, body)
+    status, _, body = raw_http(server.port, f"GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}{auth}\r\n".encode())
+    assert status == 400
+    status, _, _ = raw_http(server.port, (upgrade + auth + "\r\n").encode())
+    assert status == 101
+    assert "Traceback" not in "".join(server.lines) and "process_request failed" not in "".join(server.lines)
