@@ -280,8 +280,13 @@ class Session:
                 if terminal and self.ending:
                     yield _STOP
                     return
-            if item is not None:
+            if item is not None and not self._stale_keepalive(item):
                 yield item
+
+    def _stale_keepalive(self, item) -> bool:
+        """A keepalive the timer queued behind its request's terminal event: sent, it would follow `done`."""
+        return isinstance(item, dict) and item.get("type") == "progress" and (
+            self.running is None or self.running.id != item.get("id"))
 
     def _event_frames(self, events: list, timings: str, terminal: bool) -> list[dict]:
         try:
