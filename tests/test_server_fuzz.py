@@ -1,7 +1,8 @@
 """A property-based fuzz of a live server (the tiny model): hypothesis writes client messages (random JSON
 values, strings with lone surrogates and control characters, huge numbers, deep nesting, a wrong value in
 each field of generate/cancel/ping, text that is not JSON, binary and invalid-UTF-8 frames, an oversize
-message) and each example sends them, one at a time, on a fresh connection. The invariants:
+message) and each example sends them on a fresh connection, one at a time (or, in about half the examples,
+back to back). The invariants:
 
 - every message is answered before a ping sent after it comes back (an `error` or `pong`; a generate may
   answer later, with its first frame), or closes the connection with a close code PROTOCOL.md documents
@@ -275,14 +276,40 @@ def run_example(server, limit: int, batch: list) -> None:
             while not conn.heard_of(rid, known) and conn.read() is not None:
                 pass
             assert conn.closed is None, (message, heard)
-        if any(not conn.ended(r) for r in conn.by_id):  # end what still runs (a default max_tokens is long)
-            conn.ws.send('{"type": "cancel"}')
-        while any(not conn.ended(r) for r in conn.by_id) and conn.read() is not None:
-            pass
+        end_requests(conn)
         assert conn.closed is None, conn.closed
         check_connection(conn)
     finally:
         conn.close()
+
+
+def run_pipelined(server, limit: int, batch: list) -> None:
+    """The messages back to back (a cancel lands in a prefill, a generate behind a running one): the same
+    invariants except the one-by-one answer check."""
+    conn = Connection(server, limit)
+    try:
+        try:
+            for message in batch + [json.dumps({"type": "ping", "t": -1})]:
+                conn.send(message)
+        except ConnectionClosed:
+            pass
+        while conn.closed is None:
+            f = conn.read()
+            if f is not None and f["type"] == "pong" and f["t"] == -1:
+                break
+        end_requests(conn)
+        assert conn.closed in (None, *DOCUMENTED_CLOSE_CODES - {proto.CLOSE_ENGINE_FAULT}), (batch, conn.closed)
+        check_connection(conn)
+    finally:
+        conn.close()
+
+
+def end_requests(conn: Connection) -> None:
+    """Cancel what still runs (a default max_tokens is long) and read until every request has ended."""
+    if conn.closed is None and any(not conn.ended(r) for r in conn.by_id):
+        conn.ws.send('{"type": "cancel"}')
+    while conn.closed is None and any(not conn.ended(r) for r in conn.by_id) and conn.read() is not None:
+        pass
 
 
 def check_connection(conn: Connection) -> None:
@@ -319,12 +346,12 @@ def test_no_generated_message_breaks_a_connection_an_invariant_or_the_server(ser
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate, Phase.shrink),
               suppress_health_check=list(HealthCheck))
-    @given(st.lists(messages, min_size=1, max_size=6).map(wire))
-    def example(batch):
+    @given(st.lists(messages, min_size=1, max_size=6).map(wire), st.booleans())
+    def example(batch, pipelined):
         if time.monotonic() > deadline:
             return  # the time budget is spent: the remaining examples do nothing
         ran.append(len(batch))
-        run_example(server, limit, batch)
+        (run_pipelined if pipelined else run_example)(server, limit, batch)
 
     example()
     with open_ws(server, token=None) as ws:
