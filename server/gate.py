@@ -120,7 +120,7 @@ def select_subprotocol(offered) -> str | None:
     return PROTOCOL if PROTOCOL in offered else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
     """An HTTP answer instead of the upgrade (`status`, `text`), or None fields to go on with it. `allow`:
     the methods a 405 names; `content_type`: when not plain text."""
