@@ -6,7 +6,7 @@ Every accepted request ends with exactly one `Done` or `Error`.
 
 from dataclasses import asdict, dataclass, field
 
-from .errors import RequestError
+from .errors import RequestError, shown, unicode_fault
 
 MAX_TOKENS_LIMIT = 8192
 
@@ -21,17 +21,17 @@ class Sampling:
     def validate(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
                 or not 0.0 <= self.temperature <= 2.0:
-            raise RequestError(f"temperature={self.temperature!r}: must be a number in 0..2 (0 = greedy)",
+            raise RequestError(f"temperature={shown(self.temperature)}: must be a number in 0..2 (0 = greedy)",
                                field="sampling.temperature", value=self.temperature)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p={self.top_p!r}: must be a number in (0, 1]", field="sampling.top_p",
+            raise RequestError(f"top_p={shown(self.top_p)}: must be a number in (0, 1]", field="sampling.top_p",
                                value=self.top_p)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= 100000:
-            raise RequestError(f"top_k={self.top_k!r}: must be an integer in 0..100000 (0 = off)",
+            raise RequestError(f"top_k={shown(self.top_k)}: must be an integer in 0..100000 (0 = off)",
                                field="sampling.top_k", value=self.top_k)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**63):
-            raise RequestError(f"seed={self.seed!r}: must be an integer in 0..2^63-1", field="sampling.seed",
+            raise RequestError(f"seed={shown(self.seed)}: must be an integer in 0..2^63-1", field="sampling.seed",
                                value=self.seed)
 
 
@@ -50,13 +50,15 @@ class Request:
     timings: str = "final"  # none | final | per_token
 
     def validate(self) -> None:
+        if not isinstance(self.id, str):
+            raise RequestError(f"id={shown(self.id)}: must be a string", field="id", value=self.id)
         given = [n for n in ("input_ids", "prompt", "messages") if getattr(self, n) is not None]
         if len(given) != 1:
             raise RequestError(f"give exactly one of input_ids, prompt, messages (got {', '.join(given) or 'none'})",
                                field="prompt")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise RequestError(f"max_tokens={self.max_tokens!r}: must be an integer in 1..{MAX_TOKENS_LIMIT}",
+            raise RequestError(f"max_tokens={shown(self.max_tokens)}: must be an integer in 1..{MAX_TOKENS_LIMIT}",
                                field="max_tokens", value=self.max_tokens)
         if self.input_ids is not None:
             if not isinstance(self.input_ids, list) or not self.input_ids or not all(
@@ -73,13 +75,27 @@ class Request:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) \
                 or len(self.stop) > 16:
             raise RequestError("stop: must be a list of at most 16 non-empty strings", field="stop")
+        self._check_text()
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos={self.ignore_eos!r}: must be true or false", field="ignore_eos")
+            raise RequestError(f"ignore_eos={shown(self.ignore_eos)}: must be true or false", field="ignore_eos")
         if self.timings not in ("none", "final", "per_token"):
-            raise RequestError(f"timings={self.timings!r}: must be none, final or per_token", field="timings")
+            raise RequestError(f"timings={shown(self.timings)}: must be none, final or per_token", field="timings")
         if not isinstance(self.sampling, Sampling):
             raise RequestError("sampling: must be an object", field="sampling")
         self.sampling.validate()
+
+    def _check_text(self) -> None:
+        """Every string the engine tokenizes or echoes must be valid Unicode. A lone surrogate fails inside the
+        tokenizer, where it would count as an engine fault and reset the decode state (losing the cached
+        prefix), or in the frame encoder; here it is the client's error, naming the field."""
+        texts = [("id", self.id), ("prompt", self.prompt)]
+        texts += [(f"messages[{i}].content", m["content"]) for i, m in enumerate(self.messages or [])]
+        texts += [(f"stop[{i}]", s) for i, s in enumerate(self.stop)]
+        for name, text in texts:
+            fault = unicode_fault(text) if isinstance(text, str) else None
+            if fault is not None:
+                raise RequestError(f"{name}: {fault}: text must be valid Unicode (send UTF-8, or escape a "
+                                   f"character beyond U+FFFF as a surrogate pair)", field=name)
 
 
 @dataclass

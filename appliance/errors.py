@@ -47,3 +47,27 @@ class MemoryPlanError(ModelLoadError):
 
 class StateError(ApplianceError):
     """A decode-state operation that its capacity cannot honour (e.g. rewinding past the ring)."""
+
+
+def shown(value, limit: int = 60) -> str:
+    """`value` as an error message may quote it: the repr of a number, string or flag (cut at `limit`
+    characters), and only the kind and size of an array or object. A client's value can be a 20 MB list or
+    nested 1,000 deep (repr then raises RecursionError), and a message must stay short and always build."""
+    if isinstance(value, list):
+        return f"[...] (an array of {len(value)} items)"
+    if isinstance(value, dict):
+        return f"{{...}} (an object of {len(value)} keys)"
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value)} characters)"
+    text = repr(value)  # str: repr escapes lone surrogates and control characters, so the message stays valid
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def unicode_fault(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone surrogate, e.g. from the JSON escape "\\ud800"), or None. Such a
+    string cannot be encoded as UTF-8: neither a tokenizer nor a frame encoder can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"lone surrogate {text[e.start]!r} at character {e.start}"
+    return None

@@ -9,10 +9,12 @@ disconnects, so one user's session (and the prefix of its last request kept in t
 never interleaved with another's.
 
 Lifecycle: bind the port first (so /healthz answers and /readyz says 503 during the load), load the engine
-on a thread, then READY=1; SIGTERM drains (see `App._stop`).
+on a thread, then READY=1; SIGTERM drains (see `App._stop`), and the process exits within `drain_s +
+STOP_BOUND_S` whatever its connections and its engine do.
 """
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from websockets.asyncio.server import serve
+from websockets.http11 import Response
 
 from . import gate, notify
 from . import protocol as proto
@@ -41,6 +44,17 @@ class ServerConfig:
     keepalive_s: float = 1.0  # progress keepalive when a prefill has sent nothing for this long (< 2 s)
     drain_s: float = 5.0  # SIGTERM: let the running request finish this long, then cancel it
     nvml: bool = True
+    metrics_auth: bool = True  # with a token configured, /metrics asks for it too (--no-metrics-auth: open)
+
+
+# SIGTERM's bounds after the drain (seconds): the engine sees a cancel within one prefill chunk or decode
+# cycle; a client answers a close handshake at once; a connection that does neither is dropped.
+CANCEL_GRACE_S = 5.0
+CLOSE_GRACE_S = 2.0
+ABORT_GRACE_S = 1.0
+ENGINE_CLOSE_S = 5.0
+STOP_BOUND_S = CANCEL_GRACE_S + CLOSE_GRACE_S + 2 * ABORT_GRACE_S + ENGINE_CLOSE_S
+log = logging.getLogger("server.app")
 
 
 def _version() -> str:
@@ -82,31 +96,52 @@ class App:
     # --- HTTP ---
 
     def process_request(self, connection, request):
-        path = request.path.split("?", 1)[0]
-        if path == "/healthz":
-            return connection.respond(200, "ok\n")
+        """An HTTP answer (routes, refusals) or None to go on with the websocket upgrade."""
+        path = gate.split_target(request.path)[0]
+        verdict = gate.check_method(request.method, path)
+        if verdict.status is None:
+            verdict = self._route(path, request)
+        if verdict.status is None:
+            # Read no message longer than a prompt that fills the context (close 1009 beyond).
+            connection.protocol.max_message_size = self.limits.max_message_bytes
+            return None
+        if verdict.status == 401:
+            self.metrics.errors.labels("unauthorized").inc()
+        return self._respond(connection, verdict, head=request.method == "HEAD")
+
+    def _route(self, path: str, request) -> gate.Verdict:
+        if path == "/healthz":  # 200 while the process lives, SIGTERM's drain included
+            return gate.Verdict(200, "ok\n")
         if path == "/readyz":
-            if self.state == "ready":
-                return connection.respond(200, "ready\n")
-            return connection.respond(503, f"{self.state}: {self.status}\n")
+            return gate.Verdict(200, "ready\n") if self.state == "ready" else gate.Verdict(
+                503, f"{self.state}: {self.status}\n")
         if path == "/metrics":
+            if self.config.metrics_auth:
+                verdict = gate.check_token(request.headers, self.config.token)
+                if verdict.status is not None:
+                    return verdict
             if self.engine is not None:
                 self.metrics.heartbeat_age.set(max(0.0, time.monotonic() - self.engine.heartbeat))
-            resp = connection.respond(200, self.metrics.exposition().decode())
-            del resp.headers["Content-Type"]
-            resp.headers["Content-Type"] = CONTENT_TYPE
-            return resp
+            return gate.Verdict(200, self.metrics.exposition().decode(), content_type=CONTENT_TYPE)
         verdict = gate.check_upgrade(request.path, request.headers, self.config.token, self.config.origins)
-        if verdict.status is not None:
-            if verdict.status == 401:
-                self.metrics.errors.labels("unauthorized").inc()
-            resp = connection.respond(verdict.status, verdict.text)
-            if verdict.www_authenticate:
-                resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
-            return resp
-        # Read no message longer than a prompt that fills the context (close 1009 beyond).
-        connection.protocol.max_message_size = self.limits.max_message_bytes
-        return None
+        if verdict.status is None and self.state == "draining":
+            return gate.Verdict(503, "the server is stopping (SIGTERM): connect again when /readyz answers 200\n")
+        return verdict
+
+    @staticmethod
+    def _respond(connection, verdict: gate.Verdict, head: bool) -> Response:
+        # backslashreplace: a header value echoed in the text may hold what UTF-8 cannot encode
+        resp = connection.respond(verdict.status, verdict.text.encode("utf-8", "backslashreplace").decode())
+        if verdict.content_type is not None:
+            del resp.headers["Content-Type"]
+            resp.headers["Content-Type"] = verdict.content_type
+        if verdict.www_authenticate:
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
+        if verdict.allow:
+            resp.headers["Allow"] = ", ".join(verdict.allow)
+        if head:  # the GET answer's headers (Content-Length included), no body
+            resp = dataclasses.replace(resp, body=b"")
+        return resp
 
     @staticmethod
     def select_subprotocol(connection, offered):
@@ -201,32 +236,91 @@ class App:
             self.stopping.set_result(None)
 
     async def _stop(self, code: int) -> int:
-        """SIGTERM: stop accepting, let the running request finish for `drain_s` then cancel it, close every
-        connection with 1012, release the engine. Returns the exit code."""
+        """SIGTERM: refuse new websocket connections (HTTP 503; /healthz still answers 200 and /readyz 503),
+        let the running request finish for `drain_s` then cancel it, close every connection with 1012, stop
+        listening, release the engine. Each step after the drain is bounded (STOP_BOUND_S in all), so a
+        client that does not read or an engine that hangs cannot hold the process. Returns the exit code."""
         failed = self.state == "failed"
         self.state, self.status = ("failed" if failed else "draining"), ("load failed" if failed else "draining")
         self.metrics.ready.set(0)
         notify.notify("STOPPING=1", f"STATUS={self.status}",
-                      f"EXTEND_TIMEOUT_USEC={int((self.config.drain_s + 30) * 1e6)}")
+                      f"EXTEND_TIMEOUT_USEC={int((self.config.drain_s + STOP_BOUND_S + 30) * 1e6)}")
         self.say("stopping: no new connections; draining the running request")
+        await self._drain()
+        await self._close_sessions()
         self.server.close(close_connections=False)
-        owner = self.box.owner
-        if owner is not None and owner.running is not None:
-            try:
-                await asyncio.wait_for(owner.idle.wait(), self.config.drain_s)
-            except TimeoutError:
-                if owner.running is not None:
-                    owner.running.cancel.set()
-                await owner.idle.wait()
-        for s in list(self.sessions):
-            s.close(proto.CLOSE_RESTART, "server restart")
-        await self.server.wait_closed()
-        if self.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        if not await _within(self.server.wait_closed(), ABORT_GRACE_S):
+            log.warning("stopping: the listener did not close within %g s", ABORT_GRACE_S)
+        if self.engine is not None and not await _in_thread(self.engine.close, ENGINE_CLOSE_S):
+            log.warning("stopping: the engine did not close within %g s; exiting without it", ENGINE_CLOSE_S)
         if self.gpu is not None:
             self.gpu.stop()
         self.say("stopped")
         return code
+
+    async def _drain(self) -> None:
+        """Let running requests finish for `drain_s`, then cancel them and wait CANCEL_GRACE_S more."""
+        busy = [s for s in self.sessions if s.running is not None]
+        if not busy or await _within(_all(s.idle.wait() for s in busy), self.config.drain_s):
+            return
+        for s in busy:
+            if s.running is not None:
+                s.running.cancel.set()
+        if not await _within(_all(s.idle.wait() for s in busy), CANCEL_GRACE_S):
+            log.warning("stopping: the engine did not end a cancelled request within %g s", CANCEL_GRACE_S)
+
+    async def _close_sessions(self) -> None:
+        """Close every connection with 1012; abort those that have not ended CLOSE_GRACE_S later."""
+        sessions = list(self.sessions)
+        for s in sessions:
+            s.close(proto.CLOSE_RESTART, "server restart")
+        if await _within(_all(s.finished.wait() for s in sessions), CLOSE_GRACE_S):
+            return
+        stuck = [s for s in sessions if not s.finished.is_set()]
+        log.warning("stopping: %d connection(s) did not close within %g s; dropping them", len(stuck),
+                    CLOSE_GRACE_S)
+        for s in stuck:
+            s.abort()
+        await _within(_all(s.finished.wait() for s in stuck), ABORT_GRACE_S)
+
+
+async def _all(awaitables) -> None:
+    aws = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        if aws:
+            await asyncio.wait(aws)
+    finally:  # timed out: leave no waiter behind
+        for a in aws:
+            a.cancel()
+
+
+async def _within(awaitable, timeout_s: float) -> bool:
+    """Await for at most `timeout_s`; False (and the awaitable cancelled) when it took longer."""
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _in_thread(fn: Callable, timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread, waiting at most `timeout_s` (an executor thread would hold up the exit of
+    `asyncio.run` if `fn` hangs). False when it did not return in time."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def work():
+        try:
+            fn()
+        except BaseException as e:  # reported, never lost with the thread
+            log.warning("stopping: %r failed: %r", fn, e)
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop closed while we ran: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="engine-close", daemon=True).start()
+    return await _within(done, timeout_s)
 
 
 def run(config: ServerConfig, load_engine: Callable) -> int:

@@ -1,5 +1,7 @@
-"""What happens before the websocket upgrade, without I/O: which path is asked for, whether the caller holds
-the token, whether a browser origin is allowed.
+"""What happens before the websocket upgrade, without I/O: which path and method are asked for, whether the
+caller holds the token, whether a browser origin is allowed. Every refusal is an HTTP answer (`Verdict`),
+never an exception: a header sent twice where one is read is 400, another method than GET (or HEAD on the
+HTTP routes) is 405 with `Allow`.
 
 Auth is on when a token is configured. Scripts send `Authorization: Bearer <token>`; browsers, which cannot
 set headers on a websocket, offer the subprotocol `bearer.<base64url token>` next to `decode.v1` (the
@@ -13,14 +15,39 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from appliance.errors import ApplianceError
 
 from .protocol import PATH, PROTOCOL
 
 HTTP_ROUTES = ("/healthz", "/readyz", "/metrics")
+HTTP_METHODS = ("GET", "HEAD")  # HEAD: the GET answer's status and headers, no body
+UPGRADE_METHODS = ("GET",)  # RFC 6455: the opening handshake is a GET
 BEARER_PREFIX = "bearer."
+
+
+class BadHeader(ValueError):
+    """A request header this server cannot read as one value (sent more than once)."""
+
+    def __init__(self, name: str, count: int):
+        super().__init__(f"the {name} header is sent {count} times: send it once")
+        self.name = name
+
+
+def one_header(headers, name: str) -> str | None:
+    """The header's one value, None when absent. Raises BadHeader when it is repeated: which of two tokens
+    or origins counts is not for the server to guess."""
+    values = headers.get_all(name)
+    if len(values) > 1:
+        raise BadHeader(name, len(values))
+    return values[0] if values else None
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """(path, query) of a request target, without urllib's URL parsing (which raises on `//[`)."""
+    path, _, query = target.partition("?")
+    return path, query
 
 
 def read_token(path) -> str:
@@ -63,11 +90,12 @@ def bearer_from_subprotocol(protocol: str) -> bytes | None:
 
 
 def authorized(headers, token: str | None) -> bool:
-    """True when no token is configured, or the request carries it (header or subprotocol)."""
+    """True when no token is configured, or the request carries it (header or subprotocol). Raises BadHeader
+    for a repeated Authorization header."""
     if token is None:
         return True
     ok = False
-    auth = headers.get("Authorization")
+    auth = one_header(headers, "Authorization")
     if auth is not None:
         scheme, _, value = auth.partition(" ")
         if scheme.lower() == "bearer":
@@ -92,29 +120,52 @@ def select_subprotocol(offered) -> str | None:
     return PROTOCOL if PROTOCOL in offered else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
-    """An HTTP answer instead of the upgrade (`status`, `text`), or None fields to go on with it."""
+    """An HTTP answer instead of the upgrade (`status`, `text`), or None fields to go on with it. `allow`:
+    the methods a 405 names; `content_type`: when not plain text."""
 
     status: int | None = None
     text: str = ""
     www_authenticate: bool = False
+    allow: tuple[str, ...] = ()
+    content_type: str | None = None
 
 
-def check_upgrade(path: str, headers, token: str | None, origins: tuple[str, ...]) -> Verdict:
+UNAUTHORIZED = Verdict(401, "unauthorized: send `Authorization: Bearer <token>` (the server's --token-file) or "
+                            "offer the subprotocol bearer.<base64url token>\n", www_authenticate=True)
+
+
+def check_method(method: str, path: str) -> Verdict:
+    """405 for a method the path does not answer; an unknown path is left to its 404."""
+    allowed = HTTP_METHODS if path in HTTP_ROUTES else UPGRADE_METHODS if path == PATH else None
+    if allowed is None or method in allowed:
+        return Verdict()
+    return Verdict(405, f"method {method[:32]} is not allowed on {path}: use {' or '.join(allowed)}\n",
+                   allow=allowed)
+
+
+def check_token(headers, token: str | None) -> Verdict:
+    """401 without the token (when one is configured), 400 for a repeated Authorization header."""
+    try:
+        return Verdict() if authorized(headers, token) else UNAUTHORIZED
+    except BadHeader as e:
+        return Verdict(400, f"{e}\n")
+
+
+def check_upgrade(target: str, headers, token: str | None, origins: tuple[str, ...]) -> Verdict:
     """Decide a request for the websocket path (everything that is not one of HTTP_ROUTES)."""
-    url = urlsplit(path)
-    if url.path != PATH:
-        return Verdict(404, f"no such path {url.path}: the websocket is at {PATH}; also /healthz, /readyz, "
+    path, query = split_target(target)
+    if path != PATH:
+        return Verdict(404, f"no such path {path[:200]}: the websocket is at {PATH}; also /healthz, /readyz, "
                             f"/metrics\n")
-    query = parse_qs(url.query)
-    if any(k.lower() in ("token", "access_token", "bearer") for k in query):
+    if any(k.lower() in ("token", "access_token", "bearer") for k in parse_qs(query)):
         return Verdict(400, "tokens never go in the URL: send `Authorization: Bearer <token>` or offer the "
                             "subprotocol bearer.<base64url token>\n")
-    origin = headers.get("Origin")
+    try:
+        origin = one_header(headers, "Origin")
+    except BadHeader as e:
+        return Verdict(400, f"{e}\n")
     if not origin_allowed(origin, origins):
-        return Verdict(403, f"origin {origin} is not allowed: start the server with --origin {origin}\n")
-    if not authorized(headers, token):
-        return Verdict(401, "unauthorized: send `Authorization: Bearer <token>` (the server's --token-file) "
-                            "or offer the subprotocol bearer.<base64url token>\n", www_authenticate=True)
-    return Verdict()
+        return Verdict(403, f"origin {origin[:200]} is not allowed: start the server with --origin {origin[:200]}\n")
+    return check_token(headers, token)

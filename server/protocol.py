@@ -1,4 +1,6 @@
-"""decode.v1 without I/O: client frames in, server frames out (see PROTOCOL.md).
+"""decode.v1 without I/O: client frames in, server frames out. The specification is server/PROTOCOL.md, beside
+this module (tests/test_protocol_doc.py checks that it documents every frame type, error code and close code
+defined here).
 
 This module parses and validates client messages, numbers server frames, maps Engine API events and
 every error to frames, merges token events under backpressure and derives the limits from the engine's
@@ -7,23 +9,32 @@ context. It holds no socket and no event loop, so tests drive it by feeding fram
 
 Call order per connection: `Frames()` once; `hello(...)` first; then for each client message `parse()`,
 which returns a `Generate`, `Cancel` or `Ping` or raises `ProtocolError`; engine events go through
-`event_frames()`; every frame goes out through `Frames.encode()`, which stamps `seq`.
+`event_frames()`; every frame goes out through `Frames.encode()`, which stamps `seq` and never raises.
+
+JSON: messages are read by orjson, the library that writes the frames (server/strict_json.py), so no value
+a client sends can make a frame unwritable; a frame that still cannot be written becomes an `internal` error.
 """
 
-import json
+import math
 from dataclasses import dataclass
 
-import orjson
-
 from appliance.api import MAX_TOKENS_LIMIT, Done, Error, Progress, Request, Sampling, Started, Tokens
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, RequestError, shown
+
+from . import strict_json
 
 PROTOCOL = "decode.v1"
 PATH = "/v1/stream"
 
-# Close codes (PROTOCOL.md).
+# Frame types (PROTOCOL.md).
+CLIENT_FRAME_TYPES = ("generate", "cancel", "ping")
+SERVER_FRAME_TYPES = ("hello", "queued", "started", "progress", "delta", "done", "error", "pong")
+
+# Close codes (PROTOCOL.md). 1002, 1007 and 1009 (oversize frames) come from the websocket layer itself.
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
+CLOSE_PROTOCOL_ERROR = 1002
+CLOSE_INVALID_DATA = 1007
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_ENGINE_FAULT = 1011
@@ -109,15 +120,16 @@ class Ping:
     t: float | int | None
 
 
-def _loads(data: str | bytes):
+def _loads(data: str):
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        try:  # orjson refuses integers beyond 64 bits; let those reach the range checks with their field
-            return json.loads(data)
-        except (ValueError, RecursionError):
-            raise ProtocolError(f"malformed JSON ({e}): each message must be one JSON object",
-                                field="message") from None
+        return strict_json.loads(data)
+    except strict_json.UnrepresentableValue as e:  # answer for the generate's id when it has a good one
+        doc = e.document
+        rid = doc.get("id") if isinstance(doc, dict) and doc.get("type") == "generate" else None
+        rid = rid if isinstance(rid, str) and strict_json.first_fault(rid) is None else None
+        raise ProtocolError(e.message, field=e.field, request_id=rid) from None
+    except RequestError as e:
+        raise ProtocolError(e.message, field=e.field) from None
 
 
 def _type_name(value) -> str:
@@ -143,29 +155,35 @@ def parse(data: str | bytes, limits: Limits) -> Generate | Cancel | Ping:
         _only(msg, ("type", "id"), "cancel")
         rid = msg.get("id")
         if rid is not None and not isinstance(rid, str):
-            raise ProtocolError(f"id={rid!r}: must be a string (the id of the generate to cancel)", field="id",
-                                value=rid)
+            raise ProtocolError(f"id={shown(rid)}: must be a string (the id of the generate to cancel)",
+                                field="id", value=rid)
         return Cancel(rid)
     if kind == "ping":
         _only(msg, ("type", "t"), "ping")
         t = msg.get("t")
         if t is not None and (not isinstance(t, int | float) or isinstance(t, bool)):
-            raise ProtocolError(f"t={t!r}: must be a number (echoed in pong)", field="t", value=t)
+            raise ProtocolError(f"t={shown(t)}: must be a number (echoed in pong)", field="t", value=t)
+        if isinstance(t, float) and not (math.isfinite(t) and abs(t) < 2.0**64):
+            # orjson reads an integer beyond 64 bits as a double: refused, since pong could not echo it as sent
+            raise ProtocolError(f"t={shown(t)}: beyond 64 bits; must be a number of magnitude below 2^64 (echoed "
+                                f"in pong)", field="t", value=t)
         return Ping(t)
-    raise ProtocolError(f"type={kind!r}: must be one of generate, cancel, ping", field="type", value=kind)
+    raise ProtocolError(f"type={shown(kind)}: must be one of {', '.join(CLIENT_FRAME_TYPES)}", field="type",
+                        value=kind)
 
 
 def _only(msg: dict, known: tuple, kind: str, request_id: str | None = None, prefix: str = "") -> None:
     for key in msg:
         if key not in known:
-            raise ProtocolError(f"unknown field {prefix + key!r} in {kind}: known fields are {', '.join(known)}",
-                                field=f"{prefix}{key}", request_id=request_id)
+            name = prefix + (key if len(key) <= MAX_ID_CHARS else key[:MAX_ID_CHARS] + "...")
+            raise ProtocolError(f"unknown field {shown(prefix + key)} in {kind}: known fields are "
+                                f"{', '.join(known)}", field=name, request_id=request_id)
 
 
 def _generate(msg: dict, limits: Limits) -> Request:
     rid = msg.get("id")
     if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_CHARS):
-        raise ProtocolError(f"id={rid!r}: must be a string of 1..{MAX_ID_CHARS} characters", field="id",
+        raise ProtocolError(f"id={shown(rid)}: must be a string of 1..{MAX_ID_CHARS} characters", field="id",
                             value=rid)
     _only(msg, GENERATE_FIELDS, "generate", rid)
     sampling = msg.get("sampling", {})
@@ -208,8 +226,42 @@ class Frames:
         self.seq = 0
 
     def encode(self, frame: dict) -> str:
+        return self.encode_checked(frame)[0]
+
+    def encode_checked(self, frame: dict) -> tuple[str, str | None]:
+        """(text, None), or, when orjson cannot write the frame (a value no client message can produce, e.g.
+        an engine's odd type), (the text of `unencodable(frame, why)`, why). Never raises: the connection's
+        writer must outlive any one frame."""
+        text, why = self.try_encode(frame)
+        if text is None:
+            text = self.try_encode(unencodable(frame, why))[0]
+        if text is None:  # unreachable: that error holds plain strings only; still never raise
+            text = self.try_encode(error_frame("internal", "the server could not encode a frame"))[0]
+        return text, why
+
+    def try_encode(self, frame: dict) -> tuple[str | None, str | None]:
+        """(text, None), taking the next `seq`; or (None, why) when orjson cannot write the frame, taking no
+        `seq` (the caller may send something else in its place, or nothing)."""
+        try:
+            text = strict_json.dumps({"type": frame["type"], "seq": self.seq + 1, **frame})
+        except (TypeError, ValueError, KeyError) as e:  # orjson.JSONEncodeError is a TypeError
+            return None, f"{type(e).__name__}: {e}"
         self.seq += 1
-        return orjson.dumps({"type": frame["type"], "seq": self.seq, **frame}).decode()
+        return text, None
+
+
+def unencodable(frame, why: str) -> dict:
+    """The `internal` error that stands for a frame the server could not encode (for its request, if any)."""
+    kind = _printable(frame.get("type")) if isinstance(frame, dict) else type(frame).__name__
+    rid = _printable(frame.get("id")) if isinstance(frame, dict) and frame.get("id") is not None else None
+    return error_frame("internal", f"the server could not encode a {kind} frame ({why}); this request is ended: "
+                       f"retry it", request_id=rid)
+
+
+def _printable(value, limit: int = MAX_ID_CHARS) -> str:
+    """`value` as text orjson can always write: lone surrogates escaped, cut at `limit` characters."""
+    text = value if isinstance(value, str) else shown(value)
+    return strict_json.shown_key(text)[:limit]
 
 
 def hello(state: str, model: str, server_version: str, limits: Limits) -> dict:

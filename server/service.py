@@ -108,6 +108,8 @@ APPLIANCE_DRAFT=none
 APPLIANCE_ON_BUSY=reject
 # Bearer token file (one line; chmod 600, owned by the service user). Unset: no auth, loopback only!
 #APPLIANCE_TOKEN_FILE=/etc/decode-appliance/token
+# With a token, /metrics asks for it too; false: /metrics stays open (a scraper without the token).
+#APPLIANCE_METRICS_AUTH=true
 # Browser origins allowed to connect (space separated).
 #APPLIANCE_ORIGIN=https://chat.example.com
 #APPLIANCE_CONTEXT=131072

@@ -16,10 +16,18 @@ What cancel does, by stage (`cancel` frame or a dropped connection alike):
 - after `done`: nothing to cancel; a late cancel for a finished id is ignored.
 In every case the request ends with exactly one `done` (finish_reason `cancelled`, partial usage) or
 `error`; after a disconnect the writer still consumes that terminal event (metrics), sending nothing.
+
+No client message can end a task: the reader answers a message it cannot handle with an error frame, and the
+writer answers a frame it cannot encode with an `internal` error for that request (it cancels the request
+and sends the error in place of its terminal frame: still exactly one). Whatever ends the connection, `_end`
+runs: the request is cancelled, the box passes on, the timer stops, and the connections gauge goes down (even
+when the writer never ends: `abort` is SIGTERM's last resort for a client that does not read, or an engine
+that hangs).
 """
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -99,6 +107,7 @@ class _Close:
 
 
 _STOP = object()
+log = logging.getLogger("server.session")
 
 
 class Session:
@@ -120,6 +129,10 @@ class Session:
         self.gone = False
         self.position = None
         self.n_requests = 0
+        self.failed: tuple[str, dict] | None = None  # (id, error to send as its terminal frame): see _fail
+        self.writer: asyncio.Task | None = None
+        self.timer: asyncio.Task | None = None
+        self.finished = asyncio.Event()  # set once `_end` has run to the end
 
     # --- lifecycle ---
 
@@ -127,26 +140,46 @@ class Session:
         app = self.app
         app.sessions.add(self)
         app.metrics.connections.inc()
-        writer = asyncio.create_task(self.write_loop())
-        timer = None
         try:
+            self.writer = asyncio.create_task(self.write_loop())
             if await self.admit():
-                timer = asyncio.create_task(self.timer_loop())
+                self.timer = asyncio.create_task(self.timer_loop())
                 await self.read_loop()
             else:
                 await self._drain_reads()
         finally:
+            await self._end()
+
+    async def _end(self) -> None:
+        """The connection's cleanup, whatever ended it (a close, a failed task, a cancel of the handler)."""
+        app = self.app
+        try:
             self.ending = True
             if self.running is not None:  # a dropped connection cancels, prefill included
                 self.running.cancel.set()
             else:
                 self.out.put_nowait(_STOP)
             app.box.leave(self)
-            if timer is not None:
-                timer.cancel()
-            await writer  # returns after the running request's terminal event, if any
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.writer is not None:  # ends after the running request's terminal event, if any
+                await asyncio.wait([self.writer])  # never raises, even if the writer failed or was cancelled
+                if not self.writer.cancelled() and self.writer.exception() is not None:
+                    log.error("connection writer failed: %r", self.writer.exception())
+        finally:
             app.sessions.discard(self)
             app.metrics.connections.dec()
+            self.finished.set()
+
+    def abort(self) -> None:
+        """SIGTERM's last resort for a connection that did not end after its close: a writer blocked on a
+        client that does not read, or waiting for an engine that never ends the request. Drops the TCP
+        connection and stops the writer, so `_end` completes."""
+        if self.writer is not None:
+            self.writer.cancel()
+        transport = getattr(self.ws, "transport", None)
+        if transport is not None:
+            transport.abort()
 
     async def admit(self) -> bool:
         app = self.app
@@ -210,6 +243,8 @@ class Session:
             pass
 
     async def write_loop(self) -> None:
+        """Sends until `_STOP`. One item's failure is logged and the loop goes on: a writer that died would
+        leave every later frame (terminal ones, the idle close, SIGTERM's 1012) unsent."""
         while True:
             items = [await self.out.get()]
             while not self.out.empty():
@@ -217,10 +252,13 @@ class Session:
             for item in self._frames(items):
                 if item is _STOP:
                     return
-                if isinstance(item, _Close):
-                    await self._close(item)
-                else:
-                    await self._send(item)
+                try:
+                    if isinstance(item, _Close):
+                        await self._close(item)
+                    else:
+                        await self._send(item)
+                except Exception:  # a bug, never a client's doing: log it and keep the connection's order
+                    log.exception("connection writer: could not send %s", type(item).__name__)
 
     def _frames(self, items: list):
         """Server frames pass as they are; each run of engine events is accounted for, then converted
@@ -233,13 +271,51 @@ class Session:
             if events:
                 timings = self.running.timings if self.running is not None else "final"
                 terminal = self._account(events)
-                yield from proto.event_frames(events, timings)
+                frames = self._event_frames(events, timings, terminal)
+                for frame in frames:
+                    frame = self._unless_failed(frame)  # read when sent (lazily): _send may just have failed
+                    if frame is not None:
+                        yield frame
                 events = []
                 if terminal and self.ending:
                     yield _STOP
                     return
-            if item is not None:
+            if item is not None and not self._stale_keepalive(item):
                 yield item
+
+    def _stale_keepalive(self, item) -> bool:
+        """A keepalive the timer queued behind its request's terminal event: sent, it would follow `done`."""
+        return isinstance(item, dict) and item.get("type") == "progress" and (
+            self.running is None or self.running.id != item.get("id"))
+
+    def _event_frames(self, events: list, timings: str, terminal: bool) -> list[dict]:
+        try:
+            return proto.event_frames(events, timings)
+        except Exception as e:  # events the protocol cannot render: the request still ends with one frame
+            log.exception("connection writer: could not convert engine events")
+            error = proto.error_frame("internal", f"the server could not convert engine events ({type(e).__name__}"
+                                      f": {e}); this request is ended: retry it", request_id=events[0].id)
+            if terminal:
+                return [error]
+            self._fail(events[0].id, error)
+            return []
+
+    def _fail(self, rid: str, error: dict) -> None:
+        """A frame of request `rid` could not be sent: cancel it, drop its later frames, and send `error` in
+        place of its terminal frame, so the client hears one terminal frame, when the connection is free for
+        its next request (an error sent at once would come while the request still held the connection)."""
+        self.failed = (rid, error)
+        r = self.running
+        if r is not None and r.id == rid:
+            r.cancel.set()
+
+    def _unless_failed(self, frame: dict) -> dict | None:
+        if self.failed is None or frame.get("id") != self.failed[0]:
+            return frame
+        if frame["type"] in ("done", "error"):
+            error, self.failed = self.failed[1], None
+            return error
+        return None
 
     def _account(self, events: list) -> bool:
         r = self.running
@@ -249,6 +325,7 @@ class Session:
                 break
             if isinstance(ev, Started):
                 r.total, r.processed = ev.prompt_tokens, ev.cached_tokens
+                self.failed = None  # a new request: nothing of an earlier one is left to drop
             elif isinstance(ev, Progress):
                 r.processed, r.total = ev.processed, ev.total
             elif isinstance(ev, Tokens):
@@ -272,9 +349,18 @@ class Session:
         return terminal
 
     async def _send(self, frame: dict) -> None:
-        if frame["type"] == "error":  # every error frame is counted here, engine errors included
+        text, why = self.frames.try_encode(frame)
+        if text is not None and frame["type"] == "error":  # every error frame is counted here, engine errors too
             self.app.metrics.errors.labels(frame["error"]["code"]).inc()
-        text = self.frames.encode(frame)
+        if text is None:
+            log.error("connection writer: a %s frame could not be encoded (%s); the request gets an internal "
+                      "error instead", frame.get("type"), why)
+            error = proto.unencodable(frame, why)
+            if frame.get("id") is not None and frame.get("type") not in ("done", "error"):
+                self._fail(frame["id"], error)  # sent (and counted) in place of the request's terminal frame
+                return
+            self.app.metrics.errors.labels("internal").inc()
+            text = self.frames.encode(error)
         if self.gone:
             return
         try:
@@ -303,6 +389,16 @@ class Session:
             pass
 
     def handle(self, message) -> None:
+        """One client message. Never raises: a message this code fails on (a bug) is still answered, with
+        an `internal` error, and the connection goes on."""
+        try:
+            self._handle(message)
+        except Exception as e:
+            log.exception("connection reader: could not handle a message")
+            self.send(proto.error_frame("internal", f"the server failed on this message ({type(e).__name__}); "
+                                        f"it was not run"))
+
+    def _handle(self, message) -> None:
         app = self.app
         try:
             cmd = proto.parse(message, app.limits)

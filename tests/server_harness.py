@@ -97,6 +97,33 @@ class ServerProcess:
             self.proc.wait()
 
 
+def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[int | None, dict, bytes]:
+    """Send `request` bytes as they are (repeated headers, any method) and read until the server closes (or,
+    after a 101, until the headers end): (status or None when it closed without an answer, headers with
+    lower-case names, body)."""
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        while chunk := s.recv(65536):
+            data += chunk
+            if data.startswith(b"HTTP/1.1 101 ") and b"\r\n\r\n" in data:
+                break
+    if not data:
+        return None, {}, b""
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+    return int(lines[0].split()[1]), headers, body
+
+
+def metric(server: ServerProcess, name: str, headers: dict | None = None) -> float:
+    """The value of one sample of /metrics (`name` with its labels, as exposed), 0 when absent."""
+    for line in server.http("/metrics", headers)[1].splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def open_ws(server: ServerProcess, token: str | None = TOKEN, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return connect(server.url, subprotocols=["decode.v1"], additional_headers=headers, open_timeout=20,
@@ -141,7 +168,7 @@ def prompt(first: int, n: int, seed: int = 0) -> list[int]:
 
 
 def reference_ids(requests: list[tuple[list[int], int]], chunk: int = 8) -> list[list[int]]:
-    """Greedy ids of each (prompt, max_tokens) from a fresh Generator state, in one subprocess (one model
+    """Greedy ids of each (prompt, max_tokens) from a fresh decode session, in one subprocess (one model
     load for all), with the server's thread count and chunk."""
     script = (
         "import json, sys\n"

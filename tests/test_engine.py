@@ -99,3 +99,15 @@ def test_a_memory_plan_that_cannot_fit_names_the_part_and_the_shortfall():
     with pytest.raises(MemoryPlanError) as e:
         Engine.load(RunOptions(context=4000), warmup=False, memory_budget=10_000)
     assert "decode_state" in str(e.value) and "short by" in str(e.value)
+
+
+def test_a_prompt_that_is_not_unicode_is_invalid_request_and_keeps_the_cached_prefix(engine):
+    text = "Zebras and yaks walked over the quiet hills"
+    list(engine.generate(Request(id="u1", prompt=text, max_tokens=2)))
+    for bad in (Request(id="u2", prompt=text + "\ud800", max_tokens=2),
+                Request(id="u3", messages=[{"role": "user", "content": "\udfff"}], max_tokens=2)):
+        events = list(engine.generate(bad))
+        assert len(events) == 1 and isinstance(events[0], Error) and events[0].code == "invalid_request", events
+        assert events[0].param in ("prompt", "messages[0].content")
+    again = list(engine.generate(Request(id="u4", prompt=text + " at dawn", max_tokens=2)))
+    assert isinstance(again[0], Started) and again[0].cached_tokens > 0  # an engine fault would have reset it

@@ -185,3 +185,126 @@ def test_a_token_file_must_hold_one_word(tmp_path):
             gate.read_token(f)
     with pytest.raises(ApplianceError, match="cannot read"):
         gate.read_token(tmp_path / "missing")
+
+
+# --- the JSON policy: what orjson cannot write back is refused at the door ------------------------------
+
+
+@pytest.mark.parametrize("text, field", [
+    (r'{"type": "generate", "id": "\ud800", "prompt": "a", "max_tokens": 2}', "id"),
+    (r'{"type": "generate", "id": "ok", "prompt": "a\udfff", "max_tokens": 2}', "prompt"),
+    (r'{"type": "generate", "messages": [{"role": "user", "content": "x\ud83d"}]}', "messages[0].content"),
+    (r'{"type": "generate", "input_ids": [1], "stop": ["a", "\udc00"]}', "stop[1]"),
+    (r'{"type": "generate", "input_ids": [1], "\ud800": 1}', "\\ud800"),
+    (r'{"type": "cancel", "id": "\ud800"}', "id"),
+    ('{"type": "ping", "t": ' + "7" * 400 + "}", "t"),
+    ('{"type": "ping", "t": -1e400}', "t"),
+    ('{"type": "ping", "t": NaN}', "t"),
+    ('{"type": "ping", "t": Infinity}', "t"),
+    ('{"type": "generate", "input_ids": [1], "sampling": {"temperature": 1e999}}', "sampling.temperature"),
+    ('{"type": "generate", "input_ids": [1, ' + "9" * 5000 + "]}", "input_ids[1]"),
+])
+def test_values_orjson_cannot_write_back_are_invalid_requests_naming_their_field(text, field):
+    with pytest.raises(ProtocolError) as e:
+        proto.parse(text, LIMITS)
+    assert (e.value.code, e.value.field) == ("invalid_request", field), e.value.message
+    assert e.value.message.startswith(field) and len(e.value.message) < 300
+    orjson.dumps(proto.error_for(e.value))  # the error itself can always be written
+
+
+def test_a_refused_generate_keeps_its_own_id_when_that_id_is_valid():
+    with pytest.raises(ProtocolError) as e:
+        proto.parse(r'{"type": "generate", "id": "r7", "prompt": "\ud800"}', LIMITS)
+    assert e.value.request_id == "r7" and proto.error_for(e.value)["id"] == "r7"
+    with pytest.raises(ProtocolError) as e:
+        proto.parse(r'{"type": "generate", "id": "\ud800", "prompt": "a"}', LIMITS)
+    assert e.value.request_id is None
+
+
+def test_a_ping_echoes_64_bit_integers_and_refuses_what_orjson_reads_as_a_double_beyond_them():
+    assert parse('{"type": "ping", "t": 18446744073709551615}') == Ping(2**64 - 1)
+    assert parse('{"type": "ping", "t": -9223372036854775808}') == Ping(-(2**63))
+    for beyond in ("18446744073709551616", "-9223372036854775809e10", "1.9e19"):
+        with pytest.raises(ProtocolError) as e:
+            parse('{"type": "ping", "t": ' + beyond + "}")
+        assert e.value.field == "t"
+    pong = orjson.loads(proto.Frames().encode(proto.pong(2**64 - 1, 1.0)))
+    assert pong["t"] == 2**64 - 1
+
+
+def test_nesting_is_answered_with_a_short_message_at_any_depth():
+    for depth in (1000, 1023):  # Python's repr gives up near 1000; orjson reads 1024 levels (the object is one)
+        with pytest.raises(ProtocolError) as e:
+            parse('{"type": "ping", "t": ' + "[" * depth + "]" * depth + "}")
+        assert e.value.field == "t" and len(e.value.message) < 200
+    with pytest.raises(ProtocolError) as e:
+        parse('{"type": "ping", "t": ' + "[" * 1024 + "]" * 1024 + "}")
+    assert e.value.field == "message" and "malformed JSON" in e.value.message
+    with pytest.raises(ProtocolError) as e:
+        parse('{"type": "generate", "id": ' + "[" * 1000 + "]" * 1000 + ', "input_ids": [1]}')
+    assert e.value.field == "id"
+
+
+def test_control_characters_are_valid_text_and_reach_the_request():
+    cmd = parse(r'{"type": "generate", "prompt": "a\u0000b\u001f\n", "stop": ["\u0007"]}')
+    assert cmd.request.prompt == "a\x00b\x1f\n" and cmd.request.stop == ["\x07"]
+
+
+def test_a_frame_that_cannot_be_encoded_becomes_an_internal_error_for_its_request_and_keeps_the_seq_order():
+    frames = proto.Frames()
+    bad = [{"type": "done", "id": "r1", "usage": {"x": object()}}, {"type": "delta", "id": "\ud800", "text": "a"},
+           {"type": "pong", "t": 2**70}, {"type": "started", "id": "r2", "prompt_tokens": float("nan") * 1j}]
+    for i, frame in enumerate(bad, start=1):
+        text, why = frames.encode_checked(frame)
+        out = orjson.loads(text)
+        assert why and out["seq"] == i and out["type"] == "error" and out["error"]["code"] == "internal"
+        assert frame["type"] in out["error"]["message"]
+    assert orjson.loads(frames.encode_checked(bad[0])[0])["id"] == "r1"
+    assert orjson.loads(frames.encode_checked(bad[1])[0])["id"] == "\\ud800"
+    assert frames.encode_checked(proto.pong(1, 2.0)) == ('{"type":"pong","seq":7,"t":1,"server_t":2.0}', None)
+    assert frames.try_encode(bad[0])[0] is None and frames.seq == 7  # no seq taken: the caller decides
+
+
+def test_the_engine_api_refuses_text_that_is_not_unicode_so_the_tokenizer_never_sees_it():
+    from appliance.errors import RequestError
+
+    for req, field in [(Request(prompt="ab\ud800"), "prompt"), (Request(id="\udfff", input_ids=[1]), "id"),
+                       (Request(messages=[{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]),
+                        "messages[1].content"), (Request(input_ids=[1], stop=["\ud800"]), "stop[0]")]:
+        with pytest.raises(RequestError) as e:
+            req.validate()
+        assert (e.value.code, e.value.field) == ("invalid_request", field)
+        assert "lone surrogate '\\ud" in e.value.message or "lone surrogate '\\udfff'" in e.value.message
+    Request(prompt="emoji \U0001f600 and \x00 are text").validate()
+
+
+# --- the gate: methods, repeated headers ------------------------------------------------------------------
+
+
+class MultiHeaders(list):
+    """Headers as a list of (name, value) pairs: a name may repeat, as on the wire."""
+
+    def get_all(self, key):
+        return [v for k, v in self if k.lower() == key.lower()]
+
+
+def test_methods_other_than_get_and_head_get_405_naming_the_allowed_ones():
+    for path in gate.HTTP_ROUTES:
+        assert gate.check_method("GET", path).status is None and gate.check_method("HEAD", path).status is None
+        for method in ("DELETE", "PUT", "POST", "OPTIONS", "TRACE", "PATCH", "BREW"):
+            v = gate.check_method(method, path)
+            assert (v.status, v.allow) == (405, ("GET", "HEAD")) and method in v.text
+    assert gate.check_method("GET", "/v1/stream").status is None
+    assert gate.check_method("HEAD", "/v1/stream").allow == ("GET",)
+    assert gate.check_method("DELETE", "/elsewhere").status is None  # left to its 404
+
+
+def test_a_repeated_origin_or_authorization_header_is_400_naming_it():
+    two_origins = MultiHeaders([("Origin", "https://a.example"), ("origin", "https://b.example")])
+    v = gate.check_upgrade("/v1/stream", two_origins, None, ("*",))
+    assert v.status == 400 and "Origin header is sent 2 times" in v.text
+    two_tokens = MultiHeaders([("Authorization", "Bearer t"), ("Authorization", "Bearer u")])
+    assert gate.check_upgrade("/v1/stream", two_tokens, "t", ()).status == 400
+    assert gate.check_token(two_tokens, "t").status == 400
+    assert gate.check_upgrade("/v1/stream", two_tokens, None, ()).status is None  # no token: never read
+    assert gate.check_upgrade("//[", MultiHeaders(), None, ()).status == 404  # urllib would raise here

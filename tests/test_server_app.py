@@ -15,6 +15,7 @@ from websockets.exceptions import ConnectionClosed
 
 from appliance.api import Done, Error, Started, Tokens
 from appliance.engine import EngineInfo
+from server import app as app_module
 from server.app import App, ServerConfig
 from server.session import Running, Session
 from tests.server_harness import Datagrams
@@ -46,16 +47,21 @@ class FakeEngine:
         return cancel
 
     def _run(self, req, emit, cancel):
-        if req.input_ids and req.input_ids[0] == 0:
+        first = req.input_ids[0] if req.input_ids else None
+        if first == 0:
             emit(Error(req.id, "internal", "engine fault: RuntimeError: device lost"))
             return
         emit(Started(req.id, len(req.input_ids or []), 0))
+        if first == 9:  # a hung engine: ignores cancel, never ends the request
+            self._closed.wait()
+            return
         n = 0
         for i in range(req.max_tokens):
             if cancel.is_set():
                 break
             time.sleep(self.delay_s)
-            emit(Tokens(req.id, [i + 1], "x", i, [float(i)]))
+            text = "\ud800" if first == 7 and i == 1 else "x"  # 7: a token text no encoder can write
+            emit(Tokens(req.id, [i + 1], text, i, [float(i)]))
             n += 1
         reason = "cancelled" if cancel.is_set() else "length"
         emit(Done(req.id, reason, {"prompt_tokens": 1, "completion_tokens": n, "cached_tokens": 0},
@@ -220,3 +226,88 @@ def test_a_slow_reader_gets_merged_deltas_with_every_token_and_its_exact_time():
     assert merged["index"] == 1 and merged["token_ids"] == [100 + i for i in range(1, 10)]
     assert merged["t_ms"] == [5.0 + 1.5 * i for i in range(1, 10)] and merged["text"] == "b" * 9
     assert [f["seq"] for f in sent] == [1, 2, 3, 4]
+
+
+
+async def _ready_app(config: ServerConfig, engine=None):
+    app = App(config, lambda status: engine or FakeEngine(), say=lambda m: None, handle_signals=False)
+    task = await _start(app)
+    while app.state != "ready":
+        await asyncio.sleep(0.01)
+    return app, task
+
+
+async def _frames_until(ws, rid: str, kinds=("done", "error")) -> list[dict]:
+    frames = []
+    while not frames or not (frames[-1]["type"] in kinds and frames[-1].get("id") == rid):
+        frames.append(orjson.loads(await asyncio.wait_for(ws.recv(), 10)))
+    return frames
+
+
+def test_a_frame_the_server_cannot_encode_ends_its_request_with_one_internal_error_and_the_connection_serves_on():
+    async def scenario():
+        app, task = await _ready_app(ServerConfig(port=0, nvml=False))
+        async with connect(f"ws://127.0.0.1:{app.port}/v1/stream", subprotocols=["decode.v1"]) as ws:
+            await ws.recv()
+            await ws.send(orjson.dumps({"type": "generate", "id": "bad", "input_ids": [7], "max_tokens": 50}).decode())
+            bad = await _frames_until(ws, "bad")
+            await ws.send(orjson.dumps({"type": "generate", "id": "ok", "input_ids": [5], "max_tokens": 3}).decode())
+            ok = await _frames_until(ws, "ok")
+        while app.sessions:
+            await asyncio.sleep(0.01)
+        errors = app.metrics.errors.labels("internal")._value.get()
+        app.request_stop()
+        await task
+        return bad, ok, errors, app.metrics.connections._value.get()
+
+    bad, ok, internal_errors, connections = asyncio.run(scenario())
+    assert [f["type"] for f in bad][:2] == ["started", "delta"] and bad[-1]["type"] == "error"
+    assert bad[-1]["error"]["code"] == "internal" and "could not encode a delta" in bad[-1]["error"]["message"]
+    assert [f["type"] for f in ok] == ["started", "delta", "delta", "delta", "done"]  # nothing left of "bad"
+    seqs = [f["seq"] for f in bad + ok]
+    assert seqs == sorted(set(seqs)) and internal_errors == 1 and connections == 0
+
+
+def test_sigterm_ends_within_its_bound_when_the_client_stops_reading_and_the_engine_hangs(monkeypatch):
+    for name in ("CANCEL_GRACE_S", "CLOSE_GRACE_S", "ABORT_GRACE_S", "ENGINE_CLOSE_S"):
+        monkeypatch.setattr(app_module, name, 0.3)
+    engine = FakeEngine()
+    engine.close = lambda: time.sleep(60)  # an engine whose close hangs too
+
+    async def scenario():
+        app, task = await _ready_app(ServerConfig(port=0, nvml=False, drain_s=0.2), engine)
+        async with connect(f"ws://127.0.0.1:{app.port}/v1/stream", subprotocols=["decode.v1"]) as ws:
+            await ws.recv()
+            await ws.send(orjson.dumps({"type": "generate", "id": "h", "input_ids": [9], "max_tokens": 5}).decode())
+            assert orjson.loads(await ws.recv())["type"] == "started"
+            session = next(iter(app.sessions))
+            never = asyncio.Event()
+
+            async def blocked_send(text):  # a client that stopped reading: every send waits forever
+                await never.wait()
+
+            session.ws.send = blocked_send
+            session.send({"type": "pong", "t": 1, "server_t": 0.0})
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            app.request_stop()
+            code = await asyncio.wait_for(task, 10)
+            return code, time.monotonic() - t0, app.metrics.connections._value.get(), len(app.sessions)
+
+    code, took, connections, sessions = asyncio.run(scenario())
+    assert code == 0 and took < 0.2 + 4 * 0.3 + 0.3 + 1.0, took
+    assert connections == 0 and sessions == 0
+    engine._closed.set()
+
+
+def test_metrics_ask_for_the_token_unless_metrics_auth_is_off():
+    async def scenario():
+        statuses = []
+        for metrics_auth in (True, False):
+            app, task = await _ready_app(ServerConfig(port=0, nvml=False, token="t0k", metrics_auth=metrics_auth))
+            statuses.append((await _get(app.port, "/metrics"), await _get(app.port, "/healthz")))
+            app.request_stop()
+            await task
+        return statuses
+
+    assert asyncio.run(scenario()) == [(401, 200), (200, 200)]

@@ -1,10 +1,23 @@
 """Every kind of bad input gets its error code (or close code) and the server keeps serving: the same
 connection (or a new one, after a close) runs a correct request afterwards."""
 
+import time
+
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from tests.server_harness import ServerProcess, generate, open_ws, prompt, recv, send, token_ids
+from tests.server_harness import (
+    ServerProcess,
+    generate,
+    metric,
+    open_ws,
+    prompt,
+    raw_http,
+    recv,
+    send,
+    token_ids,
+    until_end,
+)
 
 LIMIT = 256  # --context: small, so over-the-limit prompts are cheap
 
@@ -106,3 +119,80 @@ def test_an_oversize_message_closes_with_1009_and_the_server_serves_the_next_con
         assert recv(ws)["state"] == "ready"
         frames = generate(ws, "next", prompt(25, 4), 2)
     assert frames[-1]["type"] == "done"
+
+
+# --- values the encoder could not write back (issue 17: A and B) ------------------------------------------
+
+
+def test_a_generate_whose_id_is_a_lone_surrogate_is_refused_and_the_connection_serves_on(server):
+    with open_ws(server, token=None) as ws:
+        recv(ws)
+        ws.send('{"type":"generate","id":"\\ud800","prompt":"a","max_tokens":2}')  # the JSON escape, as sent
+        f = recv(ws)
+        assert f["type"] == "error" and "id" not in f, f
+        assert (f["error"]["code"], f["error"]["param"]) == ("invalid_request", "id")
+        frames = generate(ws, "after-surrogate", prompt(26, 4), 2)
+    assert [f["type"] for f in frames][0] == "started" and frames[-1]["type"] == "done"
+
+
+def test_a_ping_whose_t_has_400_digits_is_refused_naming_t_and_the_next_ping_gets_its_pong(server):
+    with open_ws(server, token=None) as ws:
+        seq = recv(ws)["seq"]
+        ws.send('{"type": "ping", "t": ' + "9" * 400 + "}")
+        f = recv(ws)
+        assert (f["type"], f["error"]["code"], f["error"]["param"]) == ("error", "invalid_request", "t")
+        send(ws, {"type": "ping", "t": 5})
+        pong = recv(ws)
+    assert pong["type"] == "pong" and pong["t"] == 5 and seq < f["seq"] < pong["seq"]
+
+
+def test_a_lone_surrogate_in_the_prompt_or_a_message_is_invalid_request_and_the_cached_prefix_survives(server):
+    internal = 'decode_errors_total{code="internal"}'
+    invalid = 'decode_errors_total{code="invalid_request"}'
+    internal_before, invalid_before = metric(server, internal), metric(server, invalid)
+    text = "Zebras and yaks walked over the quiet hills at dawn"
+    with open_ws(server, token=None) as ws:
+        recv(ws)
+        send(ws, {"type": "generate", "id": "first", "prompt": text, "max_tokens": 2})
+        assert until_end(ws, "first")[-1]["type"] == "done"
+        ws.send('{"type": "generate", "id": "p", "prompt": "' + text + '\\udc00", "max_tokens": 2}')
+        ws.send('{"type": "generate", "id": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}')
+        errors = [recv(ws), recv(ws)]
+        send(ws, {"type": "generate", "id": "again", "prompt": text + " and dusk", "max_tokens": 2})
+        frames = until_end(ws, "again")
+    assert [(e["id"], e["error"]["code"], e["error"]["param"]) for e in errors] == [
+        ("p", "invalid_request", "prompt"), ("m", "invalid_request", "messages[0].content")]
+    started = frames[0]
+    assert started["type"] == "started" and started["cached_tokens"] > 0, started  # the state was not reset
+    assert metric(server, internal) == internal_before and metric(server, invalid) == invalid_before + 2
+
+
+def test_the_connections_gauge_returns_to_0_when_every_client_has_left(server):
+    with open_ws(server, token=None) as ws:
+        recv(ws)
+        ws.send('{"type":"generate","id":"\\ud800","prompt":"a","max_tokens":2}')
+        recv(ws)
+        send(ws, {"type": "generate", "id": "left-running", "input_ids": prompt(27, 4), "max_tokens": 200,
+                  "ignore_eos": True})
+        assert recv(ws)["type"] == "started"
+    deadline = time.monotonic() + 10
+    while metric(server, "decode_connections") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "decode_connections") == 0 and metric(server, "decode_running_requests") == 0
+
+
+# --- HTTP methods (issue 17: D) ---------------------------------------------------------------------------
+
+
+def test_methods_other_than_get_get_405_with_allow_and_head_gets_the_headers_without_a_body(server):
+    for path, allow in [("/healthz", "GET, HEAD"), ("/readyz", "GET, HEAD"), ("/metrics", "GET, HEAD"),
+                        ("/v1/stream", "GET")]:
+        for method in ("DELETE", "PUT", "OPTIONS", "TRACE", "PATCH", "FROBNICATE"):
+            status, headers, body = raw_http(server.port, f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert (status, headers.get("allow")) == (405, allow), (method, path, status, body)
+    status, headers, body = raw_http(server.port, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, headers["content-length"], body) == (200, "3", b"")
+    status, headers, body = raw_http(server.port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 200 and int(headers["content-length"]) > 1000 and body == b""
+    assert headers["content-type"].startswith("text/plain; version=")
+    assert "Traceback" not in "".join(server.lines)

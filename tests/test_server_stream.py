@@ -17,6 +17,7 @@ from tests.server_harness import (
     generate,
     open_ws,
     prompt,
+    raw_http,
     recv,
     send,
     token_ids,
@@ -24,6 +25,7 @@ from tests.server_harness import (
 )
 
 ORIGIN = "https://chat.example.com"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # /metrics asks for the token too (--metrics-auth, the default)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_ping_is_answered_with_pong_echoing_t(server):
 def test_healthz_readyz_and_metrics_answer_on_the_same_port(server):
     assert server.http("/healthz")[0] == 200
     assert server.http("/readyz")[:2] == (200, "ready\n")
-    status, body, headers = server.http("/metrics")
+    status, body, headers = server.http("/metrics", AUTH)
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=")
     for name in ("decode_ttft_seconds_bucket", "decode_inter_token_seconds_bucket", "decode_tpot_seconds_bucket",
                  "decode_e2e_seconds_bucket", "decode_prefill_seconds_bucket", "decode_prompt_tokens_total",
@@ -118,16 +120,23 @@ def test_healthz_readyz_and_metrics_answer_on_the_same_port(server):
     assert server.http("/nope")[0] == 404
 
 
+def test_metrics_ask_for_the_token_when_one_is_configured_and_health_routes_never_do(server):
+    status, _, headers = server.http("/metrics")
+    assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer")
+    assert server.http("/metrics", {"Authorization": "Bearer wrong"})[0] == 401
+    assert server.http("/healthz")[0] == 200 and server.http("/readyz")[0] == 200
+
+
 def test_metrics_count_finished_requests_and_their_tokens(server):
     def value(body, name):
         return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name + " ")
                    or line.startswith(name + "{"))
 
-    before = server.http("/metrics")[1]
+    before = server.http("/metrics", AUTH)[1]
     with open_ws(server) as ws:
         recv(ws)
         generate(ws, "m", prompt(12, 6), 4)
-    after = server.http("/metrics")[1]
+    after = server.http("/metrics", AUTH)[1]
     assert value(after, 'decode_requests_total{finish_reason="length"}') \
         == value(before, 'decode_requests_total{finish_reason="length"}') + 1
     assert value(after, "decode_generated_tokens_total") == value(before, "decode_generated_tokens_total") + 4
@@ -136,7 +145,7 @@ def test_metrics_count_finished_requests_and_their_tokens(server):
 
 
 def test_gpu_gauges_are_absent_without_a_gpu(server):
-    body = server.http("/metrics")[1]
+    body = server.http("/metrics", AUTH)[1]
     if "decode_gpu_" in body:
         pytest.skip("this machine has an NVIDIA GPU")
     assert "decode_gpu_" not in body
@@ -185,3 +194,21 @@ def test_only_listed_browser_origins_may_connect(server):
     assert _status(server, origin="https://evil.example.com", additional_headers=auth) == 403
     assert _status(server, origin=ORIGIN, additional_headers=auth) == 101
     assert _status(server, additional_headers=auth) == 101  # scripts send no Origin
+
+
+
+def test_a_repeated_origin_or_authorization_header_is_400_with_no_traceback(server):
+    upgrade = ("GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n")
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    for extra, header in [(f"Origin: {ORIGIN}\r\nOrigin: https://evil.example.com\r\n" + auth, "Origin"),
+                          (f"Origin: {ORIGIN}\r\norigin: {ORIGIN}\r\n" + auth, "Origin"),
+                          (auth + "Authorization: Bearer wrong\r\n", "Authorization"),
+                          (auth + auth, "Authorization")]:
+        status, _, body = raw_http(server.port, (upgrade + extra + "\r\n").encode())
+        assert status == 400 and f"the {header} header is sent 2 times".encode() in body, (extra, status, body)
+    status, _, body = raw_http(server.port, f"GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}{auth}\r\n".encode())
+    assert status == 400
+    status, _, _ = raw_http(server.port, (upgrade + auth + "\r\n").encode())
+    assert status == 101
+    assert "Traceback" not in "".join(server.lines) and "process_request failed" not in "".join(server.lines)

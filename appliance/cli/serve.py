@@ -34,6 +34,14 @@ def _token(token_file) -> str | None:
 @click.option("--token-file", type=click.Path(path_type=Path), envvar="APPLIANCE_TOKEN_FILE",
               help="file holding the bearer token; without it (and without a systemd credential `token`) "
                    "auth is off")
+@click.option("--metrics-auth/--no-metrics-auth", default=True, show_default=True, envvar="APPLIANCE_METRICS_AUTH",
+              help="with a token, /metrics asks for it too (Prometheus: `authorization: {credentials_file: ...}`); "
+                   "--no-metrics-auth leaves /metrics open for a scraper that cannot send it (/healthz and "
+                   "/readyz are always open)")
+@click.option("--metrics-auth/--no-metrics-auth", default=True, show_default=True, envvar="APPLIANCE_METRICS_AUTH",
+              help="with a token, /metrics asks for it too (Prometheus: `authorization: {credentials_file: ...}`); "
+                   "--no-metrics-auth leaves /metrics open for a scraper that cannot send it (/healthz and "
+                   "/readyz are always open)")
 @click.option("--origin", "origins", multiple=True, envvar="APPLIANCE_ORIGIN",
               help="browser origin allowed to connect (repeatable; `*` for any); none: browsers are refused")
 @click.option("--on-busy", type=click.Choice(["reject", "queue"]), default="reject", show_default=True,
@@ -41,11 +49,13 @@ def _token(token_file) -> str | None:
 @click.option("--idle-timeout", type=float, default=300.0, show_default=True, envvar="APPLIANCE_IDLE_TIMEOUT",
               help="seconds a connection may hold the box without sending anything (0: forever); then close 4408")
 @click.option("--drain", type=float, default=5.0, show_default=True, envvar="APPLIANCE_DRAIN",
-              help="on SIGTERM, seconds the running request may finish before it is cancelled")
+              help="on SIGTERM, seconds the running request may finish before it is cancelled (the process exits "
+                   "at most 15 s after that, whatever its connections do)")
 @click.option("--keepalive", type=float, default=1.0, show_default=True, envvar="APPLIANCE_KEEPALIVE",
               help="seconds without a frame during a prefill before the server sends a progress keepalive")
 @friendly
-def serve(options: RunOptions, host, port, token_file, origins, on_busy, idle_timeout, drain, keepalive):
+def serve(options: RunOptions, host, port, token_file, metrics_auth, origins, on_busy, idle_timeout, drain,
+          keepalive):
     """Serve the model over websocket (protocol decode.v1, ws://HOST:PORT/v1/stream) with /healthz, /readyz
     and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
 
@@ -72,7 +82,7 @@ def serve(options: RunOptions, host, port, token_file, origins, on_busy, idle_ti
         click.echo(f"appliance: warning: serving on {host} without a token: anyone who reaches the port can "
                    f"use the box (--token-file)", err=True)
     config = ServerConfig(host=host, port=port, token=token, origins=tuple(origins), on_busy=on_busy,
-                          idle_timeout_s=idle_timeout, keepalive_s=keepalive, drain_s=drain)
+                          idle_timeout_s=idle_timeout, keepalive_s=keepalive, drain_s=drain, metrics_auth=metrics_auth)
     try:
         code = run(config, load_engine)
     except OSError as e:
