@@ -329,3 +329,7 @@ from . import bench as cli_bench  # noqa: E402,F401
 
 from . import serve as cli_serve  # noqa: E402,F401  # isort: skip
 from appliance.measure import bench  # noqa: E402,F401  (registers `bench decode | forward | prefill`)
+
+from .chat import chat  # noqa: E402  # isort: skip
+
+main.add_command(chat)
