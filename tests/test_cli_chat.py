@@ -3,6 +3,8 @@ DeepSeek's special tokens (built here, small), the parsed output as JSON, and on
 input."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,12 @@ def test_parse_without_json_prints_a_readable_summary_and_a_missing_file_is_exit
     assert result.stdout == "reasoning: Hmm.\ncontent: Yes.\nfinish: stop\n"
     assert_one_line_error(invoke("parse", "--family", "deepseek_v41", "--text", tmp_path / "nope.txt"), "nope.txt")
 
+
+def test_the_appliance_command_runs_chat_encode_and_exits_2_on_a_bad_file(tmp_path):
+    (tmp_path / "req.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    run = [sys.executable, "-m", "appliance", "chat", "encode", "--family", "deepseek_v41"]
+    good = subprocess.run([*run, "--request", str(tmp_path / "req.json")], capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and good.stdout.endswith("<｜User｜>Hi<｜Assistant｜><think>"), good.stderr
+    bad = subprocess.run([*run, "--request", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == \
+        [f"appliance: error: --request {tmp_path / 'none.json'}: no such file"]
