@@ -2,7 +2,10 @@
 (tests/data/chat, each case naming its source), the OpenAI request mapping, and validation errors that
 name the field."""
 
+import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +241,21 @@ def test_the_dialect_follows_the_model_family_and_its_drafter():
     assert dialect_for_model("deepseek_v4", has_dspark=False).name == "deepseek_v4"
     with pytest.raises(RequestError):
         get_dialect("llama")
+
+
+def test_the_chat_wing_imports_nothing_of_the_project_but_appliance_errors_and_not_torch():
+    wing = Path(__file__).parent.parent / "appliance" / "chat"
+    for path in wing.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert name == "appliance.errors" or (top != "appliance" and top in sys.stdlib_module_names), \
+                    f"{path.name} imports {name}"
+    probe = "import sys, appliance.chat; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"

@@ -13,7 +13,8 @@ States: REASONING (the initial state exactly when the prompt ended with `<think>
 * `\\n*<｜DSML｜` opens a tool-call block, also from reasoning (the model sometimes forgets `</think>`):
   the newlines before it are not content. The calls of a well-formed block are emitted one whole call at
   a time, when its `</｜DSML｜invoke>` arrives: arguments are validated before anyone sees them.
-* EOS ends the turn. Other special tokens (BOS, role and task tokens) are never shown.
+* EOS ends the turn. Other special tokens (BOS, role and task tokens) are never shown. Reasoning that
+  never meets `</think>` stays reasoning: it was streamed as such and cannot be taken back.
 * Text that may still become a marker (`</thi`, `\\n\\n<｜DS`) is held back and released as text once
   it cannot.
 
