@@ -15,6 +15,7 @@ ALLOWED = {
     "appliance.errors": set(),
     "appliance.api": {"appliance.errors"},
     "appliance.options": {"appliance.errors"},
+    "appliance.chat": {"appliance.errors"},
     "appliance.model": {"appliance.errors", "kernels"},
     "appliance.parallel": {"appliance.errors", "appliance.model"},
     "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model", "graphs",
@@ -28,7 +29,7 @@ ALLOWED = {
     "appliance": {"appliance.cli"},  # __init__ / __main__
     "server": {"appliance.api", "appliance.errors"},
 }
-NO_TORCH = ("server", "appliance.api", "appliance.errors", "appliance.options")
+NO_TORCH = ("server", "appliance.api", "appliance.errors", "appliance.options", "appliance.chat")
 
 
 def modules() -> dict[str, Path]:

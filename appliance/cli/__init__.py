@@ -1,10 +1,11 @@
 """The `appliance` command line: one module per command family (run: generate and score; checkpoint: tiny
-and info; bench; serve; probe; service), the group assembled here. Every command that fails on its input
+and info; chat; bench; serve; probe; service), the group assembled here. Every command that fails on its input
 prints one line to stderr naming the problem and exits with status 2 (never a traceback)."""
 
 import click
 
 from .bench import bench
+from .chat import chat
 from .checkpoint import info, tiny
 from .probe import probe
 from .run import generate, score
@@ -30,7 +31,7 @@ def main():
     """
 
 
-for command in (generate, score, tiny, info, bench, serve, probe, service):
+for command in (generate, score, tiny, info, chat, bench, serve, probe, service):
     main.add_command(command)
 
 __all__ = ["main"]

@@ -1,0 +1,21 @@
+"""The chat wing: DeepSeek V4 / V4.1 chat encoding (messages -> prompt text) and output parsing (model
+text -> reasoning, content, tool calls), for the three prompt dialects of the family. Pure Python: it
+imports nothing of the project but appliance.errors, so the server and the CLI can use it without torch.
+
+    dialects.py   special tokens and ids, DSML tag names, effort tables, sampling defaults
+    request.py    an OpenAI chat-completions body -> ChatPrompt (validated; RequestError names the field)
+    encoding.py   the reference encoder: messages -> prompt text
+    dsml.py       the tool markup: tools block, tool calls in history
+    output.py     the streaming output parser and parse()
+    toolblock.py  one DSML tool-call block, parsed call by call
+
+Spec: shared/spec/chat-encoding.md.
+"""
+
+from .dialects import DIALECTS, Dialect, dialect_for_model, get_dialect
+from .encoding import encode_messages
+from .output import OutputParser, ParsedMessage, TextDelta, ToolCallDelta, parse
+from .request import ChatPrompt, encode_request
+
+__all__ = ["DIALECTS", "ChatPrompt", "Dialect", "OutputParser", "ParsedMessage", "TextDelta", "ToolCallDelta",
+           "dialect_for_model", "encode_messages", "encode_request", "get_dialect", "parse"]

@@ -1,0 +1,286 @@
+"""An OpenAI chat-completions request body -> the prompt text and the parser's start state.
+
+    prompt = encode_request(body, dialect)        # raises RequestError naming the field at fault
+    ids = tokenizer.encode(prompt.text)           # special tokens recognized, no automatic BOS
+    parser = OutputParser(dialect, thinking=prompt.thinking)
+
+Read from the body: `messages`, `tools`, `tool_choice`, `response_format`, `reasoning_effort`, and the
+thinking switch (`thinking`: true/false or {"type": "enabled"|"disabled"}, or
+`chat_template_kwargs.thinking` / `.enable_thinking` as other servers accept it). Other fields are the
+server's business and are ignored here.
+
+Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6, §9):
+
+* Request `tools` (and `response_format`) go on the leading system message (V4 also a leading developer
+  message); one with empty text is created at index 0 when there is none. `tool_choice: "none"` leaves
+  the tools out of the prompt, so the model is not tempted to write markup nobody parses.
+* Thinking is on unless switched off; `reasoning_effort: "none"` switches it off. Efforts: minimal, low
+  and medium -> "low"; high, xhigh and no effort at all -> "high" (the model card's "Think High"); max ->
+  "max"; V4.1 also takes an integer 1-100. On the April checkpoints "low" is plain thinking.
+* V4.1 has no developer role; OpenAI means it as the system prompt, so it becomes one.
+* On V4, a system message after the conversation started would be rendered as bare text with no turn
+  after it (the reference has no system marker); it is sent as a user turn instead, as DeepSeek's own
+  recipe library does. The first system messages keep the reference layout.
+* Content-part lists are joined with a blank line, as the reference joins blocks; images and other
+  non-text parts are refused: this server runs the text model.
+"""
+
+import json
+from dataclasses import dataclass
+
+from appliance.errors import RequestError
+
+from .dialects import IMAGE, Dialect
+from .encoding import encode_messages
+
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"}
+_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    thinking: bool  # the prompt ends in `<think>`: the output starts with reasoning
+    reasoning_effort: str | int | None  # as the encoder got it (the dialect's table)
+    messages: list[dict]  # as the encoder got them (validated, tools attached)
+
+
+def encode_request(body: dict, dialect: Dialect) -> ChatPrompt:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field="body")
+    thinking, effort = read_thinking(body, dialect)
+    messages = normalize_messages(body.get("messages"), dialect)
+    _check_last_turn(messages, dialect)
+    messages = _attach(messages, _tools(body), _response_format(body))
+    text = encode_messages(messages, dialect, thinking=thinking, reasoning_effort=effort)
+    return ChatPrompt(text, thinking, effort if thinking else None, messages)
+
+
+def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]:
+    """(thinking on?, the encoder's effort value) from the body's switch and `reasoning_effort`."""
+    switch = _thinking_switch(body)
+    value = body.get("reasoning_effort")
+    if value == "none":
+        if switch:
+            raise RequestError("reasoning_effort='none' turns thinking off, but thinking is switched on",
+                               field="reasoning_effort", value=value)
+        return False, None
+    if value is None:
+        effort = "high"
+    elif isinstance(value, str) and value in _EFFORTS:
+        effort = _EFFORTS[value]
+    elif dialect.effort_table == "numeric" and isinstance(value, int) and not isinstance(value, bool) \
+            and 1 <= value <= 100:
+        effort = value
+    else:
+        numeric = " or an integer 1..100" if dialect.effort_table == "numeric" else ""
+        raise RequestError(f"reasoning_effort={value!r}: must be one of none, {', '.join(_EFFORTS)}{numeric}",
+                           field="reasoning_effort", value=value)
+    if dialect.effort_table == "april" and effort == "low":
+        effort = None  # the April encoder knows only high (plain) and max
+    return (True if switch is None else switch), effort
+
+
+def _thinking_switch(body: dict) -> bool | None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs: must be an object", field="chat_template_kwargs")
+    kwargs = kwargs or {}
+    for name, value in (("thinking", body.get("thinking")), ("chat_template_kwargs.thinking", kwargs.get("thinking")),
+                        ("chat_template_kwargs.enable_thinking", kwargs.get("enable_thinking"))):
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, dict) and value.get("type") in ("enabled", "disabled"):
+            return value["type"] == "enabled"
+        raise RequestError(f'{name}={value!r}: must be true, false or {{"type": "enabled" | "disabled"}}',
+                           field=name, value=value)
+    return None
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError("tools: must be a list of {type: function, function: {name, ...}}", field="tools")
+        for i, tool in enumerate(tools):
+            _check_tool(tool, f"tools[{i}]")
+    names = [t["function"]["name"] for t in tools or []]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise RequestError(f"tool_choice.function.name={name!r}: not one of the request's tools "
+                               f"({', '.join(names) or 'none given'})", field="tool_choice.function.name", value=name)
+    elif choice not in (None, "auto", "none", "required"):
+        raise RequestError(f"tool_choice={choice!r}: must be auto, none, required or "
+                           '{"type": "function", "function": {"name": ...}}', field="tool_choice", value=choice)
+    elif choice == "required" and not names:
+        raise RequestError("tool_choice='required' needs tools", field="tool_choice", value=choice)
+    return tools if tools and choice != "none" else None
+
+
+def _check_tool(tool, where: str) -> None:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise RequestError(f"{where}: must be {{type: function, function: {{name, ...}}}}", field=f"{where}.type")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise RequestError(f"{where}.function: must be an object with a name", field=f"{where}.function")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise RequestError(f"{where}.function.name: must be a non-empty string", field=f"{where}.function.name",
+                           value=fn.get("name"))
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise RequestError(f"{where}.function.parameters: must be a JSON schema object",
+                           field=f"{where}.function.parameters")
+
+
+def _response_format(body: dict) -> dict | None:
+    """json_object and json_schema are rendered as the reference renders a message's `response_format`: the
+    object itself, after "## Response Format". text (the default) adds nothing."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object" or (kind == "json_schema" and isinstance(rf.get("json_schema"), dict)):
+        return rf
+    if kind == "json_schema":
+        raise RequestError("response_format.json_schema: must be an object ({name, schema})",
+                           field="response_format.json_schema")
+    raise RequestError(f"response_format.type={kind!r}: must be text, json_object or json_schema",
+                       field="response_format.type", value=kind)
+
+
+def _attach(messages: list[dict], tools: list[dict] | None, response_format: dict | None) -> list[dict]:
+    if not tools and not response_format:
+        return messages
+    if messages[0]["role"] in ("system", "developer"):
+        lead, rest = dict(messages[0]), messages[1:]
+    else:
+        lead, rest = {"role": "system", "content": ""}, messages
+    if tools:
+        lead["tools"] = tools
+    if response_format:
+        lead["response_format"] = response_format
+    return [lead, *rest]
+
+
+def _check_last_turn(messages: list[dict], dialect: Dialect) -> None:
+    """The model answers a user turn: the conversation must end with one (a trailing reminder aside)."""
+    i = max((k for k, m in enumerate(messages) if m["role"] != "latest_reminder"), default=0)
+    role = messages[i]["role"]
+    if role in ("user", "tool", "developer") or (role == "system" and i > 0 and dialect.system_token):
+        return
+    raise RequestError(f"messages[{i}].role={role!r}: the conversation must end with a user or tool message for "
+                       "the model to answer", field=f"messages[{i}].role", value=role)
+
+
+def normalize_messages(messages, dialect: Dialect) -> list[dict]:
+    """OpenAI messages -> the encoder's shape (every content a string), checked field by field."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: must be a non-empty list", field="messages")
+    out, started = [], False
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where}: must be an object with a role", field=where)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise RequestError(f"{where}.role={role!r}: must be one of {', '.join(_ROLES)}", field=f"{where}.role",
+                               value=role)
+        if role == "developer" and not dialect.developer_role:
+            role = "system"
+        if role == "system" and started and not dialect.system_token:
+            role = "user"
+        started = started or role != "system"
+        out.append(_message(m, role, where, dialect))
+    return out
+
+
+def _message(m: dict, role: str, where: str, dialect: Dialect) -> dict:
+    if role == "assistant":
+        return _assistant(m, where, dialect)
+    content = _text(m.get("content"), f"{where}.content", dialect)
+    if role == "developer" and not content:
+        raise RequestError(f"{where}.content: a developer message needs text", field=f"{where}.content")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise RequestError(f"{where}.tool_call_id: must be the id of the call this result answers",
+                               field=f"{where}.tool_call_id", value=call_id)
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+    return {"role": role, "content": content}
+
+
+def _assistant(m: dict, where: str, dialect: Dialect) -> dict:
+    out = {"role": "assistant", "content": _text(m.get("content"), f"{where}.content", dialect, allow_none=True)}
+    name = "reasoning_content" if "reasoning_content" in m else "reasoning"  # vLLM and OpenRouter say reasoning
+    reasoning = m.get(name)
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise RequestError(f"{where}.{name}: must be a string", field=f"{where}.{name}")
+        out["reasoning_content"] = reasoning
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls: must be a list", field=f"{where}.tool_calls")
+    out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+    return out
+
+
+def _tool_call(call, where: str) -> dict:
+    if not isinstance(call, dict) or call.get("type", "function") != "function" \
+            or not isinstance(call.get("function"), dict):
+        raise RequestError(f"{where}: must be {{id, type: function, function: {{name, arguments}}}}", field=where)
+    fn = call["function"]
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise RequestError(f"{where}.function.name: must be a non-empty string", field=f"{where}.function.name",
+                           value=fn.get("name"))
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise RequestError(f"{where}.id: must be a string", field=f"{where}.id", value=call_id)
+    arguments = _arguments(fn.get("arguments"), f"{where}.function.arguments")
+    return {"id": call_id or "", "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def _arguments(value, where: str) -> dict:
+    """A call's arguments as an object: OpenAI sends JSON text; a dict, or JSON text of JSON text (V4.1's
+    reference takes both), is accepted too. Empty text means no arguments."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    parsed, error = value, "not JSON"
+    for _ in range(2):
+        if not isinstance(parsed, str):
+            break
+        try:
+            parsed = json.loads(parsed)
+        except ValueError as e:
+            error = f"not JSON: {e}"
+            break
+    if isinstance(parsed, dict):
+        return parsed
+    if not isinstance(parsed, str):
+        error = f"got a JSON {type(parsed).__name__}"
+    raise RequestError(f"{where}: must be a JSON object ({error})", field=where, value=value)
+
+
+def _text(content, where: str, dialect: Dialect, allow_none: bool = False) -> str:
+    if content is None and allow_none:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = f"{kind} parts are not supported (text-only model)" if kind else "must be {type: text, text}"
+                raise RequestError(f"{where}[{k}]: {what}", field=f"{where}[{k}]", value=kind)
+            parts.append(part["text"])
+        content = "\n\n".join(parts)
+    if not isinstance(content, str):
+        raise RequestError(f"{where}: must be a string or a list of text parts", field=where)
+    if dialect.special_tokens.get(IMAGE) is not None and IMAGE in content:
+        raise RequestError(f"{where}: holds the image placeholder {IMAGE} as text", field=where)
+    return content
