@@ -38,10 +38,6 @@ def _token(token_file) -> str | None:
               help="with a token, /metrics asks for it too (Prometheus: `authorization: {credentials_file: ...}`); "
                    "--no-metrics-auth leaves /metrics open for a scraper that cannot send it (/healthz and "
                    "/readyz are always open)")
-@click.option("--metrics-auth/--no-metrics-auth", default=True, show_default=True, envvar="APPLIANCE_METRICS_AUTH",
-              help="with a token, /metrics asks for it too (Prometheus: `authorization: {credentials_file: ...}`); "
-                   "--no-metrics-auth leaves /metrics open for a scraper that cannot send it (/healthz and "
-                   "/readyz are always open)")
 @click.option("--origin", "origins", multiple=True, envvar="APPLIANCE_ORIGIN",
               help="browser origin allowed to connect (repeatable; `*` for any); none: browsers are refused")
 @click.option("--on-busy", type=click.Choice(["reject", "queue"]), default="reject", show_default=True,
