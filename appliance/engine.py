@@ -135,7 +135,7 @@ class Engine:
         self._thread.join(timeout=30)
         world = self.session.world
         if world is not None and world.distributed:
-            world.broadcast(None)  # the other ranks' `follow` ends
+            world.publish(None)  # the other ranks' `follow` ends
             world.stop()
 
     # --- the engine thread ---------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class Engine:
         world = self.session.world
         cancel = job.cancel
         if world is not None and world.distributed:  # every rank runs the request; rank 0's cancel rules
-            world.broadcast(job.request)
+            world.publish(job.request)
             cancel = Cancel(world, job.cancel)
         try:
             for event in self.loop.run(job.request, cancel):
@@ -175,11 +175,12 @@ class Engine:
 
 
 def follow(loop: RequestLoop, world) -> None:
-    """Ranks 1..n-1 of a split model: run every request rank 0 broadcasts, in lockstep, until it
-    broadcasts None. Their events are dropped: rank 0 answers the user."""
+    """Ranks 1..n-1 of a split model: run every request rank 0 publishes, in lockstep, until it publishes
+    None. Between requests they wait without a timeout (the user may pause for hours). Their events are
+    dropped: rank 0 answers the user."""
     cancel = Cancel(world)
     while True:
-        request = world.broadcast()
+        request = world.next_job()
         if request is None:
             return
         for _ in loop.run(request, cancel):

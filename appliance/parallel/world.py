@@ -7,12 +7,18 @@ say which rank it is. Every rank loads the model, keeps its shard (appliance/sha
 code in lockstep; rank 0 alone talks to the user, and broadcasts what the others cannot know (a request
 that came over the network, a cancel, a random seed).
 
-A rank that dies takes the group down, never hangs it: rank 0 watches its children and exits non-zero
-naming the rank; a child whose parent is gone exits; collectives time out after `TIMEOUT`.
+Between requests the followers wait without any timeout: rank 0 publishes each request in the group's
+store (`publish`) and the followers block on the next key (`next_job`), however long the user pauses; a
+collective's `TIMEOUT` applies only inside a request. A rank that dies or hangs takes the group down, never
+hangs it: every rank bumps a heartbeat counter in the store every `BEAT_S` and watches its peers' (rank 0
+watches all, the others watch rank 0); one that stops for `DEAD_AFTER_S` ends the service with a message
+naming it. Rank 0 also watches the processes it started, and a child whose parent is gone exits.
 """
 
+import atexit
 import datetime
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -22,8 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-TIMEOUT = datetime.timedelta(seconds=20)
-_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT = datetime.timedelta(seconds=20)  # one collective, inside a request
+STARTUP = datetime.timedelta(seconds=300)  # the ranks meeting: processes start and import torch first
+BEAT_S = 0.5  # every rank bumps its heartbeat this often
+DEAD_AFTER_S = 3.0  # a peer whose heartbeat has not moved for this long is dead (or hung)
+FOREVER = datetime.timedelta(days=3650)  # how long a follower waits for the next request
 
 
 @dataclass
@@ -33,6 +42,10 @@ class World:
     device: str = "cpu"
     children: list = field(default_factory=list)  # rank 0 when it started the others: [(rank, Popen)]
     stopping: bool = False
+    store_address: tuple[str, int] | None = None  # the group's key-value store (requests, heartbeats)
+    jobs: int = 0  # requests published (rank 0) or taken (the others) so far
+    quit: threading.Event = field(default_factory=threading.Event)  # set at exit: the watcher threads end
+    _job_store: object = None
 
     @property
     def main(self) -> bool:
@@ -49,6 +62,36 @@ class World:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
+
+    def publish(self, obj) -> None:
+        """Rank 0: hand `obj` (a request, or None to stop) to the followers' `next_job`."""
+        if not self.distributed:
+            return
+        store = self._jobs()
+        store.set(f"job/{self.jobs}", pickle.dumps(obj))
+        if self.jobs >= 2:  # every follower took job n-2 before job n-1 could run its collectives
+            store.delete_key(f"job/{self.jobs - 2}")
+        self.jobs += 1
+
+    def next_job(self):
+        """A follower: block, without a timeout, until rank 0 publishes the next job; return it."""
+        obj = pickle.loads(self._jobs().get(f"job/{self.jobs}"))
+        self.jobs += 1
+        return obj
+
+    def _jobs(self):
+        if self._job_store is None:  # its own connection: its `get` may block for as long as the user pauses
+            self._job_store = self.client(FOREVER)
+        return self._job_store
+
+    def client(self, timeout: datetime.timedelta = TIMEOUT):
+        """A new connection to the group's store (a blocking call on one must not hold up another's)."""
+        host, port = self.store_address
+        return torch.distributed.TCPStore(host, port, self.size, False, timeout=timeout, wait_for_workers=False)
+
+    def finished(self, store, rank: int) -> bool:
+        """Whether `rank` ended normally (it says so in the store as it exits; a killed rank cannot)."""
+        return store.check([f"done/{rank}"])
 
     def comm(self):
         from .sharding import Comm
@@ -102,7 +145,8 @@ def start(devices: str) -> World:
                           MASTER_PORT=str(_free_port()))
         world = World(0, len(specs), specs[0])
         world.children = [(r, _spawn(r)) for r in range(1, len(specs))]
-        threading.Thread(target=_watch_children, args=(world,), daemon=True, name="rank-watch").start()
+        watch = threading.Thread(target=_watch_children, args=(world,), daemon=True, name="rank-watch")
+        watch.start()  # now: a child that dies while the group forms must be named too
     else:
         rank, size = int(env_rank), int(os.environ["WORLD_SIZE"])
         if size != len(specs):
@@ -113,9 +157,28 @@ def start(devices: str) -> World:
     backend = "nccl" if world.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(world.device))
-    torch.distributed.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=TIMEOUT)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosts_store = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = torch.distributed.TCPStore(host, port, world.size, hosts_store, timeout=STARTUP)
+    world.store_address = (host, port)
+    torch.distributed.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                                         timeout=TIMEOUT)
+    beat = threading.Thread(target=_heartbeat, args=(world,), daemon=True, name="heartbeat")
+    beat.start()
+    watchers = [beat] + [t for t in threading.enumerate() if t.name == "rank-watch"]
+    atexit.register(_exit_normally, world, store, watchers)
     _WORLD = world
     return world
+
+
+def _exit_normally(world: World, store, watchers: list[threading.Thread]) -> None:
+    """At a normal exit (os._exit, a failure, skips this): say so in the store, so the peers do not take
+    the silence for a death, and end the watcher threads before the interpreter goes (a thread still
+    inside a store call at shutdown aborts the process)."""
+    store.set(f"done/{world.rank}", "1")
+    world.quit.set()
+    for t in watchers:
+        t.join(timeout=2 * BEAT_S)
 
 
 def _free_port() -> int:
@@ -138,15 +201,40 @@ def _die(message: str) -> None:
 
 
 def _watch_children(world: World) -> None:
-    while True:
+    store = None  # connected when first needed: the watch starts before the group's store exists
+    while not world.quit.is_set():
         for rank, proc in world.children:
             code = proc.poll()
-            if code is not None and (code != 0 or not world.stopping):
-                for _, other in world.children:
-                    if other.poll() is None:
-                        other.kill()
-                _die(f"rank {rank} (pid {proc.pid}) exited with code {code}; stopping all ranks")
-        time.sleep(0.2)
+            if code is None or (code == 0 and world.stopping):
+                continue
+            if code == 0 and world.store_address is not None:
+                store = store or world.client()
+                if world.finished(store, rank):  # it ended its part of the command before rank 0
+                    continue
+            for _, other in world.children:
+                if other.poll() is None:
+                    other.kill()
+            _die(f"rank {rank} (pid {proc.pid}) exited with code {code}; stopping all ranks")
+        world.quit.wait(0.2)
+
+
+def _heartbeat(world: World) -> None:
+    """Bump this rank's counter every BEAT_S and end the service when a watched peer's stops moving (rank 0
+    watches every rank, the others rank 0): a dead or hung rank is named within DEAD_AFTER_S."""
+    store = world.client()
+    peers = [r for r in range(world.size) if r != world.rank] if world.main else [0]
+    seen = {r: (-1, time.monotonic()) for r in peers}
+    while not world.quit.is_set():
+        store.add(f"beat/{world.rank}", 1)
+        now = time.monotonic()
+        for r in peers:
+            value = store.add(f"beat/{r}", 0)
+            last, since = seen[r]
+            if value != last:
+                seen[r] = (value, now)
+            elif now - since > DEAD_AFTER_S and not world.stopping and not world.finished(store, r):
+                _die(f"rank {r} stopped answering (no heartbeat for {DEAD_AFTER_S:.0f} s); stopping all ranks")
+        world.quit.wait(BEAT_S)
 
 
 def _watch_parent(world: World) -> None:
