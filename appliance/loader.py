@@ -12,7 +12,7 @@ from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import Runtime, make_runtime, set_cpu_threads
 from appliance.model.tokenizer import load_tokenizer
 from appliance.model.weights import Checkpoint
-from appliance.parallel.placement import place
+from appliance.parallel.placement import map_to_device, place
 from appliance.parallel.sharding import shard
 
 from .options import RunOptions
@@ -68,8 +68,9 @@ def load_model(options: RunOptions, notice=print, world=None) -> LoadedModel:
     if world is not None and world.distributed:
         blockers += shard(model, drafter, world.comm())
     if rt.device.type != "cpu":
-        kept: list[tuple[str, int]] = []
+        kept: list[tuple[str, object]] = []
         place((model, drafter), rt.device, kept=kept)
-        blockers += [f"{name} stays in host memory ({size / 1e9:.1f} GB) and a captured step cannot gather its rows "
-                     "from there yet" for name, size in kept]
+        for _, table in kept:  # the gather kernel reads host tables in place; the reference gathers on the host
+            if rt.ops.path == "fast":
+                map_to_device(table)
     return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter, world, blockers)

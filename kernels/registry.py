@@ -10,7 +10,7 @@ run here at all, resolve("fast") raises with the reason; it never falls back to 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from . import _triton, attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from . import _triton, attention, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Ops:
     candidate_mask: Callable
     moe_route: Callable
     moe: Callable
+    engram_rows: Callable
     sample: Callable
     accept: Callable
 
@@ -64,6 +65,7 @@ REFERENCE = Ops(
     candidate_mask=indexer.candidate_mask,
     moe_route=moe.route,
     moe=moe.reference,
+    engram_rows=engram.reference,
     sample=sampling.sample,
     accept=sampling.accept,
 )
@@ -83,6 +85,7 @@ FAST = Ops(
     candidate_mask=indexer.fast_candidate_mask,
     moe_route=moe.fast_route,
     moe=moe.fast,
+    engram_rows=engram.fast,
     sample=sampling.fast_sample,
     accept=sampling.fast_accept,
 )

@@ -72,7 +72,8 @@ def test_a_step_input_that_moved_since_capture_fails_the_debug_check():
     assert make_runner(_Step(), torch.device("cpu")).run()["out"].tolist() == [1.0, 1.0]  # off by default
 
 
-def test_what_stops_a_capture_is_published_by_the_loader(tiny_dirs, monkeypatch):
+def test_what_stops_a_capture_is_published_by_the_loader_and_host_tables_stay_where_they_are(tiny_dirs,
+                                                                                             monkeypatch):
     assert load(tiny_dirs["deepseek_v41"], path="fast").capture_blockers == []
     ref = load(tiny_dirs["deepseek_v41"], path="reference")
     assert any("reference ops" in why for why in ref.capture_blockers)
@@ -84,6 +85,8 @@ def test_what_stops_a_capture_is_published_by_the_loader(tiny_dirs, monkeypatch)
     layers = fast.cfg.engram.layer_ids
     assert sorted(name for name, _ in kept) == sorted(f"Engram.{t} of layer {L}" for L in layers
                                                       for t in ("table", "table_scale"))
+    for (_, table), layer in zip(kept, [fast.model.layers[L].engram for L in layers for _ in range(2)]):
+        assert table.device.type == "cpu" and table.data_ptr() in (layer.table.data_ptr(), layer.table_scale.data_ptr())
 
 
 def test_reaches_double_from_the_floor_to_the_capacity():

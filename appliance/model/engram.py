@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from appliance.errors import ModelLoadError
-from kernels.formats import e8m0_to_float
 
 from .blocks import Linear
 from .runtime import Runtime
@@ -172,12 +171,9 @@ class Engram:
         self.omega = None if qw is None or kw is None else (qw.float() * kw.float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Gather and dequantize table rows: ids [T, n_cols] -> [T, n_cols * head_dim] (exact). A table left
-        in host memory is gathered there (a host read: such a step cannot be captured in a CUDA graph)."""
-        flat = ids.reshape(-1).to(self.table.device)
-        w = self.table[flat].float()
-        s = e8m0_to_float(self.table_scale[flat]).repeat_interleave(32, dim=-1)
-        return (w * s).reshape(ids.shape[0], -1).to(device=ids.device, dtype=self.rt.dtype)
+        """Gather and dequantize table rows: ids [T, n_cols] -> [T, n_cols * head_dim] (exact), wherever the
+        table lives (kernels/engram.py: on the fast path a host table is read in place by the device)."""
+        return self.rt.ops.engram_rows(self.table, self.table_scale, ids, self.rt.dtype)
 
     def __call__(self, X: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """X [T, hc, D] -> X + gate * value."""

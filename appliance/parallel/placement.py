@@ -1,6 +1,7 @@
 """Moving a loaded model to its device. Weights load memory-mapped on the host; `place` moves every tensor
 the model holds to the device, except the Engram tables above `HOST_TABLE_BYTES`, which stay memory-mapped
-in host memory (~100 GB each in the released model): a step gathers only the rows it needs."""
+in host memory (~100 GB each in the released model): a step gathers only the rows it needs, and on the fast
+path the gather kernel reads them in place once `map_to_device` has registered the table with the GPU."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ HOST_TABLE_BYTES = 1 << 30
 def place(obj, device: torch.device, seen=None, kept: list | None = None):
     """Move the tensors reachable from `obj` (attributes, lists, tuples, dicts, dataclasses) to `device`,
     in place where they are held; a tensor held in several places is moved once. Returns obj. Every table
-    left in host memory is appended to `kept` as (a name for it, bytes)."""
+    left in host memory is appended to `kept` as (a name for it, the tensor)."""
     seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
         if id(obj) not in seen:
@@ -39,7 +40,7 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
             if kept is not None:
                 layer = getattr(obj, "layer", None)
                 label = f"{type(obj).__name__}.{name}" + (f" of layer {layer}" if isinstance(layer, int) else "")
-                kept.append((label, value.numel() * value.element_size()))
+                kept.append((label, value))
             continue
         if isinstance(value, (torch.Tensor, list, tuple, dict)) or dataclasses.is_dataclass(value) or \
                 hasattr(value, "__dict__"):
@@ -47,3 +48,16 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
                 continue
             setattr(obj, name, place(value, device, seen, kept))
     return obj
+
+
+def map_to_device(t: torch.Tensor) -> None:
+    """Let kernels on the current GPU read host tensor `t` in place: its pages are locked and mapped into
+    the device's address space (cudaHostRegister, read-only: the checkpoint's pages are mapped read-only).
+    Locking faults every page in once, so a 100 GB table costs its disk read at load, not at the first
+    token. With unified addressing the device reads through the host pointer itself."""
+    mapped, read_only = 0x02, 0x08  # cudaHostRegisterMapped | cudaHostRegisterReadOnly
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, mapped | read_only)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes / 1e9:.1f} GB host table failed with CUDA error "
+                           f"{int(err)}: the fast path cannot read it in place")
