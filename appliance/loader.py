@@ -66,7 +66,7 @@ def load_model(options: RunOptions, notice=print, world=None) -> LoadedModel:
     if rt.ops.path == "reference":
         blockers.append("the reference ops read values on the host (the MoE's selected experts); use --path fast")
     if world is not None and world.distributed:
-        blockers += shard(model, drafter, world.comm())
+        blockers += shard(model, drafter, world.comm(options.allreduce))
     if rt.device.type != "cpu":
         kept: list[tuple[str, object]] = []
         place((model, drafter), rt.device, kept=kept)

@@ -12,6 +12,7 @@ NUMERICS = ("official", "plain")
 DTYPES = ("float32", "bfloat16")
 PATHS = ("auto", "reference", "fast")
 INDEX_KEYS = ("own", "reference")
+ALLREDUCE = ("auto", "nccl", "symm")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class RunOptions:
     chunk: int = 256  # prefill chunk: cancel and progress act between chunks
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
+    allreduce: str = "auto"  # several devices: how partial sums meet (appliance/parallel/collectives.py)
 
     def __post_init__(self):
         if self.model_dir is not None and not isinstance(self.model_dir, Path):
@@ -42,7 +44,7 @@ class RunOptions:
     def check(self) -> None:
         """Refuse what no run can use, naming the option (the CLI turns it into one line and exit 2)."""
         for name, allowed in (("draft", DRAFTS), ("numerics", NUMERICS), ("dtype", DTYPES), ("path", PATHS),
-                              ("index_keys", INDEX_KEYS)):
+                              ("index_keys", INDEX_KEYS), ("allreduce", ALLREDUCE)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be one of {', '.join(allowed)}",

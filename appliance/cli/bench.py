@@ -3,9 +3,11 @@ ratios), never pass/fail. The measuring is appliance.measure.bench's; this modul
 
 import dataclasses
 import json
+from pathlib import Path
 
 import click
 
+from appliance.errors import ApplianceError
 from appliance.options import RunOptions
 
 from .common import friendly, load, run_options
@@ -159,6 +161,49 @@ def bench_prefill(options: RunOptions, tokens, as_json):
     else:
         click.echo(f"prefill {tokens} tokens in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
                    f"{row['tokens_per_s']:.1f} tokens/s")
+
+
+@bench.command("collectives")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None, envvar="APPLIANCE_MODEL",
+              help="the payloads are this model's: a row of its hidden size (per layer), times 1..7 rows")
+@click.option("--devices", default="cpu:4", show_default=True, envvar="APPLIANCE_DEVICES",
+              help="the ranks to measure between: 0,1,2,3 (GPUs) or cpu:4 (gloo)")
+@click.option("--repeats", type=int, default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_collectives(model_dir, devices, repeats, as_json):
+    """Latency of the fixed-order sum over ranks at the decode cycle's payloads (one row of the hidden size
+    per layer for a plain step, up to 7 rows for a verify), for each way of gathering the partials that
+    works here: nccl (gloo on CPU) and, on GPUs that reach each other, symm."""
+    import torch
+
+    from appliance.loader import default_model_dir
+    from appliance.measure import bench as mb
+    from appliance.model.config import load_config
+    from appliance.parallel.collectives import make_sum, peers_reachable
+    from appliance.parallel.world import start
+
+    world = start(devices)
+    if not world.distributed:
+        raise ApplianceError(f"--devices {devices}: a collective needs several ranks (cpu:4, 0,1,2,3)",
+                             field="devices")
+    dim = load_config(model_dir or default_model_dir()).dim
+    device = torch.device(world.device)
+    modes = ["nccl"] + (["symm"] if device.type == "cuda" and peers_reachable(world.size) else [])
+    sums = {m: make_sum(m, world.size, world.rank, device, capacity=8 * dim) for m in modes}
+    rows = mb.measure_collectives(sums, [dim * r for r in (1, 2, 4, 7)], device, repeats)
+    if world.main:
+        if as_json:
+            click.echo(json.dumps({"ranks": world.size, "device": str(device),
+                                   "backend": torch.distributed.get_backend(), "runs": rows}, indent=1))
+        else:
+            backend = torch.distributed.get_backend()
+            click.echo(f"{world.size} ranks on {device} ({backend}): fixed-order fp32 sum over ranks")
+            click.echo(f"{'allreduce':<10}{'values':>9}{'KB':>8}{'us p50':>10}{'p90':>10}")
+            for r in rows:
+                click.echo(f"{r['allreduce']:<10}{r['values']:>9}{r['bytes'] / 1e3:>8.1f}{r['us']['median']:>10.1f}"
+                           f"{r['us']['p90']:>10.1f}")
+    world.stop()
 
 
 @bench.command("kernels")

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from appliance.errors import ApplianceError
-from appliance.options import DRAFTS, DTYPES, INDEX_KEYS, NUMERICS, PATHS, RunOptions
+from appliance.options import ALLREDUCE, DRAFTS, DTYPES, INDEX_KEYS, NUMERICS, PATHS, RunOptions
 
 MODEL_HELP = "model directory (config.json + *.safetensors); default: the embedded tiny DeepSeek-V4.1 model"
 
@@ -54,6 +54,11 @@ _MODEL_OPTIONS = [
         "--numerics", type=click.Choice(NUMERICS), default="official", show_default=True, envvar=_env("numerics"),
         help="official: the official code's FP8/FP4 activation and KV quantization emulation; plain: dequantized "
              "weights without it (transformers' arithmetic for V4)")),
+    ("allreduce", lambda: click.option(
+        "--allreduce", type=click.Choice(ALLREDUCE), default="auto", show_default=True, envvar=_env("allreduce"),
+        help="several devices: how partial sums meet, always added in rank order (bitwise the same on every rank "
+             "and for every batch); nccl: an all-gather (gloo on CPU); symm: symmetric memory, GPU peer-to-peer; "
+             "auto: symm where the GPUs reach each other")),
     ("dtype", lambda: click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
                                    envvar=_env("dtype"), help="activation dtype that every rounding point rounds to")),
     ("path", lambda: click.option(

@@ -185,3 +185,25 @@ def transformers_decode(loop, model_dir, context: int, tokens: int) -> dict:
     for event in loop.run(Request(input_ids=prompt.tolist(), max_tokens=tokens, ignore_eos=True)):
         ours += getattr(event, "ids", [])
     return {"tokens_per_s": tokens / dt, "identical_tokens": ours == out.tolist()}
+
+
+def measure_collectives(sums: dict, sizes: list[int], device: torch.device, repeats: int = 50) -> list[dict]:
+    """Latency of each fixed-order sum over ranks (`sums`: name -> callable, every rank calling in step) at
+    each payload of `sizes` float32 values: median and p90 microseconds of a call, device time included
+    (a synchronize after each call on CUDA)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for name, fn in sums.items():
+        for n in sizes:
+            x = torch.full((n,), 1.0, device=device)
+            for _ in range(3):
+                fn(x)
+            times = []
+            for _ in range(repeats):
+                sync()
+                t = time.perf_counter()
+                fn(x)
+                sync()
+                times.append((time.perf_counter() - t) * 1e6)
+            rows.append({"allreduce": name, "values": n, "bytes": 4 * n, "us": quantiles(times)})
+    return rows

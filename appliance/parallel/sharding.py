@@ -26,10 +26,12 @@ from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 
 
 class Comm:
-    """The collectives the shards use (gloo on CPU, NCCL on CUDA)."""
+    """The collectives the shards use (gloo on CPU, NCCL on CUDA). `sum`: the fast path's fixed-order fp32
+    sum over ranks (appliance/parallel/collectives.py); `all_reduce`: the reference path's float64 sums."""
 
-    def __init__(self, rank: int, world: int, group=None):
+    def __init__(self, rank: int, world: int, sum=None, group=None):
         self.rank, self.world, self.group = rank, world, group
+        self.sum = sum
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()

@@ -93,10 +93,13 @@ class World:
         """Whether `rank` ended normally (it says so in the store as it exits; a killed rank cannot)."""
         return store.check([f"done/{rank}"])
 
-    def comm(self):
+    def comm(self, allreduce: str = "auto"):
+        """The collectives of this group (a collective call: every rank makes it)."""
+        from .collectives import make_sum
         from .sharding import Comm
 
-        return Comm(self.rank, self.size)
+        device = torch.device(self.device)
+        return Comm(self.rank, self.size, make_sum(allreduce, self.size, self.rank, device))
 
     def stop(self) -> None:
         """Rank 0 is done: let the children finish and reap them."""
