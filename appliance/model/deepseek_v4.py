@@ -21,7 +21,7 @@ from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
 from .runtime import Runtime
-from .state import DecodeState
+from .state import DecodeState, new_state
 from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
@@ -227,10 +227,7 @@ class V4Model:
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
         without allocating)."""
-        state = DecodeState(capacity, spare, device or self.rt.device)
-        for layer in self.layers:
-            layer.attn.init_state(state, spare)
-        return state
+        return new_state(capacity, spare, device or self.rt.device, [layer.attn for layer in self.layers])
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         e = self.embed[tokens].to(self.rt.dtype)

@@ -27,7 +27,7 @@ from .config import V41Config
 from .engram import Engram, EngramHash
 from .rope import RopeTable, frequencies
 from .runtime import Runtime
-from .state import DecodeState
+from .state import DecodeState, new_state
 from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
@@ -221,10 +221,7 @@ class V41Model:
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
         without allocating)."""
-        state = DecodeState(capacity, spare, device or self.rt.device)
-        for layer in self.layers:
-            layer.attn.init_state(state, spare)
-        return state
+        return new_state(capacity, spare, device or self.rt.device, [layer.attn for layer in self.layers])
 
     def embed_tokens(self, tokens: torch.Tensor):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""

@@ -23,7 +23,7 @@ from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
 from .deepseek_v41 import StaggeredBlock, moe_for
 from .rope import RopeTable, frequencies
 from .runtime import Runtime
-from .state import DecodeState
+from .state import DecodeState, new_state
 from .step import Draft
 
 
@@ -111,10 +111,7 @@ class DSpark:
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
         without allocating)."""
-        state = DecodeState(capacity, spare, device or self.rt.device)
-        for stage in self.stages:
-            stage.attn.init_state(state, spare)
-        return state
+        return new_state(capacity, spare, device or self.rt.device, [stage.attn for stage in self.stages])
 
     @staticmethod
     def rows(out) -> torch.Tensor:

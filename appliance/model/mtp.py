@@ -8,7 +8,7 @@ from .blocks import Dense, Linear, RMSNorm
 from .config import ModelConfig
 from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, v4_moe
 from .runtime import Runtime
-from .state import DecodeState
+from .state import DecodeState, new_state
 from .step import Draft, begin, finish
 
 
@@ -35,9 +35,7 @@ class MTP:
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
         without allocating)."""
-        state = DecodeState(capacity, spare, device or self.rt.device)
-        self.block.attn.init_state(state, spare)
-        return state
+        return new_state(capacity, spare, device or self.rt.device, [self.block.attn])
 
     @staticmethod
     def rows(out) -> torch.Tensor:

@@ -211,3 +211,12 @@ class DecodeState:
     def nbytes(self) -> int:
         return (self.tokens.numel() * 8 + sum(r.nbytes for r in self.rings.values())
                 + sum(r.nbytes for r in self.rows.values()))
+
+
+def new_state(capacity: int, spare: int, device, attentions) -> DecodeState:
+    """A model's decode state: each attention of `attentions` adds its buffers (`init_state`). `device`
+    "meta" sizes the state without allocating it."""
+    state = DecodeState(capacity, spare, device)
+    for attn in attentions:
+        attn.init_state(state, spare)
+    return state
