@@ -88,13 +88,14 @@ def constants(gpu: GPU) -> dict:
 
 def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float) -> dict:
     """The cycle as counted, and two references: at the ideal bytes, and at the ideal bytes with the
-    launch budget of DESIGN.md (16 per layer plain, 20 per layer for a verify; the rest of the cycle as
-    counted)."""
+    launch budget of DESIGN.md and issue 13 (16 per layer plain, 20 per layer for a verify, 16 per draft
+    stage; the launches outside layers and stages as counted)."""
     counted = cycle_time(count, gpu, world)
     at_ideal = cycle_time(count, gpu, world, "ideal")
     layers = len(count["launches_by_layer"])
     budget = 16 if count["width"] == 1 else 20
-    budgeted = dict(count, launches_per_cycle=budget * layers + count["launches_outside_layers"])
+    launches = budget * layers + 16 * count.get("draft_stage_calls", 0) + count["launches_outside_layers"]
+    budgeted = dict(count, launches_per_cycle=launches)
     at_budget = cycle_time(budgeted, gpu, world, "ideal")
     out = {}
     for name, c in (("counted", counted), ("ideal_bytes", at_ideal), ("ideal_bytes_and_launch_budget", at_budget)):

@@ -165,20 +165,24 @@ def cycle_keys(session, context: int) -> list[tuple]:
     return [("fixed", spec.k, _reach_for(session.reaches, context + spec.k + 1))]
 
 
-def count_cycle(session, context: int, world: int = 1, seed: int = 0) -> dict:
+def count_cycle(session, context: int | None = None, world: int = 1, seed: int = 0) -> dict:
     """Count one decode cycle of `session` after `context` positions (prefilled with random ids, or on the
-    meta device only declared). `world`: ranks the model is split over (for this rank's share of the
-    ideal). Leaves the session's committed length at `context`."""
+    meta device only declared; None: at the state's length, as it is). `world`: ranks the model is split
+    over (for this rank's share of the ideal). Leaves the session's committed length at `context`."""
     spec, state, buf = session.spec, session.state, session.buffers
     meta = session.device.type == "meta"
     width = 1 + (spec.k if spec is not None else 0)
-    if context + width > session.capacity:
+    if context is None:
+        if meta:
+            raise ValueError("a meta session has no prefilled state: give the context")
+        context = state.length
+    elif context + width > session.capacity:
         raise ValueError(f"context {context} + {width} rows exceed the session's capacity {session.capacity}")
     if meta:
         state.length = context
         if spec is not None:
             spec.state.length = max(context - 1, 0)
-    else:
+    elif context != state.length:
         g = torch.Generator().manual_seed(seed)
         session.prefill_all(torch.randint(0, session.cfg.vocab_size, (max(context, 1),), generator=g).tolist())
         context = state.length
@@ -212,6 +216,7 @@ def count_cycle(session, context: int, world: int = 1, seed: int = 0) -> dict:
         "launches_per_layer": max(per_layer) if per_layer else 0,
         "launches_by_layer": per_layer,
         "launches_per_draft_stage": max(per_stage) if per_stage else None,
+        "draft_stage_calls": sum(calls[b] for b in stages),
         "launches_outside_layers": s["by_block"].get("outside", {}).get("launches", 0),
         "torch_launches": s["torch_launches"], "triton_launches": s["triton_launches"],
         "host_syncs_per_cycle": s["host_syncs"],
