@@ -148,8 +148,10 @@ def warm_meta_model(cfg: ModelConfig, dtype: str = "bfloat16", world: int = 1,
     neither a stored weight nor a host table (caches the model does not reach are counted too)."""
     baseline = live_spans("meta")
     mm = meta_model(cfg, dtype, world=world, drafter=drafter)
+    from .count import DeclaredReads
+
     rec = Recorder(meta=True, recording=False)
-    with torch.inference_mode(), rec:
+    with torch.inference_mode(), rec, DeclaredReads(mm.runtime, rec, meta=True).installed():
         _warm_up(mm)
     held = resident(mm.model, mm.drafter, provided=mm.checkpoint.provided)
     everything = live_bytes("meta", baseline)
