@@ -118,9 +118,10 @@ def bench_decode(options: RunOptions, tokens, contexts, force_accept, compare_tr
                    "W - 1 drafts (the checkpoint's drafter, or --draft)")
 @click.option("--repeats", type=int, default=20, show_default=True)
 @click.option("--no-count", is_flag=True, help="time only: leave out the launch, sync and byte counts")
+@click.option("--memory", is_flag=True, help="also compare what the load allocated with the memory plan (per rank)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_forward(options: RunOptions, contexts, width, repeats, no_count, as_json):
+def bench_forward(options: RunOptions, contexts, width, repeats, no_count, memory, as_json):
     """The device time of one decode cycle at each context depth (CUDA events around the graph replay on a
     GPU, the wall time of the eager steps on CPU) and what the cycle does, counted on any machine:
     launches per cycle and per layer, host syncs, collectives, bytes the kernels read against the ideal,
@@ -136,8 +137,10 @@ def bench_forward(options: RunOptions, contexts, width, repeats, no_count, as_js
                                       draft_tokens=width - 1)
     else:
         options = dataclasses.replace(options, draft="none")
+    before = mb.allocated_now(options.devices) if memory else None
     lm = load(options)
     world = lm.world
+    held = mb.allocated_now(options.devices, before) if memory else None
     bandwidth = mb.copy_bandwidth(lm.runtime.device)
     rows = []
     for c in _contexts(contexts):
@@ -154,14 +157,24 @@ def bench_forward(options: RunOptions, contexts, width, repeats, no_count, as_js
                 row["fraction_of_bandwidth"] = row["bytes_per_step"]["total"] / (row["forward_ms"]["median"] / 1e3) \
                     / bandwidth
         rows.append(row)
-    ranks = gather_ranks(world, rows)
+    extra = {"copy_bandwidth": bandwidth, "launch_us": mb.measure_launch_latency(lm.runtime.device)}
+    if memory:
+        extra["memory"] = mb.memory_against_plan(lm, options, held, world.size if world else 1)
+    ranks = gather_ranks(world, [rows, extra.get("memory")])
     if ranks is not None:
         for i, row in enumerate(rows):
-            row["ranks"] = [rank_summary(r, part[i]) for r, part in enumerate(ranks)]
+            row["ranks"] = [rank_summary(r, part[0][i]) for r, part in enumerate(ranks)]
+        if memory:
+            extra["memory_per_rank"] = [part[1] for part in ranks]
     if as_json:
-        click.echo(json.dumps({"runs": rows, "copy_bandwidth": bandwidth}, indent=1, default=str))
+        click.echo(json.dumps({"runs": rows, **extra}, indent=1, default=str))
         return
     _forward_table(rows, bandwidth, counted=not no_count)
+    if extra["launch_us"]:
+        click.echo(f"one launch inside a CUDA graph: {extra['launch_us']:.2f} us")
+    for m in extra.get("memory_per_rank") or ([extra["memory"]] if memory else []):
+        click.echo(f"memory after load: {m['allocated'] / 1e6:.1f} MB allocated, plan {m['plan'] / 1e6:.1f} MB "
+                   f"(weights + copies + caches), {m['ratio']:.3f}x")
 
 
 def blockers(load_time: list[str], violations: list[dict]) -> list[str]:

@@ -133,6 +133,30 @@ def measure_cycle(session, context: int, repeats: int, seed: int = 0) -> dict:
             "graphs": session.graphs.capturing, "forward_ms": quantiles(times)}
 
 
+def allocated_now(devices: str, before=None):
+    """What this process holds on its device: CUDA's allocated bytes, or on the CPU the live tensors'
+    bytes (shapes.live_bytes). With `before` (a value this returned earlier): what was added since."""
+    from .shapes import live_bytes, live_spans
+
+    if devices.startswith("cpu"):
+        return live_spans("cpu") if before is None else live_bytes("cpu", before)
+    torch.cuda.synchronize()
+    now = torch.cuda.memory_allocated()
+    return now if before is None else now - before
+
+
+def memory_against_plan(lm, options, allocated: int, world: int) -> dict:
+    """What the load allocated beside what the plan says the weights, copies and caches take (the decode
+    state and graph buffers come later, with the session)."""
+    from .memory import fast_path_plan
+
+    plan = fast_path_plan(lm.cfg, 1, world=world, dtype=options.dtype, drafter=lm.drafter is not None,
+                          graphs=False)
+    expected = plan.parts["weights"] + plan.parts["float_copies_and_caches"]
+    return {"allocated": allocated, "plan": expected, "ratio": allocated / expected, "plan_parts": plan.parts,
+            "largest_copies": plan.details["largest_copies"]}
+
+
 def measure_launch_latency(device: torch.device, launches: int = 2000) -> float | None:
     """Microseconds per kernel of a chain of `launches` small dependent kernels captured in one CUDA graph
     and replayed (the per-launch term of the cost model, costmodel.LAUNCH_S); None without CUDA."""
