@@ -94,7 +94,7 @@ if [ $DRY = 0 ]; then
     section "3. slice: checkpoint (written on the GPU)"
     SLICE=/tmp/v41-slice
     [ -f "$SLICE/config.json" ] || run 150 $APPLIANCE tiny "$SLICE" --family deepseek_v41 --shape slice
-    MODEL=(--model "$SLICE" --devices cuda --dtype bfloat16 --path fast)
+    MODEL=(--model "$SLICE" --devices cuda --dtype bfloat16 --path fast --chunk 2048)
     section "3. slice: plain cycle with graphs at 1K and 32K"
     run 170 $APPLIANCE bench forward "${MODEL[@]}" --context 1K,32K --width 1 --repeats 20 --memory --json \
         > "$RES/forward-1.json"

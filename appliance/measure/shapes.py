@@ -249,16 +249,25 @@ def _shape_path(path: str) -> str:
     return re.sub(r"\[\d+\]", "[*]", path)
 
 
-def live_spans(device_type: str) -> dict[int, list[tuple[int, int]]]:
-    """Byte ranges of every live tensor on `device_type`, by storage (a view covers its own elements)."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type or obj.numel() == 0:
+def live_spans(device_type: str) -> dict:
+    """Byte ranges of every live tensor on `device_type`, by storage, as placement on a device would hold
+    them (placement.py moves each tensor object on its own): a contiguous tensor covers its own range of its
+    storage; any other view counts its own elements apart (a column slice becomes a tensor of its own); a
+    tensor alive only as the base of a view (the whole weight a shard was sliced from) is not counted."""
+    gc.collect()
+    live = [o for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor) and o.device.type == device_type and o.numel() > 0]
+    bases = {id(o._base) for o in live if o._base is not None}
+    spans: dict = {}
+    for obj in live:
+        if id(obj) in bases:
             continue
-        es = obj.element_size()
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(obj.shape, obj.stride()))
-        start = obj.storage_offset() * es
-        spans.setdefault(storage_key(obj), []).append((start, start + extent * es))
+        n = nbytes(obj)
+        if obj.is_contiguous():
+            start = obj.storage_offset() * obj.element_size()
+            spans.setdefault(storage_key(obj), []).append((start, start + n))
+        else:
+            spans[("view", id(obj))] = [(0, n)]
     return spans
 
 
