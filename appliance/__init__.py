@@ -13,13 +13,14 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
     decode/   the request loop (loop.py), the decode session that owns state, speculator and graphs
               (session.py), the cycle steps (cycle.py), the speculator (speculator.py)
     parallel/ several devices: process group and collectives (world.py), sharding, placement
-    measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py)
+    measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py), the
+              cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py)
     cli/      one module per command family; the only place that imports server/
 
     model    -> kernels, errors
     parallel -> model
     decode   -> model, graphs, kernels, api, options
-    measure  -> model, kernels, api
+    measure  -> model, parallel, kernels, api
     loader   -> model, parallel, options
     engine   -> decode, measure, parallel, loader
     cli      -> everything, and server (the one upward arrow)

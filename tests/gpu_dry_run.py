@@ -9,9 +9,10 @@
    tiny models' fast path launch. Nothing is executed: outputs are zero-filled allocations, enough to keep
    the host code going.
 2. Every decode-cycle step of every tiny family and drafter mode is capturable in a CUDA graph: after the
-   warm-up calls a capture would do, a step runs under a dispatch mode that records each operation a
-   capture refuses (a host read of a device value, an output whose shape depends on values, a tensor made
-   from host data) with where it happened.
+   warm-up calls a capture would do, a step runs under the product's cycle recorder
+   (appliance/measure/recorder.py), which records each operation a capture refuses (a host read of a
+   device value, an output whose shape depends on values, a tensor made from host data) with where it
+   happened.
 
 It prints one JSON object (compilations per target, kernels never launched, failures, capture violations);
 exit status 1 when anything failed.
@@ -33,12 +34,9 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
 
@@ -105,62 +103,6 @@ def drive_benchmark_cases(failures: list):
                     failures.append({"case": f"{case.__name__} {dt} M={m}", "error": traceback.format_exc()[-2000:]})
 
 
-aten = torch.ops.aten
-NOT_CAPTURABLE = {aten._local_scalar_dense.default: "a host read of a device value (int(t), float(t))",
-                  aten.item.default: "a host read of a device value (.item())",
-                  aten.is_nonzero.default: "a host read of a device value (bool(t), if t:)",
-                  aten.nonzero.default: "nonzero (shape depends on values)",
-                  aten.masked_select.default: "masked_select (shape depends on values)",
-                  aten._unique2.default: "unique (shape depends on values)",
-                  aten.unique_dim.default: "unique (shape depends on values)",
-                  aten.unique_consecutive.default: "unique (shape depends on values)",
-                  aten.repeat_interleave.Tensor: "repeat_interleave by a tensor (shape depends on values)"}
-
-
-class CaptureGuard(TorchDispatchMode):
-    """Records the operations a CUDA-graph capture refuses, with the project's frames that issued them."""
-
-    HOST_COPIES = ("tolist", "numpy", "cpu")  # copies to the host that dispatch no operation on a CPU tensor
-
-    def __init__(self, step: str, violations: list):
-        super().__init__()
-        self.step, self.violations = step, violations
-        self.saved = {}
-
-    def __enter__(self):
-        for name in self.HOST_COPIES:
-            self.saved[name] = original = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._recording(f"a copy to the host (.{name}())", original))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
-    def _recording(self, why: str, original):
-        def call(t, *args, **kwargs):
-            self._record(why)
-            return original(t, *args, **kwargs)
-        return call
-
-    def _record(self, why: str) -> None:
-        frames = [f"{f.filename[len(ROOT) + 1:]}:{f.lineno}" for f in traceback.extract_stack()
-                  if f.filename.startswith(ROOT) and "/.venv/" not in f.filename
-                  and not f.filename.endswith("gpu_dry_run.py")]
-        self.violations.append({"step": self.step, "why": why, "where": frames[-4:]})
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        why = NOT_CAPTURABLE.get(func)
-        if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            why = "boolean-mask indexing (shape depends on values)"
-        if func is aten.lift_fresh.default and args[0].dim() > 0:  # a 0-dim CPU scalar is a kernel argument
-            why = "a tensor made from host data (torch.tensor(...) of several values)"
-        if why:
-            self._record(why)
-        return func(*args, **(kwargs or {}))
-
-
 def drive_cycles(failures: list, violations: list):
     """Generate with every family and drafter mode on the fast path, each cycle step run as a capture
     would: twice to warm up, then under the guard (and under it again for every later replay)."""
@@ -169,6 +111,7 @@ def drive_cycles(failures: list, violations: list):
     from appliance.decode.loop import RequestLoop
     from appliance.decode.session import DecodeSession
     from appliance.loader import load_model
+    from appliance.measure.recorder import Recorder
     from appliance.model.tiny import write_tiny
     from appliance.options import RunOptions
 
@@ -177,12 +120,13 @@ def drive_cycles(failures: list, violations: list):
             self.step, self.name = step, type(step).__name__
             step()
             step()
-            with CaptureGuard(self.name, violations):
-                step()
+            self.run()
 
         def run(self):
-            with CaptureGuard(self.name, violations):
-                return self.step()
+            with Recorder(label=self.name) as rec:
+                out = self.step()
+            violations.extend(rec.violations)
+            return out
 
     graphs.runner.make_runner = CheckedRunner
     root = tempfile.mkdtemp()
@@ -209,6 +153,7 @@ def main() -> int:
 
     import kernels._triton as kt
     import kernels.registry  # noqa: F401  (every kernel module, bound to the helpers patched below)
+    from appliance.measure.recorder import unique_violations
 
     kt.ready = lambda: None  # the fast path resolves although nothing can run here
     for mod in [m for n, m in sys.modules.items() if n.startswith("kernels.")]:
@@ -233,17 +178,8 @@ def main() -> int:
                       "max_shared_bytes": compiler.shared, "phases (compilations, s)": phases,
                       "compiled": compiled,
                       "never_launched": missing, "failures": failures,
-                      "capture_violations": unique(violations)}, indent=1))
+                      "capture_violations": unique_violations(violations)}, indent=1))
     return 1 if failures or missing or violations else 0
-
-
-def unique(violations: list[dict]) -> list[dict]:
-    """One entry per (step, reason, place), with how often it happened."""
-    out: dict[tuple, dict] = {}
-    for v in violations:
-        key = (v["step"], v["why"], tuple(v["where"]))
-        out.setdefault(key, dict(v, count=0))["count"] += 1
-    return list(out.values())
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import click
 from appliance.errors import ApplianceError
 from appliance.options import RunOptions
 
-from .common import friendly, load, run_options
+from .common import check_range, friendly, load, model_option, run_options
 
 CONTEXT_HELP = "context depth(s) to measure at, comma separated (1K = 1024); prefilled with random ids"
 
@@ -112,38 +112,206 @@ def bench_decode(options: RunOptions, tokens, contexts, force_accept, compare_tr
 
 
 @bench.command("forward")
-@run_options(decode=False)
+@run_options(leave_out=("context",))
 @click.option("--context", "contexts", default="16", show_default=True, help=CONTEXT_HELP)
-@click.option("--width", type=int, default=1, show_default=True, help="rows per forward (a verify block: k+1)")
+@click.option("--width", type=int, default=1, show_default=True,
+              help="rows the cycle's target forward takes: 1 = a plain step; W > 1 = a draft + verify cycle of "
+                   "W - 1 drafts (the checkpoint's drafter, or --draft)")
 @click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--no-count", is_flag=True, help="time only: leave out the launch, sync and byte counts")
+@click.option("--memory", is_flag=True, help="also compare what the load allocated with the memory plan (per rank)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_forward(options: RunOptions, contexts, width, repeats, as_json):
-    """The model's own time for one decode cycle of `width` rows at each context depth (CUDA events on a
-    GPU, wall time of the eager step on CPU), with bytes per step and the fraction of copy bandwidth."""
+def bench_forward(options: RunOptions, contexts, width, repeats, no_count, memory, as_json):
+    """The device time of one decode cycle at each context depth (CUDA events around the graph replay on a
+    GPU, the wall time of the eager steps on CPU) and what the cycle does, counted on any machine:
+    launches per cycle and per layer, host syncs, collectives, bytes the kernels read against the ideal,
+    operations a CUDA-graph capture refuses; on a GPU the fraction of the copy bandwidth. With several
+    devices (cpu:4, 0,1,2,3), every rank's counts."""
+    from appliance.decode.session import DecodeSession
     from appliance.measure import bench as mb
+    from appliance.measure.count import count_cycle
 
-    ctx = _contexts(contexts)
-    session = _loop(dataclasses.replace(options, graphs=False), max(ctx) + repeats * width + 8).session
-    bandwidth = mb.copy_bandwidth(session.device)
+    check_range("--width", width, 1, 6)
+    if width > 1:
+        options = dataclasses.replace(options, draft="auto" if options.draft == "none" else options.draft,
+                                      draft_tokens=width - 1)
+    else:
+        options = dataclasses.replace(options, draft="none")
+    before = mb.allocated_now(options.devices) if memory else None
+    lm = load(options)
+    world = lm.world
+    held = mb.allocated_now(options.devices, before) if memory else None
+    bandwidth = mb.copy_bandwidth(lm.runtime.device)
     rows = []
-    for c in ctx:
-        row = mb.measure_forward(session, c, width, repeats)
-        if bandwidth:
-            row["fraction_of_bandwidth"] = row["bytes_per_step"]["total"] / (row["forward_ms"]["median"] / 1e3) \
-                / bandwidth
+    for c in _contexts(contexts):
+        capacity = c + width + 16
+        session = DecodeSession(lm, options, capacity=capacity, reach_floor=capacity)
+        if width > 1 and session.spec is None:
+            raise ApplianceError(f"--width {width}: a verify of several rows needs a drafter; this checkpoint has "
+                                 "none (mtp.* tensors)", field="width")
+        row = mb.measure_cycle(session, c, repeats)
+        if not no_count:
+            row.update(count_cycle(session, world=world.size if world else 1))
+            row["capture_blockers"] = blockers(lm.capture_blockers, row.pop("capture_violations"))
+            if bandwidth:
+                row["fraction_of_bandwidth"] = row["bytes_per_step"]["total"] / (row["forward_ms"]["median"] / 1e3) \
+                    / bandwidth
         rows.append(row)
+    extra = {"copy_bandwidth": bandwidth, "launch_us": mb.measure_launch_latency(lm.runtime.device)}
+    if memory:
+        extra["memory"] = mb.memory_against_plan(lm, options, held, world.size if world else 1)
+    ranks = gather_ranks(world, [rows, extra.get("memory")])
+    if ranks is not None:
+        for i, row in enumerate(rows):
+            row["ranks"] = [rank_summary(r, part[0][i]) for r, part in enumerate(ranks)]
+        if memory:
+            extra["memory_per_rank"] = [part[1] for part in ranks]
     if as_json:
-        click.echo(json.dumps({"runs": rows, "copy_bandwidth": bandwidth}, indent=1))
+        click.echo(json.dumps({"runs": rows, **extra}, indent=1, default=str))
         return
-    bw_head = "  of BW" if bandwidth else ""
-    click.echo(f"{'context':>8}{'width':>6}{'fwd ms p50':>11}{'p90':>8}{'MB/step':>9}" + bw_head)
+    _forward_table(rows, bandwidth, counted=not no_count)
+    if extra["launch_us"]:
+        click.echo(f"one launch inside a CUDA graph: {extra['launch_us']:.2f} us")
+    for m in extra.get("memory_per_rank") or ([extra["memory"]] if memory else []):
+        click.echo(f"memory after load: {m['allocated'] / 1e6:.1f} MB allocated, plan {m['plan'] / 1e6:.1f} MB "
+                   f"(weights + copies + caches), {m['ratio']:.3f}x")
+
+
+def blockers(load_time: list[str], violations: list[dict]) -> list[str]:
+    """What stops a capture: the load's findings, then each operation a capture refuses, once, with where."""
+    seen = list(load_time)
+    for v in violations:
+        line = f"{v['why']} at {v['where'][-1] if v['where'] else '?'}"
+        if line not in seen:
+            seen.append(line)
+    return seen
+
+
+def gather_ranks(world, rows: list[dict]) -> list | None:
+    """Every rank's rows on every rank (None with one rank)."""
+    if world is None or not world.distributed:
+        return None
+    import torch.distributed as dist
+
+    parts: list = [None] * world.size
+    dist.all_gather_object(parts, rows)
+    return parts
+
+
+def rank_summary(rank: int, row: dict) -> dict:
+    keys = ("launches_per_cycle", "launches_per_layer", "host_syncs_per_cycle", "collectives", "capture_blockers")
+    b = row.get("bytes_per_step", {})
+    return {"rank": rank, **{k: row.get(k) for k in keys},
+            "bytes_per_step": {k: b.get(k) for k in ("total", "ideal", "ratio")}}
+
+
+def _forward_table(rows: list[dict], bandwidth, counted: bool):
+    head = f"{'context':>8}{'width':>6}{'fwd ms p50':>11}{'p90':>8}"
+    if counted:
+        head += f"{'launch/cyc':>11}{'/layer':>7}{'syncs':>6}{'coll':>5}{'MB read':>9}{'ideal':>9}{'ratio':>6}"
+    if bandwidth:
+        head += f"{'of BW':>7}"
+    click.echo(head)
     for r in rows:
-        line = (f"{r['context']:>8}{r['width']:>6}{r['forward_ms']['median']:>11.2f}{r['forward_ms']['p90']:>8.2f}"
-                f"{r['bytes_per_step']['total'] / 1e6:>9.2f}")
+        line = f"{r['context']:>8}{r['width']:>6}{r['forward_ms']['median']:>11.2f}{r['forward_ms']['p90']:>8.2f}"
+        if counted:
+            b = r["bytes_per_step"]
+            line += (f"{r['launches_per_cycle']:>11}{r['launches_per_layer']:>7}{r['host_syncs_per_cycle']:>6}"
+                     f"{r['collectives']['per_cycle']:>5}{b['total'] / 1e6:>9.2f}{b['ideal'] / 1e6:>9.2f}"
+                     f"{b['ratio']:>6.2f}")
         if bandwidth:
             line += f"{r['fraction_of_bandwidth']:>7.1%}"
         click.echo(line)
+        for rank in r.get("ranks", []):
+            click.echo(f"    rank {rank['rank']}: {rank['launches_per_cycle']} launches ({rank['launches_per_layer']} "
+                       f"per layer), {rank['host_syncs_per_cycle']} host syncs, {rank['collectives']['per_cycle']} "
+                       f"collectives, {rank['bytes_per_step']['total'] / 1e6:.2f} MB read "
+                       f"({rank['bytes_per_step']['ratio']:.2f}x ideal)")
+        for line in r.get("capture_blockers", []):
+            click.echo(f"    capture blocker: {line}")
+
+
+@bench.command("model")
+@model_option()
+@click.option("--devices", "n_devices", type=int, default=4, show_default=True,
+              help="GPUs the model is split over (one rank each)")
+@click.option("--gpu", type=click.Choice(["b300", "b200", "h200", "h100"]), default="b300", show_default=True)
+@click.option("--draft-tokens", "k", type=int, default=0, show_default=True,
+              help="drafts per cycle (0: the plain cycle only; otherwise it is modeled beside the plain one)")
+@click.option("--accepted", type=float, default=None,
+              help="mean accepted drafts per cycle (a cycle makes A + 1 tokens); needed with --draft-tokens")
+@click.option("--context", type=int, default=32768, show_default=True, help="positions before the cycle")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="activation dtype (the decode state is stored in it)")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, as_json):
+    """A cost model of one decode cycle on N GPUs of a kind: the cycle's launches, bytes and collectives
+    counted on the fast path built from config.json alone (meta device, no weights read), priced with the
+    hardware constants it prints; the cycle time, which term dominates, and the tokens/s they imply.
+    Assumptions: appliance/measure/costmodel.py."""
+    from appliance.decode.session import DecodeSession
+    from appliance.loader import default_model_dir
+    from appliance.measure import costmodel as cm
+    from appliance.measure.count import count_cycle
+    from appliance.measure.shapes import meta_model
+    from appliance.model.config import load_config
+
+    check_range("--devices", n_devices, 1)
+    check_range("--context", context, 1)
+    check_range("--draft-tokens", k, 0, 5)
+    if k and accepted is None:
+        raise ApplianceError("--draft-tokens needs --accepted A (mean accepted drafts per cycle, 0..k)",
+                             field="accepted")
+    if k:
+        check_range("--accepted", accepted, 0, k)
+    cfg = load_config(model_dir or default_model_dir())
+    if k and cfg.dspark is None and not cfg.n_mtp_layers:
+        raise ApplianceError("--draft-tokens: this model has no drafter (mtp.* in its config)", field="draft_tokens")
+    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices)
+    device = cm.GPUS[gpu]
+    report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "context": context,
+              "constants": cm.constants(device), "cycles": []}
+    for draft, tokens in (("none", 1.0), ("auto", (accepted or 0) + 1.0))[: 2 if k else 1]:
+        options = RunOptions(draft=draft, draft_tokens=max(k, 1), path="fast", dtype=dtype)
+        capacity = context + k + 16
+        session = DecodeSession(mm, options, capacity=capacity, reach_floor=capacity)
+        count = count_cycle(session, context, world=n_devices)
+        count.pop("torch_ops")
+        count["capture_violations"] = len(count["capture_violations"])
+        report["cycles"].append({"draft_tokens": k if draft != "none" else 0, "count": count,
+                                 "prediction": cm.predict(count, device, n_devices, tokens)})
+    if as_json:
+        click.echo(json.dumps(report, indent=1, default=str))
+        return
+    _model_table(report, device)
+
+
+def _model_table(report: dict, device):
+    c = report["constants"]
+    click.echo(f"{device.name} x {report['devices']}, context {report['context']}")
+    click.echo(f"  HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s x copy {c['copy_fraction']:.2f} x kernel "
+               f"{c['kernel_fraction']:.2f} = {c['effective_bytes_per_s'] / 1e12:.2f} TB/s effective; "
+               f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; all-reduce "
+               f"{c['allreduce_latency_s'] * 1e6:.0f} us + payload over NVLink "
+               f"{device.nvlink_bytes_per_s / 1e9:.0f} GB/s")
+    for cyc in report["cycles"]:
+        n, p = cyc["count"], cyc["prediction"]
+        name = "plain" if not cyc["draft_tokens"] else f"k={cyc['draft_tokens']}"
+        b = n["bytes_per_step"]
+        click.echo(f"{name} cycle ({n['cycle']}, {n['width']} rows): {n['launches_per_cycle']} launches "
+                   f"({n['launches_per_layer']} per layer at most), {n['collectives']['per_cycle']} collectives, "
+                   f"{b['total'] / 1e9:.2f} GB read per rank (ideal {b['ideal'] / 1e9:.2f}, {b['ratio']:.2f}x), "
+                   f"{n['host_syncs_per_cycle']} host syncs")
+        for label, q in p.items():
+            t = q["terms_s"]
+            click.echo(f"  {label:<31} bytes {t['bytes'] * 1e3:6.3f} + launches {t['launches'] * 1e3:6.3f} + "
+                       f"collectives {t['collectives'] * 1e3:6.3f} = {q['cycle_s'] * 1e3:6.3f} ms/cycle, "
+                       f"{q['tokens_per_cycle']:.2f} tok/cycle, {q['tokens_per_s']:7.1f} tok/s "
+                       f"(dominant: {q['dominant']})")
+        for m in n.get("modeled", []):
+            click.echo(f"  modeled: {m}")
 
 
 @bench.command("prefill")

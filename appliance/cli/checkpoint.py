@@ -34,15 +34,20 @@ def tiny(out_dir, family, seed, shape):
               help="plan memory per rank for the model split over this many GPUs")
 @click.option("--gpu-memory", default=None, help="memory of one GPU for the plan, e.g. 288GB (B300), 141GB (H200)")
 @click.option("--context", type=int, default=None, help="context length for the plan (default: the model's maximum)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="the run's activation dtype, in which the decode state is stored (as --dtype of a run)")
+@click.option("--no-drafter", is_flag=True, help="plan without the drafter (a run with --draft none)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (with `fits` and the per-rank table)")
 @friendly
-def info(model_dir, n_devices, gpu_memory, context, as_json):
+def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
-    bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank. Needs only
-    config.json (weights are not read)."""
+    bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank: what the fast
+    path holds (built from the config on the meta device and warmed up by one forward: weights in their
+    stored format, float copies and kernel caches, the decode states as stored), graph buffers, headroom.
+    Needs only config.json (weights are not read)."""
     from appliance.loader import default_model_dir
     from appliance.measure import costs as inf
-    from appliance.measure.memory import parse_bytes, rank_plan
+    from appliance.measure.memory import fast_path_plan, parse_bytes
     from appliance.model.config import load_config, summary
 
     cfg = load_config(model_dir or default_model_dir())
@@ -58,10 +63,10 @@ def info(model_dir, n_devices, gpu_memory, context, as_json):
         except ValueError:
             raise ApplianceError(f"--gpu-memory {gpu_memory}: not a size like 288GB", field="gpu_memory") from None
         ctx = context or cfg.max_context
-        plan = rank_plan(cfg, ctx, capacity, n_devices)
-        report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "fits": plan.fits,
-                          "per_rank": plan.parts, "total_per_rank": plan.total,
-                          "free_per_rank": capacity - plan.total,
+        plan = fast_path_plan(cfg, ctx, capacity, world=n_devices, dtype=dtype, drafter=not no_drafter)
+        report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "dtype": dtype,
+                          "drafter": not no_drafter, "fits": plan.fits, "per_rank": plan.parts,
+                          "total_per_rank": plan.total, "free_per_rank": capacity - plan.total, **plan.details,
                           "weights_per_rank": inf.rank_weights(cfg, n_devices)}
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -101,8 +106,11 @@ def _print_info(cfg, report, human):
         click.echo(f"memory plan per rank: {plan['devices']} x {human(plan['gpu_memory'])}, context {plan['context']}: "
                    f"{'fits' if plan['fits'] else 'DOES NOT FIT'}")
         for part, n in plan["per_rank"].items():
-            click.echo(f"  {part:<14} {human(n):>10}")
-        click.echo(f"  {'total':<14} {human(plan['total_per_rank']):>10}   free {human(plan['free_per_rank'])}")
+            click.echo(f"  {part:<24} {human(n):>10}")
+        click.echo(f"  {'total':<24} {human(plan['total_per_rank']):>10}   free {human(plan['free_per_rank'])}")
+        click.echo(f"  decode state as stored ({plan['dtype']}): {plan['state_bytes_per_token']:.1f} B per token "
+                   f"+ {human(plan['state_constant'])}")
+        click.echo("  largest copies: " + ", ".join(f"{k} {human(v)}" for k, v in plan["largest_copies"].items()))
         w = plan["weights_per_rank"]
         click.echo("  weights by dtype: " + ", ".join(f"{k} {human(v)}" for k, v in w["by_dtype"].items()))
         click.echo("  weights by part: " + ", ".join(f"{k} {human(v)}" for k, v in w["by_part"].items()))

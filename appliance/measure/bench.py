@@ -18,8 +18,6 @@ from appliance.api import Error, Request, Sampling, Tokens
 from appliance.errors import ApplianceError
 from kernels.bench import copy_bandwidth as _copy_bandwidth
 
-from .costs import step_bytes
-
 
 def quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
@@ -109,18 +107,79 @@ def measure_decode(loop, context: int, tokens: int, force_accept: int | None = N
     return result
 
 
-def measure_forward(session, context: int, width: int, repeats: int) -> dict:
-    """The model's own time for one eager forward of `width` rows after `context` positions."""
+def measure_cycle(session, context: int, repeats: int, seed: int = 0) -> dict:
+    """The device time of one decode cycle after `context` positions: the session's cycle steps (one
+    graph replay each on CUDA with graphs, the eager steps otherwise), run `repeats` times at the same
+    position (a cycle's writes are idempotent until the host commits them, which it does not here)."""
+    from .count import cycle_keys
+
     session.reset()
-    session.prefill_all(random_prompt(session.cfg.vocab_size, context))
+    session.prefill_all(random_prompt(session.cfg.vocab_size, context, seed))
+    n = session.state.length
+    buf = session.buffers
+    keys = cycle_keys(session, n)
     times = []
-    for _ in range(repeats):
-        with DeviceTimer(session.device) as t:
-            session.forward([1] * width, "all")
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            buf.anchor.fill_(1)
+            buf.start.fill_(n)
+            buf.force.fill_(-1)
+            with DeviceTimer(session.device) as t:
+                for key in keys:
+                    session.graphs.run(key)
+            if i:  # the first run warms up (eager steps' first calls make the kernels' caches)
+                times.append(t.ms)
+    return {"context": n, "width": 1 + (session.spec.k if session.spec is not None else 0),
+            "graphs": session.graphs.capturing, "forward_ms": quantiles(times)}
+
+
+def allocated_now(devices: str, before=None):
+    """What this process holds on its device: CUDA's allocated bytes, or on the CPU the live tensors'
+    bytes (shapes.live_bytes). With `before` (a value this returned earlier): what was added since."""
+    from .shapes import live_bytes, live_spans
+
+    if devices.startswith("cpu"):
+        return live_spans("cpu") if before is None else live_bytes("cpu", before)
+    torch.cuda.synchronize()
+    now = torch.cuda.memory_allocated()
+    return now if before is None else now - before
+
+
+def memory_against_plan(lm, options, allocated: int, world: int) -> dict:
+    """What the load allocated beside what the plan says the weights, copies and caches take (the decode
+    state and graph buffers come later, with the session)."""
+    from .memory import fast_path_plan
+
+    plan = fast_path_plan(lm.cfg, 1, world=world, dtype=options.dtype, drafter=lm.drafter is not None,
+                          graphs=False)
+    expected = plan.parts["weights"] + plan.parts["float_copies_and_caches"]
+    return {"allocated": allocated, "plan": expected, "ratio": allocated / expected, "plan_parts": plan.parts,
+            "largest_copies": plan.details["largest_copies"]}
+
+
+def measure_launch_latency(device: torch.device, launches: int = 2000) -> float | None:
+    """Microseconds per kernel of a chain of `launches` small dependent kernels captured in one CUDA graph
+    and replayed (the per-launch term of the cost model, costmodel.LAUNCH_S); None without CUDA."""
+    if device.type != "cuda":
+        return None
+    x = torch.zeros(1024, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            x.add_(1.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            x.add_(1.0)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        with DeviceTimer(device) as t:
+            graph.replay()
         times.append(t.ms)
-        session.state.rewind(session.state.length - width)
-    return {"context": context, "width": width, "forward_ms": quantiles(times),
-            "bytes_per_step": step_bytes(session.cfg, context)}
+    return statistics.median(times) * 1e3 / launches
 
 
 def measure_prefill(session, tokens: int) -> dict:

@@ -165,6 +165,13 @@ _SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".index
           ".markov_head.head.", ".markov_head.markov_w2.", ".shared_experts.")
 
 
+def split_share(name: str, world: int) -> float:
+    """The share of tensor `name` one of `world` ranks holds: 1/world for what the split divides (attention
+    heads and groups, indexer heads, the head, routed and shared experts), 1 for what it replicates."""
+    routed = ".experts." in name and ".shared_experts." not in name
+    return 1 / world if routed or any(k in name for k in _SPLIT) else 1.0
+
+
 def rank_weights(cfg: ModelConfig, world: int) -> dict:
     """Weight bytes one of `world` ranks holds on its device, by dtype and by part (Engram tables stay on
     the host, memory-mapped once per box)."""
@@ -177,9 +184,7 @@ def rank_weights(cfg: ModelConfig, world: int) -> dict:
         if where(name) == "host":
             host += n
             continue
-        routed = ".experts." in name and ".shared_experts." not in name
-        if routed or any(k in name for k in _SPLIT):
-            n /= world
+        n *= split_share(name, world)
         by_dtype[dtype] += n
         by_part[_part(name)] += n
     return {"total": int(sum(by_dtype.values())), "by_dtype": {k: int(v) for k, v in by_dtype.items()},

@@ -1,6 +1,14 @@
 """Memory plans: does a model, its decode state for a context length, the graph buffers and headroom fit a
 device? The plan names every part in bytes; a plan that does not fit names the largest part and the
-shortfall. The engine's maximum context is the config's, capped by what the plan lets fit."""
+shortfall. The engine's maximum context is the config's, capped by what the plan lets fit.
+
+`fast_path_plan` is the truthful plan: the fast path built on the meta device from the config (shapes.py)
+and warmed up by one cycle, then every tensor it holds counted once: the weights in their stored format,
+the copies the load and the first cycle make (float copies of dense weights, caches of the kernels), the
+decode states of the target and the drafter as allocated for the context. `live_bytes` measures what a
+process really holds (every live tensor, each storage's reachable bytes once), to check the plan against
+a real load (tests/test_memory_plan.py).
+"""
 
 import os
 from dataclasses import dataclass
@@ -18,6 +26,7 @@ class MemoryPlan:
     context: int
     parts: dict[str, int]  # name -> bytes
     capacity: int  # device bytes
+    details: dict | None = None  # what the parts are made of (fast_path_plan)
 
     @property
     def total(self) -> int:
@@ -123,3 +132,45 @@ def plan_context(lm, requested: int | None = None, budget: int | None = None) ->
                 f"short by {need - capacity} bytes (part: decode_state)", field="decode_state", value=need - capacity)
         limit = int(max(0, capacity - constant) // per_token)
     return limit
+
+
+def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: int = 1, dtype: str = "bfloat16",
+                   drafter: bool = True, graphs: bool = True) -> "MemoryPlan":
+    """One rank's plan for the fast path as it allocates: weights (stored format), float copies and the
+    first cycle's caches, the target's and drafter's decode state for `context` positions, graph buffers
+    and headroom (`graphs`: on a GPU; both 0 for a CPU plan)."""
+    from .shapes import warm_meta_model
+
+    mm, held = warm_meta_model(cfg, dtype, world, drafter)
+    per_token, constant = state_cost(mm)
+    capacity = device_bytes if device_bytes is not None else 0
+    parts = {
+        "weights": held["stored"],
+        "float_copies_and_caches": held["copies"],
+        "decode_state": int(per_token * context + constant),
+        "graph_buffers": GRAPH_BUFFERS if graphs else 0,
+        "headroom": int(capacity * HEADROOM) if graphs else 0,
+    }
+    plan = MemoryPlan(context, parts, capacity)
+    plan.details = {"state_bytes_per_token": per_token, "state_constant": constant, "host_tables": held["host"],
+                    "largest_copies": held["largest_copies"]}
+    if world > 1:
+        plan.details["not_in_plan"] = {
+            "expert_parallel_reference_copies": reference_expert_copies(mm),
+            "why": "the expert-parallel MoE runs its reference form today (kernels/moe.py: `fast` with a reduce), "
+                   "which keeps a float64 copy of every expert a rank touches, never freed; this is what they "
+                   "grow to once every held expert was routed to (the plan models the fused form, issue 14)"}
+    return plan
+
+
+def reference_expert_copies(mm) -> int:
+    """Bytes of the float64 [in, out] copies the reference MoE makes of every expert weight a rank holds
+    (kernels/linear.py `PackedWeight.dense64`), routed and shared, backbone and drafter."""
+    total = 0
+    moes = [layer.ffn for layer in mm.model.layers]
+    if mm.drafter is not None:
+        moes += [b.ffn for b in (getattr(mm.drafter, "stages", None) or [mm.drafter.block])]
+    for moe in moes:
+        for ex in [e for e in moe.experts if e is not None] + ([moe.shared] if moe.shared is not None else []):
+            total += sum(w.shape[0] * w.shape[1] * 8 for w in ex)
+    return total

@@ -1,0 +1,306 @@
+"""One decode cycle of a session, counted (the numbers `appliance bench forward --json` and `appliance bench
+model` report): launches per cycle and per layer, host syncs, collectives, and bytes read against the ideal.
+
+`count_cycle(session, context)` runs the session's cycle steps (plain, or draft + verify) once to warm up
+(caches a first call makes, as a capture's warm-up would) and once under the `Recorder`, with
+- every backbone layer and drafter stage tagged, so what happens inside is attributed to it;
+- the registry's `attention` and `moe` wrapped to declare what they read that the recorder cannot see from
+  the tensors a kernel receives: the compressed-row cache is read at the distinct rows the index selects
+  (not the whole cache), and the fused MoE kernels read each distinct routed expert this rank holds once,
+  through the table of expert addresses. On the meta device (no values) the distinct counts are their
+  expected values: every selected compressed row distinct (at most the visible rows), and the routed
+  experts of W rows under uniform routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).
+  The expert-parallel MoE of several ranks has no fused form yet (it runs the reference, with host reads);
+  on the meta device it is modeled as the fused kernels over the rank's own experts plus the one
+  all-reduce its reduction makes (issue 14's design), and the result says so in `modeled`.
+
+The ideal (`ideal_bytes`): each weight the cycle touches read once in its stored format (this rank's
+share of the split ones; embeddings and Engram tables at the rows gathered; routed experts as counted) plus
+the decode state the math must read: the window keys each layer sees, the pooling carry of each
+compressor, every visible index key of each indexer (a re-indexing layer only its candidate blocks' keys),
+the distinct compressed rows each attention selects, in the format the state stores them.
+"""
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from appliance.model.config import ModelConfig, V41Config
+
+from .costs import inventory, split_share
+from .recorder import Recorder, unique_violations
+
+
+def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts selected by `rows` rows of top-k under uniform routing."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** rows)
+
+
+class _Tagged:
+    """A block (layer or stage) whose calls are attributed to `name`; everything else passes through."""
+
+    def __init__(self, inner, rec: Recorder, name: str, calls: dict):
+        self.__dict__.update(_inner=inner, _rec=rec, _name=name, _calls=calls)
+
+    def __call__(self, *args, **kwargs):
+        if self._rec.recording:
+            self._calls[self._name] += 1
+        with self._rec.tag(self._name):
+            return self._inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_inner"], name)
+
+
+@contextmanager
+def tagged(model, drafter, rec: Recorder, calls: dict):
+    """Tag the backbone's layers `layer i` and the drafter's stages `stage s` while inside."""
+    layers = model.layers
+    saved_layers = list(layers)
+    layers[:] = [_Tagged(b, rec, f"layer {i}", calls) for i, b in enumerate(saved_layers)]
+    stages = getattr(drafter, "stages", None) if drafter is not None else None
+    saved_stages = list(stages) if stages is not None else None
+    block = getattr(drafter, "block", None) if drafter is not None and stages is None else None
+    if stages is not None:
+        stages[:] = [_Tagged(b, rec, f"stage {s}", calls) for s, b in enumerate(saved_stages)]
+    elif block is not None:
+        drafter.block = _Tagged(block, rec, "stage 0", calls)
+    try:
+        yield
+    finally:
+        layers[:] = saved_layers
+        if stages is not None:
+            stages[:] = saved_stages
+        elif block is not None:
+            drafter.block = block
+
+
+class DeclaredReads:
+    """The registry ops wrapped to declare their gathers (see the module docstring); logs what they read."""
+
+    def __init__(self, rt, rec: Recorder, meta: bool):
+        self.rt, self.rec, self.meta = rt, rec, meta
+        self.rows_read: dict[str, int] = defaultdict(int)  # block -> compressed-row bytes the attention reads
+        self.routed: dict[str, int] = defaultdict(int)  # block -> routed expert bytes (distinct, held)
+        self.modeled: set[str] = set()
+
+    @contextmanager
+    def installed(self):
+        ops = self.rt.ops
+        import dataclasses
+
+        self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention), moe=self._moe(ops.moe))
+        try:
+            yield
+        finally:
+            self.rt.ops = ops
+
+    def _attention(self, attention):
+        rec = self.rec
+
+        def call(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype=None):
+            if comp_kv is None or comp_index is None or comp_index.numel() == 0:
+                return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
+            with rec.pause():
+                if self.meta:
+                    rows = min(comp_kv.shape[0], comp_index.numel())
+                else:
+                    rows = int(comp_index[comp_index >= 0].unique().numel())
+            row_bytes = comp_kv.shape[-1] * comp_kv.element_size()
+            if rec.recording:
+                self.rows_read[rec.block] += rows * row_bytes
+            with rec.gather(comp_kv, rows * row_bytes):
+                return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
+
+        return call
+
+    def _moe(self, moe):
+        rec = self.rec
+
+        def call(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce=None):
+            held = [e for e in experts if e is not None]
+            per_expert = sum(w.nbytes for w in held[0]) if held else 0
+            with rec.pause():
+                if self.meta:
+                    distinct = expected_distinct(len(experts), indices.shape[1], indices.shape[0])
+                    n = distinct * len(held) / len(experts)
+                else:
+                    n = sum(1 for e in indices.unique().tolist() if experts[e] is not None)
+            routed = int(n * per_expert)
+            if rec.recording:
+                self.routed[rec.block] += routed
+            first = len(rec.launches)
+            if self.meta and reduce is not None:
+                self.modeled.add("expert-parallel MoE: the fused kernels over the rank's experts + one all-reduce "
+                                 "(the code runs the reference form, issue 14)")
+                y = moe(x, weights, indices, experts, shared, act_block, limit, weight_before_w2)
+                m, k = indices.shape
+                with rec.pause():
+                    slots = torch.empty((m, k, x.shape[-1]), dtype=torch.float32, device=x.device)
+                    part = None if shared is None else torch.empty((m, x.shape[-1]), dtype=torch.float64,
+                                                                   device=x.device)
+                reduce(slots, part)
+            else:
+                y = moe(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce=reduce)
+            fused = [la for la in rec.launches[first:] if la.kind == "triton"]
+            if fused and rec.recording:  # the kernels read the experts through their address table
+                fused[0].bytes_read += routed
+            return y
+
+        return call
+
+
+def _reach_for(reaches: list[int], end: int) -> int:
+    return next(r for r in reaches if end <= r)
+
+
+def cycle_keys(session, context: int) -> list[tuple]:
+    """The cycle steps one decode cycle at `context` replays (the session's graph keys)."""
+    spec = session.spec
+    if spec is None:
+        return [("plain", 0, _reach_for(session.reaches, context + 1))]
+    if spec.adaptive:
+        return [("draft", spec.block, None), ("verify", spec.k + 1, _reach_for(session.reaches, context + spec.k + 1))]
+    return [("fixed", spec.k, _reach_for(session.reaches, context + spec.k + 1))]
+
+
+def count_cycle(session, context: int | None = None, world: int = 1, seed: int = 0) -> dict:
+    """Count one decode cycle of `session` after `context` positions (prefilled with random ids, or on the
+    meta device only declared; None: at the state's length, as it is). `world`: ranks the model is split
+    over (for this rank's share of the ideal). Leaves the session's committed length at `context`."""
+    spec, state, buf = session.spec, session.state, session.buffers
+    meta = session.device.type == "meta"
+    width = 1 + (spec.k if spec is not None else 0)
+    if context is None:
+        if meta:
+            raise ValueError("a meta session has no prefilled state: give the context")
+        context = state.length
+    elif context + width > session.capacity:
+        raise ValueError(f"context {context} + {width} rows exceed the session's capacity {session.capacity}")
+    if meta:
+        state.length = context
+        if spec is not None:
+            spec.state.length = max(context - 1, 0)
+    elif context != state.length:
+        g = torch.Generator().manual_seed(seed)
+        session.prefill_all(torch.randint(0, session.cfg.vocab_size, (max(context, 1),), generator=g).tolist())
+        context = state.length
+    keys = cycle_keys(session, context)
+    rec = Recorder(meta=meta, recording=False)
+    reads = DeclaredReads(session.model.rt, rec, meta)
+    calls: dict[str, int] = defaultdict(int)
+    drafter = spec.drafter if spec is not None else None
+    with torch.inference_mode(), rec, tagged(session.model, drafter, rec, calls), reads.installed():
+        for recording in (False, True):
+            rec.recording = recording
+            for key in keys:
+                with rec.pause():  # what the host writes before a replay
+                    buf.anchor.fill_(1)
+                    buf.start.fill_(context)
+                    buf.force.fill_(-1)
+                rec.label = key[0]
+                session.graphs.runners[key].step()
+    s = rec.summary()
+    layers = {b: v for b, v in s["by_block"].items() if b.startswith("layer ")}
+    stages = {b: v for b, v in s["by_block"].items() if b.startswith("stage ")}
+    per_layer = [layers.get(f"layer {i}", {}).get("launches", 0) for i in range(len(session.model.layers))]
+    per_stage = [v["launches"] / max(calls[b], 1) for b, v in sorted(stages.items())]
+    ideal = ideal_bytes(session.cfg, world, width, spec is not None, sum(reads.routed.values()),
+                        sum(reads.rows_read.values()), state, context, spec.state if spec is not None else None)
+    total = s["bytes_read"]
+    return {
+        "cycle": "plain" if spec is None else f"{'adaptive' if spec.adaptive else spec.drafter.kind} k={spec.k}",
+        "context": context, "width": width, "reach": keys[-1][2],
+        "launches_per_cycle": s["launches"],
+        "launches_per_layer": max(per_layer) if per_layer else 0,
+        "launches_by_layer": per_layer,
+        "launches_per_draft_stage": max(per_stage) if per_stage else None,
+        "draft_stage_calls": sum(calls[b] for b in stages),
+        "launches_outside_layers": s["by_block"].get("outside", {}).get("launches", 0),
+        "torch_launches": s["torch_launches"], "triton_launches": s["triton_launches"],
+        "host_syncs_per_cycle": s["host_syncs"],
+        "host_reads_between_steps": len(keys),  # each step's result copied back (by design)
+        "collectives": {"per_cycle": s["collectives"],
+                        "per_layer": max((v["collectives"] for v in layers.values()), default=0),
+                        "payloads": payloads(rec.collectives)},
+        "bytes_per_step": {"total": total, "ideal": ideal["total"], "ratio": total / ideal["total"],
+                           "ideal_parts": ideal, "by_block": {b: v["bytes_read"] for b, v in s["by_block"].items()}},
+        "capture_violations": unique_violations(rec.violations),
+        "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
+        "modeled": sorted(reads.modeled),
+    }
+
+
+def payloads(collectives: list[dict]) -> list[dict]:
+    """Collectives grouped by (op, payload bytes), with how many of each a cycle makes."""
+    groups: dict[tuple, int] = defaultdict(int)
+    for c in collectives:
+        groups[(c["op"], c["bytes"])] += 1
+    return [{"op": op, "bytes": b, "count": n} for (op, b), n in sorted(groups.items())]
+
+
+# --- the ideal ------------------------------------------------------------------------------------------
+
+_EMBEDDINGS = ("embed.weight", "markov_head.embed.weight", "markov_head.markov_w1.weight", ".gate.tid2eid")
+
+
+def ideal_bytes(cfg: ModelConfig, world: int, width: int, drafting: bool, routed: int, selected_rows: int,
+                state, context: int, draft_state=None) -> dict:
+    """What one cycle must read at least (see the module docstring), this rank's share; `routed` and
+    `selected_rows`: the routed experts' and the selected compressed rows' bytes, as counted."""
+    ckpt = inventory(cfg)
+    weights = gathered = 0.0
+    for name, (_, shape) in ckpt.tensors.items():
+        if ".engram.embed." in name or (name.startswith("mtp.") and not drafting):
+            continue
+        if ".experts." in name and ".shared_experts." not in name:
+            continue  # routed: as counted
+        n = ckpt.nbytes(name) * split_share(name, world)
+        if name.endswith(_EMBEDDINGS):
+            gathered += width * n / shape[0]
+        else:
+            weights += n
+    engram = 0
+    if isinstance(cfg, V41Config) and cfg.engram is not None:
+        e = cfg.engram
+        engram = width * len(e.layer_ids) * (e.max_ngram - 1) * e.n_heads * (e.head_dim + e.head_dim // 32)
+    st = state_ideal(cfg, state, context, width) + selected_rows
+    if draft_state is not None:
+        st += state_ideal(cfg, draft_state, context, width)
+    total = int(weights + gathered + routed + engram + st)
+    return {"total": total, "weights": int(weights), "embedding_rows": int(gathered), "routed_experts": routed,
+            "engram_rows": engram, "state": int(st)}
+
+
+def state_ideal(cfg: ModelConfig, state, context: int, width: int) -> float:
+    """Decode-state bytes one cycle of `width` rows after `context` positions must read, as `state` stores
+    them, except the compressed rows attention selects (counted where they are selected)."""
+    def row(t: torch.Tensor) -> int:
+        return t.shape[-1] * t.element_size()
+
+    total = 0.0
+    for name, ring in state.rings.items():
+        kind, _, idx = name.rpartition(".")
+        if kind == "window" or kind.startswith("dspark") or name.startswith("dspark."):
+            total += min(context, cfg.window_size) * row(ring.data)
+        elif kind in ("compressor", "index_compressor"):
+            total += min(context, cfg.compress_ratios[int(idx)]) * row(ring.data)
+    for name, cache in state.rows.items():
+        if not name.startswith("index_keys."):
+            continue
+        owner = int(name.rpartition(".")[2])
+        visible = (context + width) // cache.ratio
+        if isinstance(cfg, V41Config):
+            for L in cfg.index_source_layers:
+                if cfg.kv_source_of(L) != owner:
+                    continue
+                keys = visible
+                if 0 <= cfg.candidate_source_layer < L:  # re-indexing: only the candidate blocks' keys
+                    keys = min(visible, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                total += keys * row(cache.data)
+        else:
+            total += visible * row(cache.data)
+    if isinstance(cfg, V41Config) and cfg.engram is not None:
+        total += width * cfg.engram.max_ngram * state.tokens.element_size()
+    return total

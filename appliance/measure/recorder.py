@@ -1,0 +1,407 @@
+"""What one decode cycle does on the device, counted on any machine: a dispatch mode that records every
+kernel launch (torch operations that run a kernel, and Triton launches), every host read of a device
+value, every collective, every operation a CUDA-graph capture refuses, and the bytes each launch reads.
+
+How an operation is classified (the CPU sees the same operations a GPU would, only their device differs):
+- a **launch**: a torch operation that computes (or fills, or copies) on the device, or a Triton kernel
+  launch. Not launches: views and metadata (an output that shares its input's storage, `detach`, `set_`),
+  allocations (`empty*`: inside a captured graph they are the pool's), arithmetic on host scalars (a 0-dim
+  tensor made from a Python number, `torch.tensor(0.5)`, which a GPU kernel takes as an argument), and the
+  work a Triton kernel does under the interpreter. A torch operation is counted once, although a few
+  (sort, topk, cumsum over long rows) launch two or three kernels on a GPU: the count is a lower bound
+  for those;
+- a **host sync**: a read of a device value by the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`,
+  `.cpu()`, `.numpy()`), or an operation whose output shape depends on values (`nonzero`, `unique`,
+  boolean-mask indexing, `repeat_interleave` by a tensor): each stalls the host until the device catches
+  up, and none can be captured in a CUDA graph;
+- a **collective**: a `c10d` operation (all-reduce, all-gather, broadcast), with its payload in bytes; not
+  counted among the launches (the cost model prices it by its own latency);
+- a **capture violation**: a host sync, or a tensor made from host data of several values (a
+  host-to-device copy a replay would not redo).
+
+Bytes read by a launch: every tensor it receives, once (views count their own elements, not their whole
+storage), except (a) outputs: tensors freshly allocated (`empty*`) and not yet written, and the written
+argument of an overwriting operation (`copy_`, `fill_`, `index_put_`...); (b) gathers: `t[index]`,
+`index_select`, `gather`, `embedding` read the gathered elements, not the whole source; (c) reads the
+model declares through `gather()`/`read_through()` (`count.py` does this around the registry's
+`attention` and `moe`): a compressed-row cache read at the rows an index selects, experts read through a
+table of their addresses.
+
+Launches, syncs, collectives and bytes are attributed to the block running when they happen (`tag()`):
+the backbone's layers and the drafter's stages, or outside both (embedding, head, sampling, acceptance,
+commit).
+
+`Recorder(meta=True)` runs a step built on the meta device (shapes without data, `shapes.py`): Triton
+launches are recorded and not run, and the few setup questions a meta tensor cannot answer get a fixed
+answer (`equal` is True, a scalar read is 0). Used to count the released models from their config.
+"""
+
+import os
+import traceback
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels import _triton  # noqa: F401  (before Triton: it chooses the interpreter without a GPU)
+
+aten = torch.ops.aten
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# host syncs that are operations (the reads through Tensor methods are patched, below)
+HOST_SYNCS = {aten._local_scalar_dense.default: "a host read of a device value (int(t), float(t), .item())",
+              aten.item.default: "a host read of a device value (.item())",
+              aten.is_nonzero.default: "a host read of a device value (bool(t), if t:)",
+              aten.equal.default: "a host read of a device value (torch.equal)",
+              aten.nonzero.default: "nonzero (shape depends on values)",
+              aten.masked_select.default: "masked_select (shape depends on values)",
+              aten._unique2.default: "unique (shape depends on values)",
+              aten.unique_dim.default: "unique (shape depends on values)",
+              aten.unique_consecutive.default: "unique (shape depends on values)",
+              aten.repeat_interleave.Tensor: "repeat_interleave by a tensor (shape depends on values)"}
+HOST_COPIES = ("tolist", "numpy", "cpu")  # Tensor methods that copy to the host (no operation on a CPU tensor)
+
+# operations that allocate or change metadata only: no kernel
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                aten.new_empty.default, aten.new_empty_strided.default}
+_METADATA = {aten.detach.default, aten.alias.default, aten.set_.source_Storage,
+             aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default,
+             aten.resize_.default, aten.as_strided_.default, aten.lift_fresh.default}
+# copies that may cross between host and device
+_COPIES = {aten._to_copy.default, aten.to.device, aten.to.dtype_layout, aten.to.other, aten.copy_.default}
+# gathers: the source (argument 0) is read at the gathered elements only
+_GATHERS = {aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default,
+            aten.take.default}
+# overwriting operations: argument 0 (or `out`) is written, not read
+_OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
+               aten.index_put_.default, aten._index_put_impl_.default, aten.index_copy_.default,
+               aten.scatter_.src, aten.scatter_.value, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
+
+
+def _tensors(*groups) -> list[torch.Tensor]:
+    """The tensors among arguments (one level of lists and tuples, as operation arguments nest)."""
+    out = []
+    for group in groups:
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (distinct on the meta device too, where every address is 0)."""
+    return t.untyped_storage()._cdata
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Launch:
+    kind: str  # "torch" | "triton"
+    name: str
+    block: str  # "layer 3", "stage 0", "outside"
+    bytes_read: int
+
+
+class Recorder(TorchDispatchMode):
+    """Counts launches, host syncs, collectives, capture violations and bytes read; see the module
+    docstring. Use as a context manager around the code to count; `recording` can be turned off for
+    warm-up calls (meta runs need the recorder's answers during warm-up too). `label` names the step in
+    capture violations."""
+
+    active: "Recorder | None" = None  # the innermost recorder in use (ShapeComm records its collectives here)
+
+    def __init__(self, meta: bool = False, label: str = "", recording: bool = True):
+        super().__init__()
+        self.meta, self.label, self.recording = meta, label, recording
+        self.launches: list[Launch] = []
+        self.syncs: list[dict] = []
+        self.violations: list[dict] = []
+        self.collectives: list[dict] = []
+        self.extra_reads: dict[str, int] = defaultdict(int)  # block -> bytes read through address tables
+        self.block = "outside"
+        self.paused = 0
+        self.fresh: set[int] = set()  # storages allocated and not written yet
+        self.host_scalars: set[int] = set()  # 0-dim tensors made from Python numbers
+        self.gathered: dict[int, int] = {}  # storage -> bytes a launch reads of it (declared gathers)
+        self.through: dict[int, tuple[int, str]] = {}  # table storage -> (bytes read through it, what)
+        self.triton_launches = 0
+        self._saved: dict = {}
+
+    # --- context -------------------------------------------------------------------------------------
+
+    def __enter__(self):
+        for name in HOST_COPIES:
+            self._saved[name] = original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._host_copy(name, original))
+        self._patch_triton()
+        self._outer, Recorder.active = Recorder.active, self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            if name in HOST_COPIES:
+                setattr(torch.Tensor, name, original)
+        for cls, original in self._saved.get("triton", []):
+            cls.run = original
+        self._saved.clear()
+        Recorder.active = self._outer
+        return super().__exit__(*exc)
+
+    def _patch_triton(self) -> None:
+        classes = []
+        from triton.runtime import jit
+
+        classes.append(jit.JITFunction)
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        except ImportError:
+            pass
+        saved = []
+        for cls in classes:
+            original = cls.run
+            saved.append((cls, original))
+            cls.run = self._triton_launch(original)
+        self._saved["triton"] = saved
+
+    @contextmanager
+    def pause(self):
+        """Work of the measurement itself (counting the distinct rows an index selects): not the step's."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    @contextmanager
+    def tag(self, block: str):
+        """Attribute what happens inside to `block`."""
+        previous, self.block = self.block, block
+        try:
+            yield
+        finally:
+            self.block = previous
+
+    # --- what the model declares ---------------------------------------------------------------------
+
+    @contextmanager
+    def gather(self, t: torch.Tensor, bytes_read: int):
+        """Inside, a launch that receives `t` (or a view of it) reads `bytes_read` of it, not all of it."""
+        key = storage_key(t)
+        self.gathered[key] = bytes_read
+        try:
+            yield
+        finally:
+            self.gathered.pop(key, None)
+
+    def read_through(self, table: torch.Tensor, bytes_read: int, what: str) -> None:
+        """The next launch that receives `table` reads `bytes_read` through the addresses it holds."""
+        self.through[storage_key(table)] = (bytes_read, what)
+
+    def collective(self, op: str, t: torch.Tensor) -> None:
+        """A collective over `t` (its payload) issued outside the dispatcher (a stand-in process group)."""
+        if self.recording and not self.paused:
+            self.collectives.append({"op": op, "bytes": nbytes(t), "block": self.block})
+
+    # --- recording -----------------------------------------------------------------------------------
+
+    def _where(self) -> list[str]:
+        frames = [f"{f.filename[len(ROOT) + 1:]}:{f.lineno}" for f in traceback.extract_stack()
+                  if f.filename.startswith(ROOT) and "/.venv/" not in f.filename
+                  and not f.filename.endswith(("recorder.py", "gpu_dry_run.py"))]
+        return frames[-4:]
+
+    def _sync(self, why: str) -> None:
+        if self.recording:
+            entry = {"step": self.label, "why": why, "where": self._where(), "block": self.block}
+            self.syncs.append(entry)
+            self.violations.append(entry)
+
+    def _host_copy(self, name: str, original):
+        recorder = self
+
+        def call(t, *args, **kwargs):
+            if recorder.paused:
+                return original(t, *args, **kwargs)
+            recorder._sync(f"a copy to the host (.{name}())")
+            if recorder.meta and t.device.type == "meta":
+                zeros = torch.zeros(t.shape, dtype=t.dtype)
+                return zeros.tolist() if name == "tolist" else zeros.numpy() if name == "numpy" else zeros
+            with recorder.pause():
+                return original(t, *args, **kwargs)
+
+        return call
+
+    def _triton_launch(self, original):
+        recorder = self
+
+        def run(fn, *args, **kwargs):
+            if recorder.paused:
+                return original(fn, *args, **kwargs)
+            tensors = _tensors(args, kwargs.values())
+            name = getattr(getattr(fn, "fn", None), "__qualname__", type(fn).__name__)
+            module = getattr(getattr(fn, "fn", None), "__module__", "")
+            recorder._launch("triton", f"{module}.{name}", tensors, (), written=())
+            recorder.triton_launches += 1
+            if recorder.meta:
+                return None
+            with recorder.pause():
+                return original(fn, *args, **kwargs)
+
+        return run
+
+    def _launch(self, kind: str, name: str, inputs: list, gathers: tuple, written: tuple) -> None:
+        """One launch reading `inputs` (tensors), of which `gathers` (source, elements) are gathers and
+        `written` are overwritten, not read."""
+        if not self.recording:
+            for t in inputs:
+                self.fresh.discard(storage_key(t))
+            return
+        seen = set()
+        total = 0
+        skip = {id(t) for t in written}
+        gather_src = {id(src): elems for src, elems in gathers}
+        for t in inputs:
+            key = storage_key(t)
+            vk = _view_key(t)
+            if vk in seen or key in self.host_scalars:
+                continue
+            seen.add(vk)
+            if id(t) in skip:
+                self.fresh.discard(key)
+                continue
+            if key in self.fresh:  # an output: allocated, not written yet
+                if kind == "triton":
+                    self.fresh.discard(key)
+                continue
+            if key in self.through:
+                extra, _ = self.through.pop(key)
+                self.extra_reads[self.block] += extra
+                total += extra
+            if key in self.gathered:
+                total += self.gathered[key]
+            elif id(t) in gather_src:
+                total += gather_src[id(t)] * t.element_size()
+            else:
+                total += nbytes(t)
+        self.launches.append(Launch(kind, name, self.block, total))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.meta:
+            if func is aten.equal.default:
+                self._sync(HOST_SYNCS[func])
+                return True
+            if func is aten._local_scalar_dense.default and args[0].device.type == "meta":
+                self._sync(HOST_SYNCS[func])
+                return 0
+        out = func(*args, **kwargs)
+        if self.paused or not self.recording:
+            return out
+        self._classify(func, args, kwargs, out)
+        return out
+
+    def _classify(self, func, args, kwargs, out) -> None:
+        ins = _tensors(args, kwargs.values())
+        outs = _tensors((out,))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            for t in ins:  # outputs of a collective are written by it
+                self.fresh.discard(storage_key(t))
+            if self.recording:
+                self.collectives.append({"op": func.name(), "bytes": sum(nbytes(t) for t in ins[:1]) if ins else 0,
+                                         "block": self.block})
+            return
+        why = HOST_SYNCS.get(func)
+        if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            why = "boolean-mask indexing (shape depends on values)"
+        if why:
+            self._sync(why)
+        if func is aten.lift_fresh.default:
+            if args[0].dim() > 0:  # a host-to-device copy of several values: a replay would not redo it
+                if self.recording:
+                    self.violations.append({"step": self.label, "block": self.block, "where": self._where(),
+                                            "why": "a tensor made from host data (torch.tensor(...) of several "
+                                                   "values)"})
+                self._launch("torch", "host-to-device copy", [], (), ())
+            else:
+                self.host_scalars.add(storage_key(args[0]))
+            return
+        if func in _COPIES and ins and outs:
+            src, dst = ins[0].device.type, outs[0].device.type
+            if src == "cpu" and dst != "cpu" and ins[0].dim() > 0 and self.recording:
+                self.violations.append({"step": self.label, "block": self.block, "where": self._where(),
+                                        "why": "a copy from host memory to the device (a CPU tensor moved inside "
+                                               "the step)"})
+            elif src != "cpu" and dst == "cpu":
+                self._sync("a copy to the host (.to('cpu'))")
+        if func in _ALLOCATIONS:
+            self.fresh.update(storage_key(o) for o in outs)
+            return
+        if func in _METADATA or func in (aten._local_scalar_dense.default, aten.item.default,
+                                         aten.is_nonzero.default, aten.equal.default):
+            return
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        in_keys = {storage_key(t) for t in ins}
+        if not writes and outs and all(storage_key(o) in in_keys for o in outs):
+            return  # a view
+        if ins and all(storage_key(t) in self.host_scalars for t in ins) and all(o.dim() == 0 for o in outs):
+            self.host_scalars.update(storage_key(o) for o in outs)  # arithmetic on host scalars
+            return
+        written = ()
+        if func in _OVERWRITES and ins:
+            written = (args[0],)
+        elif "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
+            written = (kwargs["out"],)
+        gathers = ()
+        if func in _GATHERS and outs:
+            src = args[1] if func is aten.embedding.default else args[0]
+            gathers = ((src, outs[0].numel()),)
+        self._launch("torch", func.name().removeprefix("aten::"), ins, gathers, written)
+        for o in outs:
+            self.fresh.discard(storage_key(o))
+
+    # --- results -------------------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """Launches, syncs, collectives and bytes, in total and per block (a block's share of what ran)."""
+        by_block: dict[str, dict] = defaultdict(lambda: {"launches": 0, "torch": 0, "triton": 0, "bytes_read": 0,
+                                                          "host_syncs": 0, "collectives": 0})
+        for la in self.launches:
+            b = by_block[la.block]
+            b["launches"] += 1
+            b[la.kind] += 1
+            b["bytes_read"] += la.bytes_read
+        for s in self.syncs:
+            by_block[s["block"]]["host_syncs"] += 1
+        for c in self.collectives:
+            by_block[c["block"]]["collectives"] += 1
+        torch_ops = Counter(la.name for la in self.launches if la.kind == "torch")
+        triton = Counter(la.name.rpartition(".")[2] for la in self.launches if la.kind == "triton")
+        return {"launches": len(self.launches), "torch_launches": sum(torch_ops.values()),
+                "triton_launches": sum(triton.values()), "host_syncs": len(self.syncs),
+                "collectives": len(self.collectives),
+                "bytes_read": sum(la.bytes_read for la in self.launches),
+                "by_block": dict(by_block), "torch_ops": dict(torch_ops.most_common()),
+                "triton_kernels": dict(triton.most_common())}
+
+
+def unique_violations(violations: list[dict]) -> list[dict]:
+    """One entry per (step, reason, place), with how often it happened."""
+    out: dict[tuple, dict] = {}
+    for v in violations:
+        key = (v["step"], v["why"], tuple(v["where"]))
+        entry = out.setdefault(key, {"step": v["step"], "why": v["why"], "where": v["where"], "count": 0})
+        entry["count"] += 1
+    return list(out.values())

@@ -1,0 +1,42 @@
+"""The memory plan tells the truth: what a load of the fast path holds is what the plan, computed from
+config.json alone, says it holds (weights in their stored format, float copies, caches, decode states)."""
+
+import pytest
+
+from appliance.decode.session import DecodeSession
+from appliance.loader import default_model_dir, load_model
+from appliance.measure.memory import fast_path_plan
+from appliance.measure.shapes import live_bytes, live_spans
+from appliance.model.config import load_config
+from appliance.options import RunOptions
+from appliance.parallel.world import World
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (4, 0), (4, 3)])
+def test_a_loaded_fast_path_holds_what_its_plan_says_within_five_percent(world, rank):
+    """One rank, and two of four (the split needs no collective to load: each rank keeps its slices)."""
+    options = RunOptions(draft="dspark", path="fast", dtype="bfloat16")
+    cfg = load_config(default_model_dir())
+    plan = fast_path_plan(cfg, 1024, world=world, dtype="bfloat16", drafter=True, graphs=False)
+    baseline = live_spans("cpu")
+    lm = load_model(options, notice=None, world=World(rank, world, "cpu") if world > 1 else None)
+    session = DecodeSession(lm, options, capacity=1024)
+    allocated = live_bytes("cpu", baseline)
+    assert abs(allocated - plan.total) <= 0.05 * plan.total, (allocated, plan.parts)
+    assert plan.parts["float_copies_and_caches"] > 0  # the copies the fast path still holds are counted
+    per_token = plan.details["state_bytes_per_token"]
+    held = session.state.nbytes + session.spec.state.nbytes
+    assert per_token * 1024 <= held <= per_token * 1024 + plan.details["state_constant"] + 1024 * 8
+    del lm, session
+
+
+def test_the_released_v41_plan_on_four_b300_fits_855k_tokens_and_names_the_state_as_stored(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parent / "data" / "deepseek-v41-flash-config.json", tmp_path / "config.json")
+    plan = fast_path_plan(load_config(tmp_path), 855000, int(288e9), world=4, dtype="bfloat16", drafter=False)
+    assert plan.fits
+    assert plan.details["state_bytes_per_token"] > 890  # bf16 rows as stored, not the packed format
+    assert plan.parts["weights"] > 70e9 and plan.parts["float_copies_and_caches"] > 1e9
+    assert any("w64" in k for k in plan.details["largest_copies"])
