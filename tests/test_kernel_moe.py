@@ -103,8 +103,8 @@ def test_moe_rows_do_not_depend_on_the_other_rows():
     w = torch.rand(6, k, device=DEVICE) + 0.1
     for dt in (torch.float32, torch.bfloat16):
         xd = x.to(dt)
-        assert_rows_invariant(f"experts {dt}", lambda sl: run(moe.fast, xd[sl], w[sl], idx[sl], experts, shared, 32,
-                                                              10.0, True), context=ctx)
+        assert_rows_invariant(f"experts {dt}", lambda sl, xd=xd: run(moe.fast, xd[sl], w[sl], idx[sl], experts, shared,
+                                                                     32, 10.0, True), context=ctx)
 
 
 def test_a_router_row_of_nans_selects_distinct_experts_in_range():

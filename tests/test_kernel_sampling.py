@@ -44,7 +44,8 @@ def test_a_rows_distribution_and_argmax_do_not_depend_on_the_other_rows():
     assert_rows_invariant("p", lambda sl: run(sampling.fast_distribution, logits[sl], params), context=f"(seed {s})")
     greedy = params_of(0.0, 0, 1.0, DEVICE)
     key = torch.tensor([s, 0], device=DEVICE)
-    assert_rows_invariant("argmax", lambda sl: run(sampling.fast_sample, logits[sl], greedy, key), context=f"(seed {s})")
+    assert_rows_invariant("argmax", lambda sl: run(sampling.fast_sample, logits[sl], greedy, key),
+                          context=f"(seed {s})")
 
 
 def test_greedy_sampling_takes_the_lowest_id_among_equal_maxima():
