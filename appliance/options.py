@@ -13,6 +13,9 @@ DTYPES = ("float32", "bfloat16")
 PATHS = ("auto", "reference", "fast")
 INDEX_KEYS = ("own", "reference")
 ALLREDUCE = ("auto", "nccl", "symm")
+# The most rows one forward may take: the kernels' largest launch (kernels/_triton.py MAX_ROWS; a test checks
+# the two agree). A prefill chunk is one forward.
+MAX_CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class RunOptions:
                 raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be one of {', '.join(allowed)}",
                                      field=name, value=value)
         _at_least("chunk", self.chunk, 1)
+        if self.chunk > MAX_CHUNK:
+            raise ApplianceError(f"--chunk {self.chunk}: must be at most {MAX_CHUNK} (the most rows one kernel "
+                                 "launch takes)", field="chunk", value=self.chunk)
         _at_least("draft_tokens", self.draft_tokens, 1)
         if self.context is not None:
             _at_least("context", self.context, 2)

@@ -15,9 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# No contraction of a * b + c into one FMA on the GPU: every product and sum rounds as written, as under the
-# interpreter and in the torch references, so the bit-identity the kernel tests check on CPU holds on the
-# device too (decode is bound by memory, not by these instructions).
+# No contraction of a * b + c into one FMA on the GPU: every product and sum outside a `tl.dot` rounds as
+# written, as under the interpreter, so the error bounds the kernels' docstrings state hold on the device too
+# (decode is bound by memory, not by these instructions).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 import triton  # noqa: E402
@@ -25,9 +25,28 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# Rows one launch may take (a prefill chunk; a verify block has at most 9). Every offset that multiplies a
+# row index is int64, so no index overflows at any size; the bound keeps a launch's float32 scratch
+# (attention logits [rows, heads, keys], index scores [rows, compressed rows]) to what one device holds at
+# the longest context. appliance/options.py bounds --chunk by it (tests/test_options_chunk.py checks both
+# say the same).
+MAX_ROWS = 4096
+
+# Rows of one program of the GEMV kernels (linear, MoE): the tensor-core instruction's N side, padded with
+# masked rows. Fixed, so a row is computed by the same instructions however many rows share the launch.
+MMA_ROWS = 16
 
 
 if INTERPRET:
+    # The interpreter checks every int32 add, sub and mul for overflow with extra operations and an assert
+    # (a fifth of its time on these kernels). Offsets that can pass 2^31 at real sizes are int64 by
+    # construction here, and CPU test sizes are far below 2^31; the GPU compiler never checks.
+    import dataclasses as _dc
+
+    from triton.runtime import interpreter as _interpreter
+
+    _interpreter.interpreter_builder.options = _dc.replace(_interpreter.interpreter_builder.options,
+                                                           sanitize_overflow=False)
     # tl.sum/max/min/cumsum are jit functions of triton's standard library: each call re-patches the
     # language in the interpreter. The same reductions through tl.reduce / tl.associative_scan with the
     # standard combine functions run as single numpy calls.
@@ -96,20 +115,6 @@ def device_of(*tensors: torch.Tensor) -> torch.device:
     return dev
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def const64(values: tuple[float, ...], dev: torch.device) -> torch.Tensor:
-    """A float64 device tensor holding Python floats exactly (a kernel's scalar float argument is float32),
-    made once per value and device: no host-to-device copy on later calls, so calls can be graph-captured
-    after a warm-up."""
-    key = (values, str(dev))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float64, device=dev)
-    return t
-
-
 def sm_count(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).multi_processor_count
@@ -118,11 +123,11 @@ def sm_count(dev: torch.device) -> int:
 
 @device_function
 def round_out(v, OUT_BF16: tl.constexpr):
-    """float64 -> the output dtype the way torch rounds (`.to(bfloat16)` from float64 goes through
-    float32: two roundings, which the reference inherits)."""
-    out = v.to(tl.float32)
+    """float32 -> the output dtype: float32 unchanged, bfloat16 rounded to nearest even (as torch's
+    `.to(bfloat16)` rounds)."""
+    out = v
     if OUT_BF16:  # one return: the compiler rejects returns of different types, even under a constexpr if
-        out = bf16_rne(out)
+        out = bf16_rne(v)
     return out
 
 
@@ -135,9 +140,24 @@ def bf16_rne(v32):
 
 
 @device_function
-def e8m0_f64(e):
-    """E8M0 exponent bytes (int) -> float64 2^(e-127), exact also for e = 0 (2^-127, subnormal in fp32)."""
-    return ((e.to(tl.int64) + (1023 - 127)) << 52).to(tl.float64, bitcast=True)
+def bf16_value(v32):
+    """float32 -> the nearest bfloat16 value (ties to even), kept as float32."""
+    bits = v32.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@device_function
+def e8m0_f32(e):
+    """E8M0 exponent bytes (int) -> float32 2^(e-127), exact also for e = 0 (2^-127, a float32 subnormal)."""
+    e32 = e.to(tl.int32) & 0xFF
+    return tl.where(e32 == 0, 0x400000, e32 << 23).to(tl.float32, bitcast=True)
+
+
+@device_function
+def as_int64(i):
+    """A scalar index (a loop variable: a Python int under the interpreter, int32 on the GPU) as int64, for
+    offsets that multiply it."""
+    return tl.program_id(0).to(tl.int64) * 0 + i
 
 
 @device_function
@@ -150,23 +170,12 @@ def pow2_ceil(v):
 
 @device_function
 def e4m3_rne(y):
-    """Round float32 y (|y| <= 448) to the nearest e4m3 value, ties to even, as float32. Integer arithmetic
-    on the bit pattern: the same on the GPU and in the interpreter (whose float8 cast loses the carry when
-    rounding up crosses a power of two)."""
+    """Round float32 y (|y| <= 448) to the nearest e4m3 value, ties to even, as float32: (y + c) - c with c
+    = 1.5 2^23 times the e4m3 spacing at |y| (2^(e-3) for a normal |y| in [2^e, 2^(e+1)), 2^-9 below 2^-6),
+    so the float32 sum rounds at exactly that spacing, to nearest even (c is an even multiple of it, so the
+    rounding is symmetric in the sign of y), and a carry into the next power of two comes out right. The
+    same on the GPU and in the interpreter (whose float8 cast loses that carry)."""
     bits = y.to(tl.int32, bitcast=True)
-    sign = bits & -0x80000000
-    mag = bits & 0x7FFFFFFF
-    e = (mag >> 23) - 127
-    # normal e4m3 (|y| >= 2^-6): keep 3 of 23 mantissa bits, round half to even; the carry may bump the exponent
-    lsb = (mag >> 20) & 1
-    normal = (mag + 0x7FFFF + lsb) & -0x100000
-    # subnormal e4m3 (|y| < 2^-6): multiples of 2^-9, k = rne(m24 / 2^(14 - e)), k in 0..8
-    sh = tl.minimum(14 - e, 25)
-    m24 = (mag & 0x7FFFFF) | 0x800000
-    k = m24 >> sh
-    rem = m24 - (k << sh)
-    half = 1 << (sh - 1)
-    k = k + ((rem > half) | ((rem == half) & ((k & 1) == 1))).to(tl.int32)
-    sub = (k.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    out = tl.where(e >= -6, normal, sub)
-    return (out | sign).to(tl.float32, bitcast=True)
+    c_normal = (((bits & 0x7F800000) + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
+    c = tl.where(tl.abs(y) < 0.015625, 24576.0, c_normal)  # below 2^-6: spacing 2^-9, c = 1.5 2^14
+    return (y + c) - c

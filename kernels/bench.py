@@ -167,7 +167,7 @@ def _bench_moe(s, m, dev, dt, iters, tiny):
                for _ in range(s.experts)]
     shared = (fp8_weight(s.inter, s.dim, (s.block,) * 2, dev), fp8_weight(s.dim, s.inter, (s.block,) * 2, dev),
               fp8_weight(s.inter, s.dim, (s.block,) * 2, dev))
-    gate64 = (torch.randn(s.dim, s.experts, device=dev) / math.sqrt(s.dim)).to(torch.bfloat16).double()
+    gate = dense_weight(s.experts, s.dim, torch.bfloat16, dev)
     bias = torch.zeros(s.experts, device=dev)
     sets = []
     for _ in range(8 if not tiny else 1):  # different rows choose different experts: weights rotate
@@ -180,9 +180,9 @@ def _bench_moe(s, m, dev, dt, iters, tiny):
     distinct = statistics.mean(len(torch.unique(i)) for _, _, i in sets)
     nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + 2 * m * s.dim * dt.itemsize)
     out = [("moe experts+shared fp4", f"E={s.experts} k={s.top_k} I={s.inter}", t, nbytes)]
-    t = _time(lambda x, w, i: moe.fast_route(x, gate64, bias, s.top_k, "sqrtsoftplus", 1.5, 1e-20), sets, iters,
+    t = _time(lambda x, w, i: moe.fast_route(x, gate, bias, s.top_k, "sqrtsoftplus", 1.5, 1e-20), sets, iters,
               cuda)
-    out.append(("moe route", f"[{s.dim}, {s.experts}]", t, moe.router_weight(gate64).nbytes + m * s.dim * dt.itemsize))
+    out.append(("moe route", f"[{s.dim}, {s.experts}]", t, gate.nbytes + m * s.dim * dt.itemsize))
     return out
 
 
@@ -192,10 +192,11 @@ def _bench_attention(s, m, dev, dt, iters, tiny):
     for _ in range(_copies(nc * s.head_dim * dt.itemsize, tiny)):
         q = torch.randn(m, s.heads, s.head_dim, device=dev).to(dt)
         win = torch.randn(s.window + m, s.head_dim, device=dev).to(dt)
-        mask = torch.ones(m, s.window + m, dtype=torch.bool, device=dev)
+        # each query sees the window's last s.window keys, in position order (as the model lists them)
+        rows = (torch.arange(s.window, device=dev) + torch.arange(m, device=dev)[:, None] + 1).contiguous()
         comp = torch.randn(nc, s.head_dim, device=dev).to(dt)
         idx = torch.randint(0, nc, (m, s.index_topk), device=dev)
-        sets.append((q, win, mask, comp, idx))
+        sets.append((q, win, rows, comp, idx))
     sink = torch.randn(s.heads, device=dev)
     t = _time(lambda q, w, mk, c, i: attention.fast(q, w, mk, c, i, sink, s.head_dim ** -0.5, dt if dt !=
                                                      torch.float32 else None), sets, iters, dev.type == "cuda")

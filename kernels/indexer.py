@@ -8,12 +8,15 @@ ReLU makes zero scores common) go to the lower row index, whatever the length of
 the same rows in a prefill chunk, a verify block or a single decode step.
 
 Kernels:
-- `fast_scores`: one program per block of keys, looping over the query rows, so each key is read once.
-  The dot products accumulate in float64 for float32 operands (the FP4-quantized operands of `official`
-  numerics make them exact) and in float32 for bfloat16 operands (the official kernel's precision; exact
-  float32 products); relu, weights and the head sum in float64 with the reference's roundings.
-  Tolerance: float32 operands: bit-identical in practice (float64 summation order only); bfloat16
-  operands: one rounding of `round_dtype` where the float32 dot differs.
+- `fast_scores`, float32 only: one program per block of keys (BN fixed by the operands' dtype, never by the
+  number of keys), looping over the query rows with the same tiles for each, so each key is read once and a
+  row's scores do not depend on the other rows or on how many keys there are (batch invariant). The dots
+  accumulate in float32 (bfloat16 operands on tensor cores, exact products; float32 operands as FMA dots);
+  relu, weights and the head sum in float32 with the reference's roundings. With the FP4-quantized
+  operands of `official` numerics the dots are exact, and so are the bfloat16 products and (for a spread of
+  exponents under 16 bits) the head sum: bit-identical in practice. Tolerance: float32 operands without
+  rounding: 2^-22 relative to the largest score (float32 sums over dI and the heads); with a
+  `round_dtype`: one rounding of it where a float32 sum differs from the float64 one.
 - `fast_select`: exact top-k by radix selection on the float bit patterns (8 counting passes of 4 bits
   for the k-th largest value, then one compaction pass in row order), so the tie rule is the reference's: the
   lower index wins. Bit-identical.
@@ -25,13 +28,14 @@ import torch
 
 from ._triton import (
     INTERPRET,
+    as_int64,
+    bf16_value,
     device_function,
     device_of,
     pow2,
     require,
     require_dtype,
     require_rows,
-    round_out,
     tcumsum,
     tl,
     tmax,
@@ -102,11 +106,9 @@ def _top(x: torch.Tensor, k: int) -> torch.Tensor:
 
 @device_function
 def _round_to(v, RD: tl.constexpr):
-    """float64 -> round_dtype (0 none, 1 float32, 2 bfloat16) -> float64."""
-    if RD == 1:
-        v = v.to(tl.float32).to(tl.float64)
-    elif RD == 2:
-        v = round_out(v, True).to(tl.float64)
+    """float32 -> round_dtype (0 none, 1 float32, 2 bfloat16) -> float32."""
+    if RD == 2:
+        v = bf16_value(v)
     return v
 
 
@@ -117,29 +119,31 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    nv_ptr,  # int64 n_valid [M]
                    s_ptr,   # out float32 [M, N]
                    M, N, NH, DI, stride_k, rows_per_prog,
-                   RD: tl.constexpr, DOT_F64: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                   RD: tl.constexpr, DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     keys = tl.program_id(0) * BN + tl.arange(0, BN)
     kmask = keys < N
     heads = tl.arange(0, BH)
     hmask = heads < NH
     dcols = tl.arange(0, BD)
     dmask = dcols < DI
-    kt = tl.load(k_ptr + keys[:, None] * stride_k + dcols[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
+    kt = tl.load(k_ptr + keys[:, None].to(tl.int64) * stride_k + dcols[None, :], mask=kmask[:, None] & dmask[None, :],
+                 other=0.0)
     m_lo = tl.program_id(1) * rows_per_prog
     for m in range(m_lo, tl.minimum(M, m_lo + rows_per_prog)):
-        q = tl.load(q_ptr + (m * NH + heads[:, None]) * DI + dcols[None, :], mask=hmask[:, None] & dmask[None, :],
+        m64 = as_int64(m)
+        q = tl.load(q_ptr + (m64 * NH + heads[:, None]) * DI + dcols[None, :], mask=hmask[:, None] & dmask[None, :],
                     other=0.0)
-        if DOT_F64:
-            d = tl.dot(q.to(tl.float64), tl.trans(kt.to(tl.float64)))
+        if DOT_BF16:
+            d = tl.dot(q.to(tl.bfloat16), tl.trans(kt.to(tl.bfloat16)))
         else:  # float32 FMA dot ("ieee"): the interpreter's bfloat16 dot is wrong
-            d = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee").to(tl.float64)
-        w = tl.load(w_ptr + m * NH + heads, mask=hmask, other=0.0).to(tl.float64)
+            d = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        w = tl.load(w_ptr + m64 * NH + heads, mask=hmask, other=0.0).to(tl.float32)
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
-        s = _round_to(tsum(u, axis=0), RD).to(tl.float32)
+        s = _round_to(tsum(u, axis=0), RD)
         nv = tl.load(nv_ptr + m)
         s = tl.where(keys < nv, s, float("-inf"))
-        tl.store(s_ptr + m * N + keys, s, mask=kmask)
+        tl.store(s_ptr + m64 * N + keys, s, mask=kmask)
 
 
 _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -168,14 +172,14 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: t
     if m == 0 or n == 0:
         return out
     q, w, nv = q.contiguous(), w.contiguous(), n_valid.to(torch.int64).contiguous()
-    dot_f64 = not (q.dtype == keys.dtype == torch.bfloat16)
+    bf16 = q.dtype == keys.dtype == torch.bfloat16
     if INTERPRET:
-        bn, rows = min(pow2(n), 256), m
+        bn, rows = 128, m
     else:
-        bn, rows = 32 if dot_f64 else 64, 8
+        bn, rows = 64 if bf16 else 32, 8
     _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
         q, w, keys, nv, out, m, n, nh, di, keys.stride(0), rows,
-        RD=_ROUND[round_dtype], DOT_F64=dot_f64, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
+        RD=_ROUND[round_dtype], DOT_BF16=bf16 and not INTERPRET, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
         BD=pow2(di, 16 if not INTERPRET else 1))
     return out
 
@@ -194,6 +198,8 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
                  R, N, k, stride_x, BR: tl.constexpr, BN: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
+    xrow = x_ptr + rows.to(tl.int64) * stride_x
+    orow = out_ptr + rows.to(tl.int64) * k
     # 1. the k-th largest key T: the largest T with count(key >= T) >= k, found 4 bits at a time (the
     #    count is non-increasing in T, so the next digit is how many of the 15 candidates keep count >= k)
     thr = tl.zeros((BR,), dtype=tl.int64)
@@ -204,7 +210,7 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
         for n0 in range(0, N, BN):
             cols = n0 + tl.arange(0, BN)
             m = rmask[:, None] & (cols[None, :] < N)
-            key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+            key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
             cnt += tsum((m[:, :, None] & (key[:, :, None] >= cand[:, None, :])).to(tl.int64), axis=1)
         d = tsum(((cnt >= k) & (digits[None, :] > 0)).to(tl.int64), axis=1)
         thr = thr | (d << shift)
@@ -213,7 +219,7 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
         m = rmask[:, None] & (cols[None, :] < N)
-        key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+        key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
         gt += tsum((m & (key > thr[:, None])).to(tl.int64), axis=1)
     need = k - gt
     neg_inf = _order_key(tl.full((1,), float("-inf"), dtype=tl.float32))
@@ -222,18 +228,18 @@ def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row 
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
         m = rmask[:, None] & (cols[None, :] < N)
-        key = _order_key(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0))
+        key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
         eq = (m & (key == thr[:, None])).to(tl.int64)
         eq_rank = eq_seen[:, None] + tcumsum(eq, axis=1) - eq
         sel = m & ((key > thr[:, None]) | ((eq != 0) & (eq_rank < need[:, None]))) & (key != neg_inf)
         pos = written[:, None] + tcumsum(sel.to(tl.int64), axis=1) - 1
-        tl.store(out_ptr + rows[:, None] * k + pos, cols[None, :].to(tl.int64) + pos * 0, mask=sel)
+        tl.store(orow[:, None] + pos, cols[None, :].to(tl.int64) + pos * 0, mask=sel)
         eq_seen += tsum(eq, axis=1)
         written += tsum(sel.to(tl.int64), axis=1)
     for j0 in range(0, k, BN):
         cols = j0 + tl.arange(0, BN)
         m = rmask[:, None] & (cols[None, :] < k) & (cols[None, :] >= written[:, None])
-        tl.store(out_ptr + rows[:, None] * k + cols[None, :], tl.full((BR, BN), -1, dtype=tl.int64), mask=m)
+        tl.store(orow[:, None] + cols[None, :], tl.full((BR, BN), -1, dtype=tl.int64), mask=m)
 
 
 def topk_ascending(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -267,7 +273,7 @@ def _block_max_kernel(s_ptr,   # float32 scores [M, N], contiguous
                       nv_ptr,  # int64 n_valid [M]
                       b_ptr,   # out float32 [M, NB] block scores
                       N, NB, block, BB: tl.constexpr, BL: tl.constexpr):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     blocks = tl.program_id(1) * BB + tl.arange(0, BB)
     bmask = blocks < NB
     rows = blocks[:, None] * block + tl.arange(0, BL)[None, :]
@@ -286,7 +292,7 @@ def _block_max_kernel(s_ptr,   # float32 scores [M, N], contiguous
 def _expand_kernel(keep_ptr,  # uint8 [M, NB]: 1 for kept blocks
                    out_ptr,   # out bool-as-uint8 [M, N]
                    N, NB, block, BN: tl.constexpr):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < N
     kept = tl.load(keep_ptr + m * NB + cols // block, mask=cmask, other=0)

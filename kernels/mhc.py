@@ -7,20 +7,26 @@ coeffs: from one site's parameters (fn [hc*(2+hc), hc*D], base, scale [3]) compu
     comb = Sinkhorn(m[2hc:] * scale2 + base[2hc:] as hc x hc): row softmax + eps, column normalization,
            then (iters - 1) x (row, column) normalizations.
 collapse: x = sum_j pre_j X_j.   expand: X'_k = post_k y + sum_j comb[j, k] X_j (comb transposed).
-All interior arithmetic in float64, coefficients returned as float32, streams rounded once.
+Reference: all interior arithmetic in float64, coefficients returned as float32, streams rounded once.
 
-Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_expand`): float64 throughout, like the
-reference. coeffs: split over the hc*D inputs (float64 partial projections and sums of squares, added in
-split order), then one program per row for the sigmoids and Sinkhorn. Tolerance: coefficients within a
-few float32 ulps (2^-21 relative; in practice identical: only float64 summation order differs); streams
-within one rounding of X's dtype.
+Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_expand`), float32 throughout (the official
+code's float32 interior):
+- coeffs / head pre: the projection fn . X and the sum of squares in fixed column chunks (from hc*D only),
+  each chunk one program that walks the rows one at a time with the same tile shapes (a row's sums never
+  share a reduction with another row), partials added in chunk order; then per row sigmoid, softmax and
+  the Sinkhorn normalizations in float32. Tolerance: coefficients within 2^-16 of the largest (the
+  projection's float32 sum over hc*D inputs, 2^-24 sqrt(hc*D) typical, through sigmoid and 20 Sinkhorn
+  normalizations, which contract errors rather than grow them).
+- collapse / expand: elementwise float32 accumulation over the hc copies in copy order (a few roundings:
+  within hc 2^-23 of the largest term, plus one rounding of X's dtype).
+All batch invariant: no reduction mixes rows.
 """
 
 import torch
 
 from ._triton import (
     INTERPRET,
-    const64,
+    as_int64,
     device_function,
     device_of,
     pow2,
@@ -83,85 +89,79 @@ def expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 @triton.jit
 def _project_kernel(x_ptr,     # streams X viewed [M, n] (n = hc*D; float32 / bfloat16), row stride stride_x
                     fn_ptr,    # float32 [J, n] projection, contiguous
-                    part_ptr,  # float64 [S, M, J + 1]: per split, the J partial dots and the sum of squares
-                    M, n, J, stride_x, chunk,  # chunk: inputs per split (a multiple of BC)
-                    BM: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr):
+                    part_ptr,  # float32 [S, M, J + 1]: per chunk, the J partial dots and the sum of squares
+                    M, n, J, stride_x, chunk,  # chunk: inputs per program (a multiple of BC)
+                    BJ: tl.constexpr, BC: tl.constexpr):
     pid_s = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    rmask = rows < M
     js = tl.arange(0, BJ)
     jmask = js < J
     c_lo = pid_s * chunk
     c_end = tl.minimum(n, c_lo + chunk)
-    dots = tl.zeros((BM, BJ), dtype=tl.float64)
-    ss = tl.zeros((BM,), dtype=tl.float64)
-    for c0 in range(c_lo, c_end, BC):
-        cols = c0 + tl.arange(0, BC)
-        cmask = cols < c_end
-        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                    other=0.0).to(tl.float64)
-        f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
-                    other=0.0).to(tl.float64)
-        dots += tsum(v[:, None, :] * f[None, :, :], axis=2)
-        ss += tsum(v * v, axis=1)
-    base = part_ptr + (pid_s * M + rows) * (J + 1)
-    tl.store(base[:, None] + js[None, :], dots, mask=rmask[:, None] & jmask[None, :])
-    tl.store(base + J, ss, mask=rmask)
+    for m in range(M):  # one row at a time: the same tiles and reductions for every row
+        dots = tl.zeros((BJ,), dtype=tl.float32)
+        ss = tl.zeros((1,), dtype=tl.float32)
+        for c0 in range(c_lo, c_end, BC):
+            cols = c0 + tl.arange(0, BC)
+            cmask = cols < c_end
+            v = tl.load(x_ptr + as_int64(m) * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+            f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
+            dots += tsum(f * v[None, :], axis=1)
+            ss += tsum(v * v, axis=0)
+        base = part_ptr + (pid_s * M + m).to(tl.int64) * (J + 1)
+        tl.store(base + js, dots, mask=jmask)
+        tl.store(base + J + tl.arange(0, 1), ss)
 
 
 @device_function
-def _sigmoid64(z):
+def _sigmoid(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
 
 @triton.jit
-def _coeffs_kernel(part_ptr,   # float64 [S, M, J + 1] from _project_kernel
+def _coeffs_kernel(part_ptr,   # float32 [S, M, J + 1] from _project_kernel
                    base_ptr,   # float32 [J] base
                    scale_ptr,  # float32 [3] (coeffs) or [1] (head) scales
-                   eps_ptr,    # float64 [2]: norm_eps, hc_eps
                    pre_ptr,    # float32 [M, hc] out
                    post_ptr,   # float32 [M, hc] out (coeffs only)
                    comb_ptr,   # float32 [M, hc, hc] out (coeffs only)
                    M, n, hc, iters,
+                   norm_eps, hc_eps,  # float32
                    SPLITS: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     J = hc if HEAD else hc * (2 + hc)
-    norm_eps = tl.load(eps_ptr)
-    hc_eps = tl.load(eps_ptr + 1)
     i = tl.arange(0, BHC)
     imask = i < hc
     vm = rmask[:, None] & imask[None, :]                                   # [BM, BHC]
     cm = rmask[:, None, None] & imask[None, :, None] & imask[None, None, :]  # [BM, BHC, BHC]
     cidx = 2 * hc + i[:, None] * hc + i[None, :]
     # the J projections: [BM, BHC] (pre, post) and [BM, BHC, BHC] (comb), splits added in order
-    d_pre = tl.zeros((BM, BHC), dtype=tl.float64)
-    d_post = tl.zeros((BM, BHC), dtype=tl.float64)
-    d_comb = tl.zeros((BM, BHC, BHC), dtype=tl.float64)
-    ss = tl.zeros((BM,), dtype=tl.float64)
+    d_pre = tl.zeros((BM, BHC), dtype=tl.float32)
+    d_post = tl.zeros((BM, BHC), dtype=tl.float32)
+    d_comb = tl.zeros((BM, BHC, BHC), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
     for s in range(SPLITS):
-        row = part_ptr + (s * M + rows) * (J + 1)
+        row = part_ptr + (s * M + rows).to(tl.int64) * (J + 1)
         d_pre += tl.load(row[:, None] + i[None, :], mask=vm, other=0.0)
         if not HEAD:
             d_post += tl.load(row[:, None] + hc + i[None, :], mask=vm, other=0.0)
             d_comb += tl.load(row[:, None, None] + cidx[None, :, :], mask=cm, other=0.0)
         ss += tl.load(row + J, mask=rmask, other=0.0)
-    rho = (1.0 / tl.sqrt(ss / n + norm_eps))[:, None]
-    # the projection is a float32 tensor in the official code: round it once
-    m_pre = (d_pre * rho).to(tl.float32).to(tl.float64)
-    s0 = tl.load(scale_ptr).to(tl.float64)
-    b_pre = tl.load(base_ptr + i, mask=imask, other=0.0).to(tl.float64)[None, :]
-    pre = _sigmoid64(m_pre * s0 + b_pre) + hc_eps
-    tl.store(pre_ptr + rows[:, None] * hc + i[None, :], pre.to(tl.float32), mask=vm)
+    rho = (1.0 / tl.sqrt_rn(ss / n + norm_eps))[:, None]
+    m_pre = d_pre * rho
+    s0 = tl.load(scale_ptr)
+    b_pre = tl.load(base_ptr + i, mask=imask, other=0.0)[None, :]
+    pre = _sigmoid(m_pre * s0 + b_pre) + hc_eps
+    tl.store(pre_ptr + rows[:, None] * hc + i[None, :], pre, mask=vm)
     if not HEAD:
-        s1 = tl.load(scale_ptr + 1).to(tl.float64)
-        s2 = tl.load(scale_ptr + 2).to(tl.float64)
-        m_post = (d_post * rho).to(tl.float32).to(tl.float64)
-        b_post = tl.load(base_ptr + hc + i, mask=imask, other=0.0).to(tl.float64)[None, :]
-        post = 2.0 * _sigmoid64(m_post * s1 + b_post)
-        tl.store(post_ptr + rows[:, None] * hc + i[None, :], post.to(tl.float32), mask=vm)
-        m_comb = (d_comb * rho[:, :, None]).to(tl.float32).to(tl.float64)
-        b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0).to(tl.float64)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        m_post = d_post * rho
+        b_post = tl.load(base_ptr + hc + i, mask=imask, other=0.0)[None, :]
+        post = 2.0 * _sigmoid(m_post * s1 + b_post)
+        tl.store(post_ptr + rows[:, None] * hc + i[None, :], post, mask=vm)
+        m_comb = d_comb * rho[:, :, None]
+        b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0)
         c = tl.where(cm, m_comb * s2 + b_comb[None, :, :], float("-inf"))
         mx = tmax(c, axis=2)
         e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
@@ -171,7 +171,7 @@ def _coeffs_kernel(part_ptr,   # float64 [S, M, J + 1] from _project_kernel
         for _ in range(iters - 1):
             c = c / (tsum(c, axis=2)[:, :, None] + hc_eps)
             c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c.to(tl.float32), mask=cm)
+        tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c, mask=cm)
 
 
 def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
@@ -196,18 +196,19 @@ def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
         return pre, post, comb
     bj = pow2(j)
     if INTERPRET:
-        bm, bc = min(pow2(m), 16), min(pow2(n), 512)
+        bc = min(pow2(n), 512)
         chunk = max(bc, pow2(n))
     else:  # ~2 programs per SM, each a contiguous slice of the hc*D inputs; depends on n only
-        bm, bc = min(pow2(m), 4), 64
+        bc = 64
         chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
     splits = triton.cdiv(n, chunk)
-    part = torch.empty((splits, m, j + 1), dtype=torch.float64, device=dev)
-    _project_kernel[(splits, triton.cdiv(m, bm))](x2, fn, part, m, n, j, x2.stride(0), chunk, BM=bm, BJ=bj, BC=bc)
-    eps = const64((float(norm_eps), float(hc_eps)), dev)
+    part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev)
+    _project_kernel[(splits,)](x2, fn, part, m, n, j, x2.stride(0), chunk, BJ=bj, BC=bc)
+    # one row per program on the GPU; the interpreter's reductions are numpy's, per element along one axis,
+    # so several rows per program give each row the same sums there
     bm2 = min(pow2(m), 64) if INTERPRET else 1
-    _coeffs_kernel[(triton.cdiv(m, bm2),)](part, base, scale, eps, pre, post, comb, m, n, hc, iters,
-                                           SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc))
+    _coeffs_kernel[(triton.cdiv(m, bm2),)](part, base, scale, pre, post, comb, m, n, hc, iters, float(norm_eps),
+                                           float(hc_eps), SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc))
     return pre, post, comb
 
 
@@ -233,12 +234,12 @@ def _collapse_kernel(x_ptr,    # X [M, hc, D] (float32 / bfloat16), contiguous
     rmask = rows < M
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = rmask[:, None] & (cols[None, :] < D)
-    acc = tl.zeros((BM, BD), dtype=tl.float64)
+    acc = tl.zeros((BM, BD), dtype=tl.float32)
     for j in range(hc):
-        p = tl.load(pre_ptr + rows * hc + j, mask=rmask, other=0.0).to(tl.float64)
-        acc += p[:, None] * tl.load(x_ptr + (rows[:, None] * hc + j) * D + cols[None, :], mask=mask,
-                                    other=0.0).to(tl.float64)
-    tl.store(y_ptr + rows[:, None] * D + cols[None, :], round_out(acc, OUT_BF16), mask=mask)
+        p = tl.load(pre_ptr + rows * hc + j, mask=rmask, other=0.0)
+        acc += p[:, None] * tl.load(x_ptr + (rows[:, None].to(tl.int64) * hc + j) * D + cols[None, :], mask=mask,
+                                    other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], round_out(acc, OUT_BF16), mask=mask)
 
 
 def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -272,15 +273,16 @@ def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), conti
     cmask = rmask[:, None] & (cols[None, :] < D)
     k = tl.arange(0, BHC)
     kmask = rmask[:, None] & (k[None, :] < hc)
-    y = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=cmask, other=0.0).to(tl.float64)
-    post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0).to(tl.float64)
-    mixed = tl.zeros((BM, BHC, BD), dtype=tl.float64)
+    r64 = rows.to(tl.int64)
+    y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0)
+    mixed = tl.zeros((BM, BHC, BD), dtype=tl.float32)
     for j in range(hc):  # out stream k takes column k of comb
-        cj = tl.load(comb_ptr + (rows[:, None] * hc + j) * hc + k[None, :], mask=kmask, other=0.0).to(tl.float64)
-        xj = tl.load(x_ptr + (rows[:, None] * hc + j) * D + cols[None, :], mask=cmask, other=0.0).to(tl.float64)
+        cj = tl.load(comb_ptr + (rows[:, None] * hc + j) * hc + k[None, :], mask=kmask, other=0.0)
+        xj = tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
         mixed += cj[:, :, None] * xj[:, None, :]
     out = post[:, :, None] * y[:, None, :] + mixed
-    tl.store(out_ptr + (rows[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
+    tl.store(out_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
              round_out(out, OUT_BF16), mask=kmask[:, :, None] & cmask[:, None, :])
 
 

@@ -1,6 +1,7 @@
 """Mixture of experts for a few rows: router and expert combination.
 
-route: logits = x . W_gate (float32 from a float64 product); scores = sqrt(softplus) | sigmoid | softmax;
+route: logits = x . W_gate (float32 from a float64 product; the gate is a dense PackedWeight [E, D]);
+    scores = sqrt(softplus) | sigmoid | softmax;
     indices = top-k of (scores + bias) (or the hash table's row), weights = scores[idx] / (sum + eps) * scale.
 experts: per row and selected expert e (SwiGLU with clamps):
     g = w1_e(x), u = w3_e(x)  (activation-quantized GEMMs, rounded to the activation dtype)
@@ -9,20 +10,22 @@ experts: per row and selected expert e (SwiGLU with clamps):
     plain:    o_e = w2_e(round(h)) * weight_e (transformers' order)
 Each selected expert's weights are read once, however many rows chose it.
 
-Kernels:
-- `fast_route`: the router product by the linear kernel (float64 accumulation, float32 result, the float64
-  gate read in the narrowest dtype that holds it exactly, checked once per weight), then one program per
-  row: score function in float64 rounded to float32, top-k by repeated argmax (ties to the lower expert
-  id), weights normalized in float32. Tolerance: logits bit-identical; weights within 4 float32 ulps
-  (2^-21 relative: torch's float32 softplus/sigmoid/softmax and sum order differ by an ulp); indices
-  equal unless two biased scores are within that.
+Kernels, float32 only (no float64 instruction):
+- `fast_route`: the router product by the linear kernel (float32 accumulation, float32 logits), then one
+  program per row: score function in float32, top-k by repeated argmax over the experts not yet taken
+  (ties to the lower expert id; a NaN score ranks lowest, so a row of NaNs still yields k distinct ids in
+  range), weights normalized in float32. Tolerance: logits within the linear kernel's bound; weights within
+  2^-20 relative (float32 softplus/sqrt/sigmoid/softmax: a few ulps); indices equal unless two biased
+  scores are within that.
 - `fast`: pairs (row, expert) sorted by expert on the device (no host sync); one program per expert group
-  and block of outputs reads that expert's weights once for all its rows (gate and up fused with SwiGLU,
-  then down), weights found through a device table of expert pointers; then the rows' expert outputs are
-  added in increasing expert id in float32, plus the shared expert, as the reference does. GEMMs
-  accumulate in float64 in a fixed order (see linear.py). Tolerance: bit-identical with quantized
-  operands except where torch's float32 silu differs from the correctly rounded one by an ulp (then one
-  rounding of x's dtype, propagated through w2); checked at 2^-20 relative to the largest output.
+  and block of outputs reads that expert's weights once for all its rows, in their stored format (gate and
+  up fused with SwiGLU, then down), weights found through a device table of expert pointers; then the
+  rows' expert outputs are added in increasing expert id in float32, plus the shared expert, as the
+  reference does. GEMMs are the linear kernel's (tensor-core dots of exact bfloat16 values, float32
+  accumulation, 16 rows per program whatever the number of rows: batch invariant). Tolerance: each GEMM
+  within the linear kernel's bound (K 2^-23 of the sum of magnitudes), which can move a rounding of g, u
+  or h to x's dtype by one ulp, and through the FP8 quantization of h one e4m3 step of an element: checked
+  at 2^-12 of the largest output for float32 and 2^-6 for bfloat16 (the e4m3 steps of h dominate).
 Experts that are None (not held by this shard) contribute zero in the kernels.
 """
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from . import linear
 from ._triton import (
     INTERPRET,
+    MMA_ROWS,
     bf16_rne,
     device_function,
     device_of,
@@ -47,13 +51,13 @@ from ._triton import (
     triton,
     tsum,
 )
-from .linear import PackedWeight, act_tile, check_act_block, check_weight, kernel_args, weight_tile
+from .linear import PackedWeight, act_tile, check_act_block, check_weight, kernel_args, mma_parts, weight_tile
 
 
-def route(x: torch.Tensor, gate64: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str,
+def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
           route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
-    """x [M, D]; gate64 float64 [D, E] -> (weights float32 [M, k], indices int64 [M, k])."""
-    logits = torch.matmul(x.double(), gate64).float()
+    """x [M, D]; gate [E, D] (dense) -> (weights float32 [M, k], indices int64 [M, k])."""
+    logits = torch.matmul(x.double(), gate.dense64()).float()
     if score_func == "sqrtsoftplus":
         s = F.softplus(logits).sqrt()
     elif score_func == "sigmoid":
@@ -128,28 +132,11 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
 # --- Triton kernels: router ------------------------------------------------------------------------------
 
 _SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-_router_weights: dict[int, tuple[weakref.ref, PackedWeight]] = {}
-
-
-def router_weight(gate64: torch.Tensor) -> PackedWeight:
-    """gate64 [D, E] float64 -> the same values as a dense [E, D] weight in bfloat16 or float32 when
-    that holds them exactly (the checkpoint stores BF16), made once per tensor (before graph capture)."""
-    hit = _router_weights.get(id(gate64))
-    if hit is not None and hit[0]() is gate64:
-        return hit[1]
-    w = gate64.t()
-    for dt in (torch.bfloat16, torch.float32, torch.float64):
-        c = w.to(dt)
-        if dt == torch.float64 or torch.equal(c.double(), w):
-            break
-    pw = PackedWeight("router", (w.shape[0], w.shape[1]), "dense", c.contiguous())
-    _router_weights[id(gate64)] = (weakref.ref(gate64), pw)
-    weakref.finalize(gate64, _router_weights.pop, id(gate64), None)
-    return pw
 
 
 @device_function
-def _log1p64(y):
+def _log1p(y):
+    """log(1 + y) for y >= 0, accurate for small y (the log of the rounded 1 + y, corrected)."""
     u = 1.0 + y
     return tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
 
@@ -163,19 +150,17 @@ def _route_kernel(l_ptr,     # float32 router logits [M, E], contiguous
                   E, route_scale, norm_eps,
                   SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
                   BE: tl.constexpr, BK: tl.constexpr):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BE)
     cmask = cols < E
     lg = tl.load(l_ptr + m * E + cols, mask=cmask, other=0.0)
-    l64 = lg.to(tl.float64)
     if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold 20
-        sp = tl.where(lg > 20.0, l64, _log1p64(tl.exp(l64))).to(tl.float32)
-        s = tl.sqrt(sp.to(tl.float64)).to(tl.float32)  # float64 sqrt rounded once = float32 sqrt
+        s = tl.sqrt_rn(tl.where(lg > 20.0, lg, _log1p(tl.exp(tl.minimum(lg, 20.0)))))
     elif SCORE == 1:
-        s = (1.0 / (1.0 + tl.exp(-l64))).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-lg))
     else:
-        ex = tl.where(cmask, tl.exp(l64 - tmax(tl.where(cmask, l64, float("-inf")), axis=0)), 0.0)
-        s = (ex / tsum(ex, axis=0)).to(tl.float32)
+        ex = tl.where(cmask, tl.exp(lg - tmax(tl.where(cmask, lg, float("-inf")), axis=0)), 0.0)
+        s = ex / tsum(ex, axis=0)
     slots = tl.arange(0, BK)
     idx = tl.zeros((BK,), dtype=tl.int64)
     w = tl.zeros((BK,), dtype=tl.float32)
@@ -188,27 +173,28 @@ def _route_kernel(l_ptr,     # float32 router logits [M, E], contiguous
         b = s
         if HAS_BIAS:
             b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
-        b = tl.where(cmask, b, float("-inf"))
+        b = tl.where(b == b, b, float("-inf"))  # a NaN ranks lowest
+        free = cmask  # experts not taken yet: at least K of them, so every pick is a real expert
         for j in tl.static_range(K):
-            best = tmax(b, axis=0)
-            e = tmin(tl.where(b == best, cols, BE), axis=0)
+            best = tmax(tl.where(free, b, float("-inf")), axis=0)
+            e = tmin(tl.where(free & (b == best), cols, BE), axis=0)
             idx = tl.where(slots == j, e.to(tl.int64), idx)
             w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0)), w)
-            b = tl.where(cols == e, float("-inf"), b)
+            free = free & (cols != e)
     w = w / (tsum(w, axis=0) + norm_eps) * route_scale
     tl.store(w_ptr + m * K + slots, w, mask=slots < K)
     tl.store(i_ptr + m * K + slots, idx, mask=slots < K)
 
 
-def fast_route(x: torch.Tensor, gate64: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str,
+def fast_route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
                route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
-    """The kernels for `route` (same signature and result)."""
+    """The kernels for `route` (same signature; results within the stated tolerance)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
-    require(gate64.dim() == 2 and gate64.shape[0] == d, "gate64.shape", tuple(gate64.shape), f"must be [{d}, E]")
-    require_dtype(gate64, "gate64", (torch.float64,))
-    e = gate64.shape[1]
+    require(gate.format == "dense", "gate.format", gate.format, "must be dense")
+    e, gd = gate.shape
+    require(gd == d, "gate.shape", gate.shape, f"must be [E, {d}]")
     require(score_func in _SCORES, "score_func", score_func, f"must be one of {', '.join(_SCORES)}")
     require(1 <= top_k <= min(e, 64), "top_k", top_k, f"must be in 1..{min(e, 64)}")
     require(e <= 4096, "experts", e, "must be <= 4096")
@@ -216,8 +202,8 @@ def fast_route(x: torch.Tensor, gate64: torch.Tensor, bias: torch.Tensor | None,
         require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
     if hash_idx is not None:
         require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
-    dev = device_of(x, gate64)
-    logits = linear.fast(x, router_weight(gate64), None, torch.float32)
+    dev = device_of(x, gate.data)
+    logits = linear.fast(x, gate, None, torch.float32)
     w = torch.empty((m, top_k), dtype=torch.float32, device=dev)
     idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     if m:
@@ -292,44 +278,44 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     h_ptr,      # out [P, I] in x's dtype: the rounded SwiGLU activations, per pair
                     P, PAIRS, D, I, stride_x, stride_wn, stride_sn, limit,  # PAIRS: pairs per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
-                    ACT_BLOCK: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr,
-                    X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+                    HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             base = tab_ptr + tl.load(e_ptr + p) * 6
             a1 = tl.load(base)
-            w1 = a1.to(tl.pointer_type(WDT))
-            s1 = tl.load(base + 1).to(tl.pointer_type(tl.uint8))
-            w3 = tl.load(base + 2).to(tl.pointer_type(WDT))
-            s3 = tl.load(base + 3).to(tl.pointer_type(tl.uint8))
             offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
             n_mask = offs_n < I
-            for r0 in range(p, end, BM):
+            w1_rows = a1.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+            s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+            w3_rows = tl.load(base + 2).to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+            s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+            for r0 in range(p, end, BM):  # 16 pairs at a time, whatever the group's size
                 prs = r0 + tl.arange(0, BM)
                 pm = prs < end
                 rows = tl.load(row_ptr + prs, mask=pm, other=0)
-                acc_g = tl.zeros((BM, BN), dtype=tl.float64)
-                acc_u = tl.zeros((BM, BN), dtype=tl.float64)
+                acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+                acc_u = tl.zeros((BN, BM), dtype=tl.float32)
                 if a1 != 0:
                     for k0 in range(0, D, BK):
                         a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
-                        wg = weight_tile(w1, s1, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc_g += tsum(a[:, None, :] * wg[None, :, :], axis=2)
-                        wu = weight_tile(w3, s3, offs_n, n_mask, k0, D, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc_u += tsum(a[:, None, :] * wu[None, :, :], axis=2)
+                        wg = weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK)
+                        acc_g = mma_parts(wg, a, acc_g, X_PARTS, DOT_BF16)
+                        wu = weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK)
+                        acc_u = mma_parts(wu, a, acc_u, X_PARTS, DOT_BF16)
                 g = round_out(acc_g, X_BF16).to(tl.float32)
                 u = round_out(acc_u, X_BF16).to(tl.float32)
                 if HAS_LIMIT:
                     u = tl.minimum(tl.maximum(u, -limit), limit)
                     g = tl.minimum(g, limit)
-                g64 = g.to(tl.float64)
-                h = (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
+                h = g / (1.0 + tl.exp(-g)) * u
                 if APPLY_W == 1:
-                    h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[:, None] * h
+                    h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[None, :] * h
                 if X_BF16:
                     h = bf16_rne(h)
-                tl.store(h_ptr + prs[:, None] * I + offs_n[None, :], h, mask=pm[:, None] & n_mask[None, :])
+                tl.store(h_ptr + prs[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
 
 
 @triton.jit
@@ -338,34 +324,34 @@ def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), c
                  o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
                  P, PAIRS, I, D, stride_wn, stride_sn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
-                 ACT_BLOCK: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             base = tab_ptr + tl.load(e_ptr + p) * 6
             a2 = tl.load(base + 4)
-            w2 = a2.to(tl.pointer_type(WDT))
-            s2 = tl.load(base + 5).to(tl.pointer_type(tl.uint8))
             offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
             n_mask = offs_n < D
+            w2_rows = a2.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+            s2_rows = tl.load(base + 5).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
             for r0 in range(p, end, BM):
                 prs = r0 + tl.arange(0, BM)
                 pm = prs < end
-                acc = tl.zeros((BM, BN), dtype=tl.float64)
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
                 if a2 != 0:
                     for k0 in range(0, I, BK):
                         a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
-                        w = weight_tile(w2, s2, offs_n, n_mask, k0, I, stride_wn, stride_sn, FMT, BO, BI, BN, BK)
-                        acc += tsum(a[:, None, :] * w[None, :, :], axis=2)
+                        w = weight_tile(w2_rows, s2_rows, n_mask, k0, I, FMT, BI, BN, BK)
+                        acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
                 o = round_out(acc, X_BF16).to(tl.float32)
                 if APPLY_W == 2:  # o * weight in x's dtype
                     pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
                     if X_BF16:
-                        o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[:, None]).to(tl.float32)
+                        o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[None, :]).to(tl.float32)
                     else:
-                        o = o * pw[:, None]
-                tl.store(o_ptr + prs[:, None] * D + offs_n[None, :], o, mask=pm[:, None] & n_mask[None, :])
+                        o = o * pw[None, :]
+                tl.store(o_ptr + prs[None, :].to(tl.int64) * D + offs_n[:, None], o, mask=n_mask[:, None] & pm[None, :])
 
 
 @triton.jit
@@ -374,7 +360,7 @@ def _combine_kernel(o_ptr,       # float32 [P, D] routed outputs per pair
                     shared_ptr,  # float32 [M, D] shared expert output (HAS_SHARED)
                     y_ptr,       # out [M, D] in x's dtype
                     D, K, HAS_SHARED: tl.constexpr, X_BF16: tl.constexpr, BD: tl.constexpr):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
     y = tl.zeros((BD,), dtype=tl.float32)
@@ -393,28 +379,30 @@ def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
     p, dev = e.numel(), x.device
     first = torch.searchsorted(e, e)
     end = torch.searchsorted(e, e, right=True)
-    m, d, i = x.shape[0], table.d, table.i
+    d, i = table.d, table.i
+    bm = MMA_ROWS  # 16 pairs per block of a group, whatever the number of rows: batch invariant
     if INTERPRET:
         bk = max(min(pow2(max(d, i)), 256), act_block, 32)
-        bm, bn_up, bn_down = min(pow2(m), 32), min(pow2(i), 128), min(pow2(d), 128)
+        bn_up, bn_down = min(pow2(i), 128), min(pow2(d), 128)
     else:
         bk = max(64, act_block)
-        bm = min(pow2(m), 8)
-        bn_up = max(16, 4096 // (bm * bk))
-        bn_down = max(16, 8192 // (bm * bk))
+        bn_up, bn_down = 64, 64
     pairs = p if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
     xb = x.dtype == torch.bfloat16
+    parts = 3 if not act_block and not xb else 1  # float32 activations: three exact bfloat16 parts
+    dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
     h = torch.empty((p, i), dtype=x.dtype, device=dev)
     swn, ssn, fmt, bo, bi = table.up
     _gate_up_kernel[(triton.cdiv(p, pairs), triton.cdiv(i, bn_up))](
         x, table.table, e, rows, pw, first, end, h, p, pairs, d, i, x.stride(0), swn, ssn, float(limit),
-        FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_up, ACT_BLOCK=act_block, HAS_LIMIT=limit > 0, APPLY_W=apply_w,
-        X_BF16=xb, BM=bm, BN=bn_up, BK=bk)
+        FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_up, ACT_BLOCK=act_block, X_PARTS=parts, DOT_BF16=dot_bf16,
+        HAS_LIMIT=limit > 0, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_up, BK=bk)
     o = torch.empty((p, d), dtype=torch.float32, device=dev)
     swn, ssn, fmt, bo, bi = table.down
     _down_kernel[(triton.cdiv(p, pairs), triton.cdiv(d, bn_down))](
         h, table.table, e, pw, first, end, o, p, pairs, i, d, swn, ssn, FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_down,
-        ACT_BLOCK=act_block, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_down, BK=bk)
+        ACT_BLOCK=act_block, X_PARTS=parts, DOT_BF16=dot_bf16, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_down,
+        BK=bk)
     return o
 
 

@@ -1,10 +1,11 @@
 """Rotary embedding on the last `2 * cos.shape[-1]` dims of a vector, as interleaved pairs
-(x[2i], x[2i+1]) rotated by angle phi_i; the inverse rotation uses the conjugate. Computed in float64
-from float32 cos/sin tables and rounded once to x's dtype.
+(x[2i], x[2i+1]) rotated by angle phi_i; the inverse rotation uses the conjugate. Reference: computed in
+float64 from float32 cos/sin tables and rounded once to x's dtype.
 
-Kernel (`fast`): one pass over the rows, nope dims copied, each pair rotated in float64 (the products of
-float32 values are exact in float64, so each rotated value is rounded exactly as the reference rounds
-it). Tolerance: bit-identical.
+Kernel (`fast`): one pass over the rows, nope dims copied, each pair rotated in float32 (a * c - b * s: two
+rounded products and a rounded difference; elementwise, so batch invariant). Tolerance: |y - y_ref| <=
+2^-23 (|a c| + |b s|) before the final rounding, so within one rounding of x's dtype plus 2^-23 of the
+pair's magnitude (a bfloat16 value at a rounding boundary can move by one bfloat16 ulp).
 """
 
 import torch
@@ -43,21 +44,21 @@ def _kernel(x_ptr,    # input [R, d] (float32 / bfloat16), row stride stride_x
     for d0 in range(0, nope, BD):
         cols = d0 + tl.arange(0, BD)
         m = rmask[:, None] & (cols[None, :] < nope)
-        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m)
-        tl.store(y_ptr + rows[:, None] * d + cols[None, :], v, mask=m)
+        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * d + cols[None, :], v, mask=m)
     # rotated pairs
     i2 = rows % L2
     i1 = (rows // L2) % L1
     i0 = rows // (L1 * L2)
-    crow = i0 * c0 + i1 * c1 + i2 * c2
+    crow = i0.to(tl.int64) * c0 + i1.to(tl.int64) * c1 + i2.to(tl.int64) * c2
     pairs = tl.arange(0, BH)
     pm = rmask[:, None] & (pairs[None, :] < half)
-    c = tl.load(cos_ptr + crow[:, None] + pairs[None, :], mask=pm, other=0.0).to(tl.float64)
-    s = tl.load(sin_ptr + crow[:, None] + pairs[None, :], mask=pm, other=0.0).to(tl.float64) * SIGN
-    ea = rows[:, None] * stride_x + nope + 2 * pairs[None, :]
-    a = tl.load(x_ptr + ea, mask=pm, other=0.0).to(tl.float64)
-    b = tl.load(x_ptr + ea + 1, mask=pm, other=0.0).to(tl.float64)
-    oa = rows[:, None] * d + nope + 2 * pairs[None, :]
+    c = tl.load(cos_ptr + crow[:, None] + pairs[None, :], mask=pm, other=0.0)
+    s = tl.load(sin_ptr + crow[:, None] + pairs[None, :], mask=pm, other=0.0) * SIGN
+    ea = rows[:, None].to(tl.int64) * stride_x + nope + 2 * pairs[None, :]
+    a = tl.load(x_ptr + ea, mask=pm, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + ea + 1, mask=pm, other=0.0).to(tl.float32)
+    oa = rows[:, None].to(tl.int64) * d + nope + 2 * pairs[None, :]
     tl.store(y_ptr + oa, round_out(a * c - b * s, OUT_BF16), mask=pm)
     tl.store(y_ptr + oa + 1, round_out(a * s + b * c, OUT_BF16), mask=pm)
 

@@ -13,13 +13,15 @@ E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with 
 min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
 draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
 
-Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), one program per row, looping over the vocab:
-softmax in float64 rounded to float32; top-k and top-p thresholds by radix search on the float bit
-patterns (32 counting passes each; the top-p mass sums in float64), so no sort; greedy by an argmax kernel
-(ties to the lowest id); draws by the reference race over the kernel's p. Tolerance: probabilities within
-4 float32 ulps (2^-21 relative: torch's float32 exp and sum order differ by an ulp); the kept set is the
-reference's except at exact ties on the top-p boundary, where all tied entries are kept (the reference's
-order among ties is its sort's, unspecified).
+Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), float32 only, one program per row, looping
+over the vocab in blocks of a fixed width (each block one reduction, blocks added in order: a row's sums do
+not depend on the other rows): softmax in float32; top-k and top-p thresholds by radix search on the float
+bit patterns (32 counting passes each; the top-p mass sums in float32), so no sort; greedy by an argmax
+kernel (ties to the lowest id); draws by the reference race over the kernel's p. Tolerance: probabilities
+within 2^-20 of the largest (float32 exp and sums over V in a different order than torch's: a few ulps);
+the kept set is the reference's except at exact ties on the top-p boundary, where all tied entries are kept
+(the reference's order among ties is its sort's, unspecified), or where a partial mass is within those
+ulps of top_p times the total.
 """
 
 import torch
@@ -137,27 +139,27 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
                          p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
                          params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
                          V, stride_l, BV: tl.constexpr):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     temperature = tl.maximum(tl.load(params_ptr), 1e-5)
     top_p = tl.load(params_ptr + 1)
     top_k = tl.load(params_ptr + 2).to(tl.int64)
     lrow = l_ptr + r * stride_l
     prow = p_ptr + r * V
     # softmax of logits / temperature (the division in float32, as the reference does it)
-    mx = tl.full((1,), float("-inf"), dtype=tl.float64)
+    mx = tl.full((1,), float("-inf"), dtype=tl.float32)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
-        mx = tl.maximum(mx, tmax(x.to(tl.float64), axis=0))
-    tot = tl.zeros((1,), dtype=tl.float64)
+        mx = tl.maximum(mx, tmax(x, axis=0))
+    tot = tl.zeros((1,), dtype=tl.float32)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
-        tot += tsum(tl.exp(x.to(tl.float64) - mx), axis=0)
+        tot += tsum(tl.exp(x - mx), axis=0)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
-        tl.store(prow + cols, (tl.exp(x.to(tl.float64) - mx) / tot).to(tl.float32), mask=cols < V)
+        tl.store(prow + cols, tl.exp(x - mx) / tot, mask=cols < V)
     # top-k: keep p >= the k-th largest p (the largest T with count(p >= T) >= k)
     kth = tl.zeros((1,), dtype=tl.int64)
     if (top_k > 0) & (top_k < V):
@@ -173,33 +175,32 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     # mass(p >= T) >= top_p * total
     thr = kth
     if top_p < 1.0:
-        total = tl.zeros((1,), dtype=tl.float64)
+        total = tl.zeros((1,), dtype=tl.float32)
         for v0 in range(0, V, BV):
             cols = v0 + tl.arange(0, BV)
             p = tl.load(prow + cols, mask=cols < V, other=0.0)
-            total += tsum(tl.where(_key(p) >= kth, p, 0.0).to(tl.float64), axis=0)
-        goal = (top_p * total.to(tl.float32)).to(tl.float64)
+            total += tsum(tl.where(_key(p) >= kth, p, 0.0), axis=0)
+        goal = top_p * total
         thr = tl.zeros((1,), dtype=tl.int64)
         for b in range(30, -1, -1):
             cand = thr | (1 << b)
-            mass = tl.zeros((1,), dtype=tl.float64)
+            mass = tl.zeros((1,), dtype=tl.float32)
             for v0 in range(0, V, BV):
                 cols = v0 + tl.arange(0, BV)
                 p = tl.load(prow + cols, mask=cols < V, other=0.0)
                 k = _key(p)
-                mass += tsum(tl.where((k >= cand) & (k >= kth), p, 0.0).to(tl.float64), axis=0)
+                mass += tsum(tl.where((k >= cand) & (k >= kth), p, 0.0), axis=0)
             thr = tl.where(mass >= goal, cand, thr)
         thr = tl.maximum(thr, kth)
-    kept = tl.zeros((1,), dtype=tl.float64)
+    kept = tl.zeros((1,), dtype=tl.float32)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
-        kept += tsum(tl.where(_key(p) >= thr, p, 0.0).to(tl.float64), axis=0)
+        kept += tsum(tl.where(_key(p) >= thr, p, 0.0), axis=0)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
-        q = (tl.where(_key(p) >= thr, p, 0.0).to(tl.float64) / kept).to(tl.float32)
-        tl.store(prow + cols, q, mask=cols < V)
+        tl.store(prow + cols, tl.where(_key(p) >= thr, p, 0.0) / kept, mask=cols < V)
 
 
 def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -223,7 +224,7 @@ def _argmax_kernel(p_ptr,    # [R, V] values (probabilities or logits), row stri
                    e_ptr,    # float32 [R, V] exponential draws, contiguous (HAS_E)
                    out_ptr,  # out int64 [R]
                    V, stride_p, HAS_E: tl.constexpr, BV: tl.constexpr):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     best = tl.full((1,), float("-inf"), dtype=tl.float32)
     best_i = tl.zeros((1,), dtype=tl.int64)
     for v0 in range(0, V, BV):

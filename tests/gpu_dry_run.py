@@ -14,8 +14,14 @@
    device value, an output whose shape depends on values, a tensor made from host data) with where it
    happened.
 
-It prints one JSON object (compilations per target, kernels never launched, failures, capture violations);
-exit status 1 when anything failed.
+3. The fast path's numerics contract and register budget, read from what the compiler produced: no float64
+   instruction in any kernel's PTX (an `.f64` opcode: a B300 runs float64 at 1/60 of its float32 rate), and
+   ptxas' register and spill counts for every specialization (`ptxas -v` on the PTX, with the flags Triton
+   uses), none of which may spill.
+
+It prints one JSON object (compilations per target, per kernel and target its specializations, most
+registers, most spilled bytes and float64 instructions, kernels never launched, failures, capture
+violations); exit status 1 when anything failed.
 """
 
 import os
@@ -25,8 +31,11 @@ os.environ["TRITON_INTERPRET"] = "0"  # before Triton is imported: kernels are c
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import hashlib  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -40,15 +49,63 @@ from triton.runtime import jit  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
 
+_F64 = re.compile(r"^\s*(@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction (not a .reg declaration) on float64
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def f64_instructions(ptx: str) -> int:
+    """PTX instructions whose opcode names the .f64 type (arithmetic, conversions, loads and moves of it)."""
+    return sum(1 for line in ptx.splitlines() if _F64.match(line))
+
+
+class Ptxas:
+    """ptxas -v on a kernel's PTX with the flags Triton compiles it with: (registers, spilled bytes), cached by
+    the PTX's hash (the compiled kernels themselves come from Triton's cache without a ptxas log)."""
+
+    def __init__(self):
+        self.path = os.path.join(triton.knobs.cache.dir, "ptxas-v.json")
+        try:
+            with open(self.path) as f:
+                self.cache = json.load(f)
+        except (OSError, ValueError):
+            self.cache = {}
+
+    def __call__(self, ptx: str, arch: int, fp_fusion: bool) -> tuple[int, int]:
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+        key = hashlib.sha256(f"{arch} {fp_fusion}\n{ptx}".encode()).hexdigest()
+        if key not in self.cache:
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(ptx)
+                cmd = [get_ptxas(arch).path, "-v", *([] if fp_fusion else ["--fmad=false"]), "--regAllocOptLevel=2",
+                       f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.cubin")]
+                log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+            regs = max((int(r) for r in _REGS.findall(log)), default=0)
+            spill = max((int(a) + int(b) for a, b in _SPILLS.findall(log)), default=0)
+            self.cache[key] = [regs, spill]
+        return tuple(self.cache[key])
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump(self.cache, f)
+
 
 class Compiler:
-    """Stands in for JITFunction.run: compiles each new specialization for every target, launches nothing."""
+    """Stands in for JITFunction.run: compiles each new specialization for every target, launches nothing;
+    reads each compiled kernel's float64 instructions, registers and spills."""
 
     def __init__(self, archs: list[int]):
         self.targets = [GPUTarget("cuda", a, 32) for a in archs]
         self.done: dict[tuple, float] = {}  # (kernel, arch, signature, constexprs) -> seconds
         self.failures: list[dict] = []
         self.shared = 0  # the most shared memory any compiled kernel asks for, in bytes
+        self.ptxas = Ptxas()
+        # arch -> kernel -> {"specializations", "registers" (most), "spill_bytes" (most), "f64_instructions"}
+        self.resources: dict[int, dict[str, dict]] = {a: {} for a in archs}
 
     def __call__(self, fn: jit.JITFunction, *args, grid, warmup, **kwargs):
         name = f"{fn.fn.__module__}.{fn.fn.__name__}"
@@ -69,9 +126,28 @@ class Compiler:
                                           f"{k.metadata.shared} bytes of shared memory > {SHARED_LIMIT} "
                                           f"(constexprs {sorted(constexprs.items())})"})
                 self.shared = max(self.shared, k.metadata.shared)
+                self.check_resources(name, target.arch, k, options, constexprs)
             except Exception as e:  # the compiler's message is the finding
                 self.failures.append({"kernel": name, "arch": target.arch, "error": str(e)[-2000:]})
             self.done[key] = time.perf_counter() - t
+
+    def check_resources(self, name: str, arch: int, k, options, constexprs) -> None:
+        ptx = k.asm["ptx"]
+        f64 = f64_instructions(ptx)
+        regs, spill = self.ptxas(ptx, arch, options.enable_fp_fusion)
+        r = self.resources[arch].setdefault(name, {"specializations": 0, "registers": 0, "spill_bytes": 0,
+                                                   "f64_instructions": 0})
+        r["specializations"] += 1
+        r["registers"] = max(r["registers"], regs)
+        r["spill_bytes"] = max(r["spill_bytes"], spill)
+        r["f64_instructions"] += f64
+        where = f"(constexprs {sorted((n, v) for n, v in constexprs.items() if not isinstance(v, int) or v < 1 << 20)})"
+        if f64:
+            self.failures.append({"kernel": name, "arch": arch, "error": f"{f64} float64 instructions in the PTX "
+                                  f"{where}: the fast path accumulates in float32"})
+        if spill:
+            self.failures.append({"kernel": name, "arch": arch, "error": f"ptxas spills {spill} bytes ({regs} "
+                                  f"registers) {where}: choose smaller blocks"})
 
 
 def kernel_names() -> set[str]:
@@ -169,17 +245,33 @@ def main() -> int:
     drive_cycles(failures, violations)
     phases["tiny models' cycles"] = [len(compiler.done) - phases["benchmark cases"][0],
                                      round(time.perf_counter() - t, 1)]
-    compiled = {a: {} for a in archs}  # arch -> kernel -> specializations compiled
-    for name, arch, _, _ in compiler.done:
-        compiled[arch][name] = compiled[arch].get(name, 0) + 1
+    compiler.ptxas.save()
     missing = sorted(kernel_names() - {k[0] for k in compiler.done})
     print(json.dumps({"archs": archs, "compilations": len(compiler.done),
                       "seconds": round(sum(compiler.done.values()), 1),
                       "max_shared_bytes": compiler.shared, "phases (compilations, s)": phases,
-                      "compiled": compiled,
+                      "kernels": {a: dict(sorted(r.items())) for a, r in compiler.resources.items()},
                       "never_launched": missing, "failures": failures,
                       "capture_violations": unique_violations(violations)}, indent=1))
+    print(table(compiler.resources), file=sys.stderr)
     return 1 if failures or missing or violations else 0
+
+
+def table(resources: dict[int, dict[str, dict]]) -> str:
+    """Per kernel and target: specializations compiled, most registers, most spilled bytes, float64
+    instructions."""
+    archs = sorted(resources)
+    names = sorted({n for r in resources.values() for n in r})
+    head = f"{'kernel':<34}" + "".join(f" | sm_{a}: spec regs spill f64" for a in archs)
+    lines = [head, "-" * len(head)]
+    for n in names:
+        cells = []
+        for a in archs:
+            r = resources[a].get(n)
+            cells.append(" | " + (f"{'':6}{r['specializations']:4d} {r['registers']:4d} {r['spill_bytes']:5d} "
+                                  f"{r['f64_instructions']:3d}" if r else f"{'-':>29}"))
+        lines.append(f"{n.removeprefix('kernels.'):<34}" + "".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

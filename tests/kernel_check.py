@@ -92,3 +92,40 @@ def assert_equal(name: str, want: torch.Tensor, got: torch.Tensor, context: str 
     n = int(bad.sum())
     print(f"{name}: {n} of {bad.numel()} differ {context}")
     assert n == 0, f"{name}: {n} of {bad.numel()} elements differ, first at {bad.nonzero()[0].tolist()} {context}"
+
+
+def assert_within(name: str, want: torch.Tensor, got: torch.Tensor, bound: torch.Tensor, context: str = "") -> None:
+    """|got - want| <= bound elementwise (a stated error bound, e.g. K 2^-23 sum|x w| for a float32 sum),
+    same shape and dtype, no NaN. Prints the worst ratio of error to bound."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)} {context}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype} {context}"
+    g, w, b = got.double().cpu(), want.double().cpu(), bound.double().cpu().expand_as(want)
+    assert not torch.isnan(g).any(), f"{name}: NaN in the kernel output {context}"
+    err = (g - w).abs()
+    ratio = (err / b.clamp(min=1e-300)).max().item() if err.numel() else 0.0
+    print(f"{name}: max-abs {err.max().item() if err.numel() else 0:.3g}, worst error/bound {ratio:.3g} {context}")
+    bad = err > b
+    assert not bad.any(), (f"{name}: {int(bad.sum())} elements over the bound, first at {bad.nonzero()[0].tolist()}: "
+                           f"error {err[bad][0].item():.3g} > bound {b[bad][0].item():.3g} {context}")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (so -0 and +0, or two NaNs, compare as what they are)."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_rows_invariant(name: str, call, rows: int = 6, context: str = "") -> None:
+    """Batch invariance: `call(sl)` computes the outputs of rows `sl` (a slice of the test's rows, with
+    whatever per-row inputs go with them). For every M in 1..rows, the first M rows computed in one call
+    equal, bit for bit, the same rows computed one per call."""
+    singles = [call(slice(i, i + 1)) for i in range(rows)]
+    for m in range(1, rows + 1):
+        together = call(slice(0, m))
+        alone = torch.cat(singles[:m])
+        assert together.shape == alone.shape, f"{name} M={m}: shape {tuple(together.shape)} != {tuple(alone.shape)}"
+        bad = bits(together.cpu()) != bits(alone.cpu())
+        assert not bad.any(), (f"{name}: rows computed {m} together differ from one at a time in {int(bad.sum())} "
+                               f"of {bad.numel()} elements, first at {bad.nonzero()[0].tolist()} {context}")
+    print(f"{name}: rows 1..{rows} together equal one at a time, bit for bit {context}")

@@ -1,42 +1,116 @@
-"""End to end: the fast path (every op a Triton kernel; on CPU under the interpreter) generates the same
-greedy tokens as the reference path on every tiny checkpoint and on the official fixture, with logits
-within the stated tolerance (relative to the largest logit: 2^-20; in practice they are identical, since
-every kernel reproduces its reference's roundings). Short on purpose: the interpreter is slow, so a
-16-token prefill and 6 greedy steps per model."""
+"""End to end on the fast path (every op a Triton kernel; on CPU under the interpreter):
+
+- Tolerance to the reference path: the teacher-forced logits of every tiny model and of the official
+  fixture are within LOGIT_TOL of the reference's (relative to the row's largest |logit|), and the greedy
+  token is the reference's wherever its top-2 margin exceeds 2 LOGIT_TOL (each of the two logits can move by
+  the tolerance). Why LOGIT_TOL (README "Numerics"): the float32 kernels differ from the float64 reference
+  by ~2^-22 relative, but that can move a value across a rounding boundary of the official numerics (an FP8
+  activation code, an FP4 KV or index code, a bfloat16 rounding), which then changes that one element by a
+  whole code step; the bound covers a few such flips reaching the logits.
+- Batch invariance of the whole forward: a verify block of M rows (M = 1..6) equals M single steps bit for
+  bit (logits, DSpark inputs, final streams and every state buffer).
+- Whole cycles: greedy decoding with each family's drafter equals greedy decoding without, token for token.
+
+The interpreter takes seconds per forward, so prompts and generations are short here (sized to keep these
+tests within a few minutes); tests/test_speculative.py runs the long versions on the reference path
+(256 tokens, k = 1..5) and the kernel tests check every kernel's rows 1..6 bit for bit."""
+
+import random
 
 import pytest
 import torch
 
+from appliance.api import Request
+from appliance.decode.speculator import Speculator
 from kernels import _triton
 
-from .conftest import FIXTURE, load
-from .kernel_check import assert_close
+from .conftest import FIXTURE, load, open_loop
+from .kernel_check import bits
 
-LOGIT_TOL = 2.0**-20
-PREFILL, STEPS = 16, 6
+pytestmark = [
+    pytest.mark.skipif(not _triton.INTERPRET, reason="runs the tiny models on the CPU, which needs the Triton "
+                       "interpreter (on a CUDA machine the kernels run on the GPU; the model loads on the CPU)"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy under the interpreter: exp overflow to inf
+]
 
-
-def greedy(model_dir, path):
-    lm = load(model_dir, path=path)
-    model = lm.model
-    state = model.new_state(PREFILL + STEPS + 8)
-    prompt = (torch.arange(PREFILL) * 7 + 3) % lm.cfg.vocab_size
-    logits = [model.forward(prompt, state, logits="all").logits]
-    tokens = []
-    for _ in range(STEPS):
-        tokens.append(int(logits[-1][-1].argmax()))
-        logits.append(model.forward(torch.tensor([tokens[-1]]), state, logits="last").logits)
-    tokens.append(int(logits[-1][-1].argmax()))
-    return tokens, torch.cat(logits)
+LOGIT_TOL = 2.0**-7  # relative to the row's largest |logit|; measured worst over many random prompts: README
+PROMPT = 32          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
+GENERATE = 12        # greedy tokens per cycle test
+DRAFTS = [("deepseek_v41", "dspark"), ("deepseek_v41", "adaptive"), ("deepseek_v4", "mtp"),
+          ("deepseek_v4_0731", "dspark")]
 
 
-@pytest.mark.skipif(not _triton.INTERPRET, reason="runs the tiny models on the CPU, which needs the Triton "
-                    "interpreter (on a CUDA machine the kernels run on the GPU; the model loads on the CPU)")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: exp overflow to inf
 @pytest.mark.parametrize("name", ["deepseek_v41", "deepseek_v4", "deepseek_v4_0731", "fixture"])
-def test_the_fast_path_generates_the_reference_greedy_tokens(name, tiny_dirs):
+def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(name, tiny_dirs):
+    seed = random.randrange(1 << 30)
     model_dir = FIXTURE if name == "fixture" else tiny_dirs[name]
-    want_tokens, want_logits = greedy(model_dir, "reference")
-    got_tokens, got_logits = greedy(model_dir, "fast")
-    assert got_tokens == want_tokens, f"{name}: fast {got_tokens} != reference {want_tokens}"
-    assert_close("logits", want_logits, got_logits, LOGIT_TOL, context=name)
+    out = {}
+    for path in ("reference", "fast"):
+        lm = load(model_dir, path=path)
+        tokens = torch.randint(0, lm.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
+        out[path] = lm.model.forward(tokens, lm.model.new_state(PROMPT), logits="all").logits
+    want, got = out["reference"], out["fast"]
+    tol = LOGIT_TOL * want.abs().amax(-1)
+    err = (got - want).abs().amax(-1)
+    print(f"{name} (seed {seed}): worst |delta logit| / row max {(err / want.abs().amax(-1)).max().item():.3g} "
+          f"(tolerance {LOGIT_TOL:.3g})")
+    over = (err > tol).nonzero().flatten().tolist()
+    assert not over, f"{name} (seed {seed}): rows over the tolerance: {over}"
+    top2 = want.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * tol
+    same = want.argmax(-1) == got.argmax(-1)
+    assert (same | ~clear).all(), f"{name} (seed {seed}): greedy token differs at {(~same & clear).nonzero().tolist()}"
+
+
+@pytest.fixture(scope="module")
+def fast_models(tiny_dirs):
+    return {f: load(tiny_dirs[f], path="fast", draft="auto") for f in ("deepseek_v41", "deepseek_v4",
+                                                                       "deepseek_v4_0731")}
+
+
+def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(fast_models):
+    """M = 1..6 from one prefilled state: six single steps (outputs and state kept after each), then for each
+    M the block of M rows from the same start (the state rewound between blocks)."""
+    lm = fast_models["deepseek_v41"]
+    m, prefix = lm.model, 20
+    seed = random.randrange(1 << 30)
+    tokens = torch.randint(0, lm.cfg.vocab_size, (prefix + 6,), generator=torch.Generator().manual_seed(seed))
+    state = m.new_state(64)
+    m.forward(tokens[:prefix], state)
+    singles, states = [], []
+    for i in range(prefix, prefix + 6):
+        singles.append(m.forward(tokens[i:i + 1], state, keep_streams=True))
+        states.append({k: v.clone() for k, v in state.buffers().items()})
+    state.rewind(prefix)
+    for rows in range(1, 7):
+        block = m.forward(tokens[prefix:prefix + rows], state, keep_streams=True)
+        ctx = f"(seed {seed}, M={rows})"
+        for what in ("logits", "hidden", "streams"):
+            want = torch.cat([getattr(s, what) for s in singles[:rows]])
+            assert torch.equal(bits(getattr(block, what)), bits(want)), f"{what} {ctx}"
+        for name, t in state.buffers().items():
+            assert torch.equal(bits(t), bits(states[rows - 1][name])), f"state {name} {ctx}"
+        state.rewind(prefix)
+
+
+def greedy(lm, prompt, n, **options):
+    ids = []
+    g = open_loop(lm, capacity=64, reach_floor=32, **options)
+    for event in g.run(Request(input_ids=prompt, max_tokens=n, ignore_eos=True)):
+        ids += getattr(event, "ids", [])
+    return ids, g.session.stats
+
+
+@pytest.mark.parametrize("family,draft", DRAFTS, ids=[f"{f}-{d}" for f, d in DRAFTS])
+def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models, family, draft, monkeypatch):
+    # adaptive trims drafts by a verify-cost table it measures at load; the interpreter's timings mean
+    # nothing, so the table is set (longer verifies cost a little more)
+    monkeypatch.setattr(Speculator, "calibrate", lambda self, model, repeats=5: setattr(
+        self, "step_cost", [0.0] + [1.0 + 0.1 * w for w in range(self.drafter.cfg.dspark.block_size + 1)]))
+    lm = fast_models[family]
+    seed = random.randrange(1 << 30)
+    prompt = torch.randint(0, lm.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, _ = greedy(lm, prompt, GENERATE)
+    got, stats = greedy(lm, prompt, GENERATE, draft=draft, draft_tokens=3)
+    assert got == want, f"{family} --draft {draft} (seed {seed}): {got} != {want}"
+    assert stats.cycles > 0 and stats.drafted >= stats.cycles

@@ -1,9 +1,10 @@
 """The lightning-indexer kernels: scores (with the official bf16 roundings), top-k selection with the
 reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks.
 
-Tolerance: scores from float32 operands bit-identical (FP4-quantized operands make the dots exact; random
-float32 ones differ only in float64 summation order, far below the roundings); bf16 operands: one
-round_dtype rounding (relative to the largest score). Selections and masks: equal."""
+Tolerance (kernels/indexer.py): float32 operands, no rounding: 2^-22 of the largest score (float32 sums);
+with a round_dtype: one rounding of it (relative to the largest score). Selections and masks: equal. Batch
+invariance: rows together equal rows one at a time, and more keys (a longer reach) leave the scores of the
+first keys as they were, bit for bit."""
 
 import pytest
 import torch
@@ -11,9 +12,9 @@ import torch
 from kernels import indexer
 from kernels.formats import q4_e8m0
 
-from .kernel_check import DEVICE, assert_close, assert_equal, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, bits, requires_cuda, run, seed
 
-TOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
+TOL = {None: 2.0**-22, torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7}
 
 
 def inputs(m, nh, di, n, dt, device, quantized):
@@ -33,10 +34,7 @@ def check_scores(m, nh, di, n, dt, rd, quantized, device=DEVICE):
     want = indexer.scores(q, w, keys, nv, rd)
     got = run(indexer.fast_scores, q, w, keys, nv, rd)
     ctx = f"(seed {s}, M={m} nh={nh} dI={di} N={n} {dt} round={rd} quantized={quantized})"
-    if dt == torch.float32:
-        assert_equal("scores", want, got, ctx)
-    else:
-        assert_close("scores", want, got, TOL[dt], context=ctx)
+    assert_close("scores", want, got, TOL[rd], context=ctx)
     return want
 
 
@@ -47,6 +45,21 @@ def check_scores(m, nh, di, n, dt, rd, quantized, device=DEVICE):
 ])
 def test_index_scores_kernel_matches_the_reference(m, nh, di, n, dt, rd, quantized):
     check_scores(m, nh, di, n, dt, rd, quantized)
+
+
+@pytest.mark.parametrize("dt,rd,quantized", [(torch.float32, None, False), (torch.bfloat16, torch.bfloat16, True)])
+def test_index_scores_do_not_depend_on_the_other_rows_or_on_the_reach(dt, rd, quantized):
+    s = seed()
+    q, w, keys, nv = inputs(6, 4, 32, 300, dt, DEVICE, quantized)
+    nv = nv.clamp(max=200)
+    ctx = f"(seed {s}, {dt} round={rd})"
+    assert_rows_invariant("scores", lambda sl: run(indexer.fast_scores, q[sl], w[sl], keys[:200], nv[sl], rd),
+                          context=ctx)
+    short = run(indexer.fast_scores, q, w, keys[:200], nv, rd)
+    long = run(indexer.fast_scores, q, w, keys, nv, rd)[:, :200]
+    assert torch.equal(bits(short), bits(long)), f"more keys changed the scores of the first ones {ctx}"
+    sc = torch.where(torch.rand_like(short) < 0.3, 0.0, short)  # ties
+    assert_rows_invariant("select", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37), context=ctx)
 
 
 def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_rows():

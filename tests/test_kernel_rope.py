@@ -1,13 +1,16 @@
 """The RoPE kernel against its reference, forward and inverse, with cos/sin broadcast per token (queries,
-[T, 1, r/2]) or per row (keys, [T, r/2]). Tolerance: bit-identical (float64 products of float32 values
-are exact, so every rotated value is rounded as the reference rounds it)."""
+[T, 1, r/2]) or per row (keys, [T, r/2]). Tolerance (kernels/rope.py): 2^-23 (|a c| + |b s|) before the final
+rounding: 2^-21 of the largest output for float32, one bfloat16 ulp (2^-7) for bfloat16. Elementwise, so
+batch invariant (checked too)."""
 
 import pytest
 import torch
 
 from kernels import rope
 
-from .kernel_check import DEVICE, assert_equal, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_close, assert_rows_invariant, requires_cuda, run, seed
+
+TOL = {torch.float32: 2.0**-21, torch.bfloat16: 2.0**-7}
 
 
 def check(shape, cos_shape, dt, inverse, device=DEVICE):
@@ -15,8 +18,10 @@ def check(shape, cos_shape, dt, inverse, device=DEVICE):
     x = torch.randn(*shape, device=device).to(dt)
     ang = torch.rand(*cos_shape, device=device) * 6.3
     cos, sin = ang.cos(), ang.sin()
-    assert_equal("y", rope.reference(x, cos, sin, inverse), run(rope.fast, x, cos, sin, inverse),
-                 f"(seed {s}, x {tuple(shape)} cos {tuple(cos_shape)} {dt} inverse={inverse})")
+    ctx = f"(seed {s}, x {tuple(shape)} cos {tuple(cos_shape)} {dt} inverse={inverse})"
+    assert_close("y", rope.reference(x, cos, sin, inverse), run(rope.fast, x, cos, sin, inverse), TOL[dt], context=ctx)
+    assert_rows_invariant("y", lambda sl: run(rope.fast, x[sl], cos[sl], sin[sl], inverse), rows=min(6, shape[0]),
+                          context=ctx)
 
 
 @pytest.mark.parametrize("shape,cos_shape,dt,inverse", [
@@ -25,7 +30,7 @@ def check(shape, cos_shape, dt, inverse, device=DEVICE):
     ((7, 40), (7, 20), torch.float32, True),
     ((2, 3, 2, 24), (2, 1, 1, 12), torch.float32, False),
 ])
-def test_rope_kernel_matches_the_reference_bit_for_bit(shape, cos_shape, dt, inverse):
+def test_rope_kernel_matches_the_reference_within_one_rounding(shape, cos_shape, dt, inverse):
     check(shape, cos_shape, dt, inverse)
 
 

@@ -132,11 +132,6 @@ def test_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(drafter_models, 
     _verify_block_equals_single_steps(drafter_models[family])
 
 
-def test_on_the_fast_path_a_verify_block_of_6_rows_equals_6_single_steps_bitwise(tiny_dirs):
-    # (the Triton interpreter is slow: a shorter prefix)
-    _verify_block_equals_single_steps(load(tiny_dirs["deepseek_v41"], path="fast"), 12)
-
-
 def _verify_block_equals_single_steps(lm, prefix=34):
     m = lm.model
     tokens = torch.randint(0, lm.cfg.vocab_size, (prefix + 6,))

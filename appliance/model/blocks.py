@@ -29,19 +29,22 @@ class Linear:
 
 
 class Dense:
-    """An unquantized product (compressor, index-key and head projections, router, `wo_a`): float64
-    accumulation, one rounding. Holds the weight as float64 [in, out]."""
+    """An unquantized product (compressor, index-key and head projections, router, DSpark's heads): no
+    activation quantization, one rounding to `out_dtype`. Holds the checkpoint's weight as stored (BF16);
+    the fast path's kernels read it so, and only the reference path makes its float64 [in, out] copy (at
+    load, as it always did)."""
 
-    def __init__(self, weight: torch.Tensor | None):
-        self.w64 = None if weight is None else weight.double().t().contiguous()
+    def __init__(self, rt: Runtime, weight: PackedWeight | None):
+        self.rt, self.weight = rt, weight
+        if weight is not None and rt.ops.path == "reference":
+            weight.dense64()
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, name, out_f, in_f, block=None):
-        w = ckpt.linear(name, out_f, in_f, block, kind="dense")
-        return cls(None if w is None else w.dequantize())
+    def load(cls, rt, ckpt: Checkpoint, name, out_f, in_f, block=None):
+        return cls(rt, ckpt.linear(name, out_f, in_f, block, kind="dense"))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return torch.matmul(x.double(), self.w64).to(out_dtype)
+        return self.rt.ops.linear(x, self.weight, None, out_dtype)
 
 
 class RMSNorm:
@@ -84,7 +87,7 @@ class MoE:
         self.top_k, self.score_func, self.route_scale, self.limit = top_k, score_func, route_scale, limit
         self.route_eps = route_eps
         self.act_block = act_block if rt.num.official else None
-        self.gate = Dense.load(ckpt, f"{prefix}.gate.weight", n_experts, dim)
+        self.gate = Dense.load(rt, ckpt, f"{prefix}.gate.weight", n_experts, dim)
         self.hash_table = None
         self.bias = None
         if hashed:
@@ -104,7 +107,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
         hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
-        return self.rt.ops.moe_route(x, self.gate.w64, self.bias, self.top_k, self.score_func, self.route_scale,
+        return self.rt.ops.moe_route(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
                                      self.route_eps, hash_idx)
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,41 +118,42 @@ class MoE:
                                self.rt.num.official, reduce=self.reduce)
 
 
-def window_gather(ring: PositionRing, start: int, keys: torch.Tensor, positions: torch.Tensor,
+def window_gather(ring: PositionRing, start, keys: torch.Tensor, positions: torch.Tensor,
                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key set for the window part of attention over a chunk of consecutive positions.
 
-    Returns kv [size + T, d] (the ring's slots, then this chunk's keys) and mask [T, size + T]: query at p
-    sees keys at positions [p - window + 1, p]. The chunk's keys go to the ring only after this gather."""
-    ring_pos = ring.slot_positions(start)
+    Returns kv [size + T, d] (the ring's slots, then this chunk's keys) and index [T, window]: for the query
+    at p, the rows of kv holding positions p - window + 1 .. p, oldest first (-1 before position 0). The
+    list is in position order whether a key sits in the ring or in this chunk, so a query reduces its keys
+    in the same order in a verify block as in a single step. The chunk's keys go to the ring only after
+    this gather."""
     all_kv = torch.cat((ring.data.to(keys.dtype), keys), dim=0)
-    all_pos = torch.cat((ring_pos, positions))
-    p = positions.unsqueeze(1)
-    mask = (all_pos.unsqueeze(0) <= p) & (all_pos.unsqueeze(0) > p - window) & (all_pos.unsqueeze(0) >= 0)
-    return all_kv, mask
+    t = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)  # key positions
+    row = torch.where(t >= start, ring.size + (t - start), torch.remainder(t, ring.size))
+    return all_kv, torch.where(t >= 0, row, -1)
 
 
 class GroupedOutput:
     """Grouped output projection: heads split into G groups, each projected by its own block of `wo_a`
-    (dequantized, plain product) to the o-LoRA rank, then `wo_b` (FP8, activation-quantized) to D."""
+    (FP8, a plain product: no activation quantization) to the o-LoRA rank, then `wo_b` (FP8,
+    activation-quantized) to D."""
 
     def __init__(self, rt: Runtime, ckpt: Checkpoint, prefix: str, cfg, act_block: int):
         g, r = cfg.o_groups, cfg.o_lora_rank
         in_per_group = cfg.n_heads * cfg.head_dim // g
-        w = ckpt.linear(f"{prefix}.wo_a.weight", g * r, in_per_group, cfg.weight_block)
+        # [G r, in_per_group] as stored; the reference path also keeps a float64 [G, in_per_group, r] copy
+        self.wo_a = ckpt.linear(f"{prefix}.wo_a.weight", g * r, in_per_group, cfg.weight_block)
         self.groups = g
-        # float64 [G, in_per_group, r]: each group's block of wo_a, dequantized once (the official code keeps
-        # it in the activation dtype, where the FP8 values are exact)
-        self.wo_a64 = None if w is None else w.dequantize().view(g, r, in_per_group).transpose(1, 2).double()
+        if self.wo_a is not None and rt.ops.path == "reference":
+            self.wo_a.grouped64(g)
         self.wo_b = Linear.load(rt, ckpt, f"{prefix}.wo_b.weight", cfg.dim, g * r, cfg.weight_block, act_block)
         self.rt = rt
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, H, d] -> [T, D]."""
         t = o.shape[0]
-        og = o.reshape(t, self.groups, -1).double()  # [T, G, H/G * d]
-        u = torch.einsum("tgi,gir->tgr", og, self.wo_a64).to(self.rt.dtype)
-        return self.wo_b(u.reshape(t, -1))
+        u = self.rt.ops.linear(o.reshape(t, -1), self.wo_a, None, self.rt.dtype, groups=self.groups)  # [T, G r]
+        return self.wo_b(u)
 
 
 def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
@@ -201,17 +205,18 @@ class AttentionProjections:
         return self.kv_quant(self.rt.ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
 
     def window(self, step, k: torch.Tensor, ring_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window keys each query sees (the ring's, then this call's) and their mask; then this call's
-        keys go to the ring."""
+        """The window keys (the ring's, then this call's) and, per query, the rows it sees in position
+        order; then this call's keys go to the ring."""
         ring = step.state.rings[ring_name]
-        kv, mask = window_gather(ring, step.start, k, step.positions, self.cfg.window_size)
+        kv, index = window_gather(ring, step.start, k, step.positions, self.cfg.window_size)
         ring.write(step.positions, k)
-        return kv, mask
+        return kv, index
 
-    def attend(self, q, kv, mask, comp_kv, index, cos, sin) -> torch.Tensor:
-        """Attention over window keys `kv` (`mask`) and compressed rows `comp_kv` (`index`: the rows each
-        query reads, -1 = none), the sink, inverse RoPE on the output, the grouped output projection."""
+    def attend(self, q, kv, window_index, comp_kv, index, cos, sin) -> torch.Tensor:
+        """Attention over window keys `kv` (`window_index`: the rows each query sees, by position) and
+        compressed rows `comp_kv` (`index`: the rows each query reads, ascending; -1 = none), the sink,
+        inverse RoPE on the output, the grouped output projection."""
         ops = self.rt.ops
         p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
-        o = ops.attention(q, kv, mask, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, p_dtype)
+        o = ops.attention(q, kv, window_index, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, p_dtype)
         return self.out(ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True))

@@ -70,15 +70,15 @@ class V4Attention(AttentionProjections):
             self.index_compressor = self._compressor(ckpt, f"{p}.indexer.compressor", c.index_head_dim, True)
             self.iq = Linear.load(rt, ckpt, f"{p}.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim,
                                   c.q_lora_rank, blk, ab)
-            self.weights_proj = Dense.load(ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
+            self.weights_proj = Dense.load(rt, ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
 
     def _compressor(self, ckpt, prefix, width, overlap) -> Compressor:
         c = self.cfg
         proj = width * (2 if overlap else 1)
         return Compressor(
             self.rt,
-            Dense.load(ckpt, f"{prefix}.wkv.weight", proj, c.dim),
-            Dense.load(ckpt, f"{prefix}.wgate.weight", proj, c.dim),
+            Dense.load(self.rt, ckpt, f"{prefix}.wkv.weight", proj, c.dim),
+            Dense.load(self.rt, ckpt, f"{prefix}.wgate.weight", proj, c.dim),
             ckpt.tensor(f"{prefix}.ape", (self.ratio, proj), (torch.float32, torch.bfloat16)),
             RMSNorm.load(self.rt, ckpt, f"{prefix}.norm.weight", width, c.norm_eps),
             self.ratio, overlap, width)
@@ -110,7 +110,7 @@ class V4Attention(AttentionProjections):
         L = self.layer
         cos, sin = self.rope(step.positions)
         c_q, q = self.queries(x, cos, sin)
-        win_kv, win_mask = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
+        win_kv, win_index = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
         comp_kv, comp_index = None, None
         if self.compressor is not None:
             self._compress(x, step, self.compressor, f"compressor.{L}", f"kv.{L}", self._nope_quant)
@@ -121,7 +121,7 @@ class V4Attention(AttentionProjections):
                 comp_index = torch.where(rows.unsqueeze(0) < n_valid.unsqueeze(1), rows.unsqueeze(0), -1)
             else:
                 comp_index = self._index(x, c_q, step)
-        return self.attend(q, win_kv, win_mask, comp_kv, comp_index, cos, sin)
+        return self.attend(q, win_kv, win_index, comp_kv, comp_index, cos, sin)
 
     def _compress(self, x, step: Step, comp: Compressor, ring_name, rows_name, quant) -> None:
         ring = step.state.rings[ring_name]
@@ -209,7 +209,7 @@ class V4Model:
         c = cfg
         self.cfg, self.rt = cfg, rt
         self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
-        self.head = Dense.load(ckpt, "head.weight", c.vocab_size, c.dim)
+        self.head = Dense.load(rt, ckpt, "head.weight", c.vocab_size, c.dim)
         self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
         self.hc_head = HyperHead(rt, c, ckpt, "")
         round_to = None if rt.num.official else rt.dtype  # transformers rounds cos/sin to the model dtype

@@ -46,17 +46,17 @@ class V41Attention(AttentionProjections):
         blk, ab = c.weight_block, c.act_block
         self.compressor = None
         if self.kv_source == layer:
-            gate = Dense.load(ckpt, f"{p}.compressor.wgate.weight", c.head_dim, c.dim) if self.ratio > 1 else None
+            gate = Dense.load(rt, ckpt, f"{p}.compressor.wgate.weight", c.head_dim, c.dim) if self.ratio > 1 else None
             self.compressor = Compressor(
-                rt, Dense.load(ckpt, f"{p}.compressor.wkv.weight", c.head_dim, c.dim), gate, None,
+                rt, Dense.load(rt, ckpt, f"{p}.compressor.wkv.weight", c.head_dim, c.dim), gate, None,
                 RMSNorm.load(rt, ckpt, f"{p}.compressor.norm.weight", c.head_dim, c.norm_eps),
                 self.ratio, overlap=False, width=c.head_dim)
-            self.wk = Dense.load(ckpt, f"{p}.indexer.wk.weight", c.index_head_dim, c.head_dim)
+            self.wk = Dense.load(rt, ckpt, f"{p}.indexer.wk.weight", c.index_head_dim, c.head_dim)
             self.k_norm = RMSNorm.load(rt, ckpt, f"{p}.indexer.k_norm.weight", c.index_head_dim, c.norm_eps)
         if self.index_source == layer:
             self.iq = Linear.load(rt, ckpt, f"{p}.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim,
                                   c.q_lora_rank, blk, ab)
-            self.weights_proj = Dense.load(ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
+            self.weights_proj = Dense.load(rt, ckpt, f"{p}.indexer.weights_proj.weight", c.index_n_heads, c.dim)
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -85,7 +85,7 @@ class V41Attention(AttentionProjections):
         L = self.layer
         cos, sin = self.rope(step.positions)
         c_q, q = self.queries(x, cos, sin)
-        win_kv, win_mask = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
+        win_kv, win_index = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
 
         if self.compressor is not None:
             self._compress(x, step)
@@ -94,7 +94,7 @@ class V41Attention(AttentionProjections):
         else:
             topk = self._index(x, c_q, step) if self.index_source == L else step.topk[self.index_source]
             comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
-        return self.attend(q, win_kv, win_mask, comp_kv, topk, cos, sin)
+        return self.attend(q, win_kv, win_index, comp_kv, topk, cos, sin)
 
     def _compress(self, x: torch.Tensor, step: Step) -> None:
         """KV source: pool completed groups, then write their index key and their compressed row."""
@@ -199,7 +199,7 @@ class V41Model:
         c = cfg
         self.cfg, self.rt = cfg, rt
         self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
-        self.head = Dense.load(ckpt, "head.weight", c.vocab_size, c.dim)
+        self.head = Dense.load(rt, ckpt, "head.weight", c.vocab_size, c.dim)
         self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
         plain = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))
         compressed = RopeTable(frequencies(c.rope_head_dim, c.compress_rope_theta, c.rope_factor,

@@ -67,11 +67,12 @@ class DraftAttention(AttentionProjections):
         _, q = self.queries(x, cos, sin)
         block = self.window_keys(x, cos, sin)
         ring = step.state.rings[self.name]
-        ring_pos = ring.slot_positions(step.q + 1)
-        ring_ok = (ring_pos >= 0) & (ring_pos > step.q - c.window_size)
         kv = torch.cat((ring.data.to(block.dtype), block))
-        mask = torch.cat((ring_ok, torch.ones(B, dtype=torch.bool, device=ring_ok.device))).unsqueeze(0).expand(B, -1)
-        return self.attend(q, kv, mask, None, None, cos, sin)
+        # every query: the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then the block rows
+        t = step.q - (c.window_size - 1) + torch.arange(c.window_size, device=x.device)
+        ring_rows = torch.where(t >= 0, torch.remainder(t, ring.size), -1)
+        rows = torch.cat((ring_rows, ring.size + torch.arange(B, device=x.device)))
+        return self.attend(q, kv, rows.unsqueeze(0).expand(B, -1).contiguous(), None, None, cos, sin)
 
 
 class DSpark:
@@ -105,8 +106,8 @@ class DSpark:
         self.hc_head = None if self.v41 else HyperHead(rt, c, ckpt, f"{last}.")
         embed_name, head_name = ("embed", "head") if self.v41 else ("markov_w1", "markov_w2")
         self.markov_embed = ckpt.tensor(f"{last}.markov_head.{embed_name}.weight", (c.vocab_size, d.markov_rank))
-        self.markov_head = Dense.load(ckpt, f"{last}.markov_head.{head_name}.weight", c.vocab_size, d.markov_rank)
-        self.confidence = Dense.load(ckpt, f"{last}.confidence_head.proj.weight", 1, c.dim + d.markov_rank)
+        self.markov_head = Dense.load(rt, ckpt, f"{last}.markov_head.{head_name}.weight", c.vocab_size, d.markov_rank)
+        self.confidence = Dense.load(rt, ckpt, f"{last}.confidence_head.proj.weight", 1, c.dim + d.markov_rank)
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it

@@ -70,13 +70,12 @@ class VocabParallel:
     """A dense head holding this rank's slice of the vocabulary; logits are all-gathered."""
 
     def __init__(self, head: Dense, comm: Comm):
-        start, end = comm.span(head.w64.shape[1])
-        self.w64 = head.w64[:, start:end].contiguous()
+        start, end = comm.span(head.weight.shape[0])
+        self.local = _dense_rows(head, start, end)
         self.comm = comm
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        local = torch.matmul(x.double(), self.w64).to(out_dtype)
-        return self.comm.all_gather(local, dim=-1)
+        return self.comm.all_gather(self.local(x, out_dtype), dim=-1)
 
 
 def _linear_rows(lin: Linear, start: int, end: int) -> None:
@@ -100,15 +99,15 @@ def shard_attention(attn, comm: Comm) -> None:
 
 
 def _dense_rows(d: Dense, start: int, end: int) -> Dense:
-    out = Dense(None)
-    out.w64 = d.w64[:, start:end].contiguous()  # w64 is [in, out]: output rows are its columns
-    return out
+    return Dense(d.rt, d.weight.rows(start, end))
 
 
 def shard_output(out: GroupedOutput, comm: Comm) -> None:
     g0, g1 = comm.span(out.groups)
-    rank_width = out.wo_a64.shape[2]  # o-LoRA rank per group
-    out.wo_a64 = out.wo_a64[g0:g1].contiguous()
+    rank_width = out.wo_a.shape[0] // out.groups  # o-LoRA rank per group
+    out.wo_a = out.wo_a.rows(g0 * rank_width, g1 * rank_width)
+    if out.rt.ops.path == "reference":
+        out.wo_a.grouped64(g1 - g0)
     out.groups = g1 - g0
     out.wo_b = RowParallel(out.wo_b, comm, g0 * rank_width, g1 * rank_width)
 
