@@ -88,7 +88,7 @@ def test_an_out_of_range_message_names_the_limit_and_the_fix(server):
         recv(ws)
         send(ws, {"type": "generate", "input_ids": [1], "max_tokens": 0})
         f = recv(ws)
-    assert f["error"]["message"] == "max_tokens=0: must be an integer in 1..8192"
+    assert f["error"]["message"] == f"max_tokens=0: must be an integer in 1..{LIMIT - 1}"
 
 
 def test_prompts_over_the_context_limit_get_context_length_exceeded(server):
