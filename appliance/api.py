@@ -204,6 +204,7 @@ class Done:
     usage: dict
     timings: dict
     speculative: dict | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason stop), None for EOS
 
 
 @dataclass

@@ -98,22 +98,25 @@ class ServerProcess:
 
 
 def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[int | None, dict, bytes]:
-    """Send `request` bytes as they are (repeated headers, any method) and read until the server closes (or,
-    after a 101, until the headers end): (status or None when it closed without an answer, headers with
-    lower-case names, body)."""
-    data = b""
+    """Send `request` bytes as they are (repeated headers, any method) and read one answer: its headers, then
+    Content-Length bytes of body (none after a 101 or for HEAD), or until the server closes: (status or None
+    when it closed without an answer, headers with lower-case names, body)."""
+    data, head, headers = b"", None, {}
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(request)
         while chunk := s.recv(65536):
             data += chunk
-            if data.startswith(b"HTTP/1.1 101 ") and b"\r\n\r\n" in data:
+            if head is None and b"\r\n\r\n" in data:
+                head, _, data = data.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+                if lines[0].startswith("HTTP/1.1 101 ") or request.startswith(b"HEAD "):
+                    break
+            if head is not None and "content-length" in headers and len(data) >= int(headers["content-length"]):
                 break
-    if not data:
+    if head is None:
         return None, {}, b""
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
-    return int(lines[0].split()[1]), headers, body
+    return int(head.split(b" ", 2)[1]), headers, data
 
 
 def metric(server: ServerProcess, name: str, headers: dict | None = None) -> float:

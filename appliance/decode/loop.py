@@ -90,6 +90,7 @@ class RequestLoop:
         t_first = None
         finish = "length"
         text_so_far = ""
+        matched = None
         pending = [session.sample_first(logits)]
         while finish == "length":
             now = time.perf_counter()
@@ -101,7 +102,7 @@ class RequestLoop:
                     break
                 ids.append(token)
                 text = decoder.push([token])
-                stop_at = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
+                stop_at, matched = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
                 if stop_at is not None:
                     piece = (text_so_far + piece + text)[len(text_so_far):stop_at]
                     finish = "stop"
@@ -129,7 +130,7 @@ class RequestLoop:
         usage["completion_tokens"] = len(produced)
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
-        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec)
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec, matched)
 
 
 def _tokens(rid: str, ids: list[int], piece: str, index: int, t_ms: list[float], chat: ChatOutput | None) -> Tokens:
@@ -152,11 +153,11 @@ def _timings(t0, t_prefill, t_first, end, n) -> dict:
     }
 
 
-def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
-    """Index where the earliest stop string starts, if one ends in the new part of `text`."""
-    best = None
+def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int | None, str | None]:
+    """(index where the earliest stop string starts, that string), if one ends in the new part of `text`."""
+    best, which = None, None
     for s in stops:
         i = text.find(s, max(0, new_from - len(s) + 1))
         if i != -1 and (best is None or i < best):
-            best = i
-    return best
+            best, which = i, s
+    return best, which
