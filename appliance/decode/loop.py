@@ -89,7 +89,8 @@ class RequestLoop:
         produced: list[int] = []
         t_first = None
         finish = "length"
-        text_so_far = ""
+        text_so_far = ""  # emitted
+        held = ""  # decoded but not emitted: it may be the start of a stop string
         matched = None
         pending = [session.sample_first(logits)]
         while finish == "length":
@@ -101,13 +102,14 @@ class RequestLoop:
                     finish = "stop"
                     break
                 ids.append(token)
-                text = decoder.push([token])
-                stop_at, matched = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
+                held += decoder.push([token])
+                stop_at, matched = _find_stop(text_so_far + piece + held, req.stop, len(text_so_far) + len(piece))
                 if stop_at is not None:
-                    piece = (text_so_far + piece + text)[len(text_so_far):stop_at]
-                    finish = "stop"
+                    piece = (text_so_far + piece + held)[len(text_so_far):stop_at]
+                    held, finish = "", "stop"
                     break
-                piece += text
+                keep = _stop_prefix(held, req.stop)
+                piece, held = piece + held[:len(held) - keep], held[len(held) - keep:]
                 if len(produced) + len(ids) >= max_tokens:
                     break
             if ids or piece:
@@ -120,7 +122,7 @@ class RequestLoop:
                 finish = "cancelled"
                 break
             pending = session.cycle(pending[-1])
-        tail = decoder.flush() if finish != "stop" or not req.stop else ""
+        tail = held + decoder.flush() if matched is None else ""  # after a stop string nothing more is text
         if chat is not None:
             content, reasoning, calls = chat.finish(tail)
             if content or reasoning or calls:
@@ -151,6 +153,14 @@ def _timings(t0, t_prefill, t_first, end, n) -> dict:
         "tokens_per_s": (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else None,
         "e2e_ms": (end - t0) * 1e3,
     }
+
+
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string (held back until they cannot)."""
+    for k in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int | None, str | None]:
