@@ -7,19 +7,22 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
               options.py  RunOptions: how a model runs, built once (no torch)
               loader.py   a model directory -> LoadedModel (config, weights, drafter, shards, capture blockers)
               engine.py   Engine: one engine thread, requests in, events out
+    chat/     DeepSeek V4 / V4.1 chat encoding (messages -> prompt text) and output parsing (pure Python)
     model/    what a checkpoint computes, in plain torch over the op registry (kernels/): config, weights,
               tokenizer, runtime, state, step, blocks, rope, compressor, engram, one file per family
               (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py, tiny.py
-    decode/   the request loop (loop.py), the decode session that owns state, speculator and graphs
-              (session.py), the cycle steps (cycle.py), the speculator (speculator.py)
+    decode/   the request loop (loop.py; chat.py: a chat request's prompt ids and output parser), the decode
+              session that owns state, speculator and graphs (session.py), the cycle steps (cycle.py), the
+              speculator (speculator.py)
     parallel/ several devices: process group and collectives (world.py), sharding, placement
     measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py), the
               cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py)
     cli/      one module per command family; the only place that imports server/
 
-    model    -> kernels, errors
+    chat     -> errors
+    model    -> kernels, errors, chat (tiny.py writes DeepSeek's special tokens)
     parallel -> model
-    decode   -> model, graphs, kernels, api, options
+    decode   -> model, chat, graphs, kernels, api, options
     measure  -> model, parallel, kernels, api
     loader   -> model, parallel, options
     engine   -> decode, measure, parallel, loader

@@ -2,28 +2,44 @@
 (which never imports torch) can build requests and read events.
 
 Every accepted request ends with exactly one `Done` or `Error`.
+
+A chat request (`messages`) is encoded engine-side in the checkpoint's own prompt dialect (appliance.chat),
+with its `tools`, `tool_choice`, `thinking`, `reasoning_effort` and `response_format` in OpenAI's shapes;
+its `Tokens` events carry the answer (`text`), the reasoning and whole tool calls apart, never markup. Here
+the fields are checked for shape only; what depends on the dialect is checked when the engine encodes.
 """
 
 from dataclasses import asdict, dataclass, field
 
 from .errors import RequestError, shown, unicode_fault
 
-MAX_TOKENS_LIMIT = 8192
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
 class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    """None for temperature or top_p: the checkpoint's recommendation (its generation_config.json, else the
+    model card's values), as the OpenAI and Anthropic APIs mean an omitted value."""
+
+    temperature: float | None = 0.0  # 0 = greedy
+    top_p: float | None = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
 
+    def resolved(self, defaults: dict) -> "Sampling":
+        """A copy with None fields taken from `defaults` (`temperature`, `top_p`)."""
+        return Sampling(defaults["temperature"] if self.temperature is None else self.temperature,
+                        defaults["top_p"] if self.top_p is None else self.top_p, self.top_k, self.seed)
+
     def validate(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not 0.0 <= self.temperature <= 2.0:
+        if self.temperature is not None and (not _number(self.temperature) or not 0.0 <= self.temperature <= 2.0):
             raise RequestError(f"temperature={shown(self.temperature)}: must be a number in 0..2 (0 = greedy)",
                                field="sampling.temperature", value=self.temperature)
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and (not _number(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p={shown(self.top_p)}: must be a number in (0, 1]", field="sampling.top_p",
                                value=self.top_p)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= 100000:
@@ -37,17 +53,27 @@ class Sampling:
 
 @dataclass
 class Request:
-    """One generation. Exactly one of `input_ids`, `prompt` (text) or `messages` (chat) is set."""
+    """One generation. Exactly one of `input_ids`, `prompt` (text) or `messages` (chat) is set; the chat
+    fields go with `messages` only. `max_tokens` None: up to the context limit."""
 
     id: str = ""
     input_ids: list[int] | None = None
     prompt: str | None = None
     messages: list[dict] | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     sampling: Sampling = field(default_factory=Sampling)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     timings: str = "final"  # none | final | per_token
+    # chat (OpenAI shapes): tools [{type: function, function: {name, description?, parameters?}}]; tool_choice
+    # auto | none | required | {type: function, function: {name}}; thinking None = the model's default (on);
+    # reasoning_effort as OpenAI's (none, minimal .. xhigh, max) or V4.1's 1..100; response_format {type:
+    # text | json_object | json_schema}
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    thinking: bool | None = None
+    reasoning_effort: str | int | None = None
+    response_format: dict | None = None
 
     def validate(self) -> None:
         if not isinstance(self.id, str):
@@ -56,22 +82,17 @@ class Request:
         if len(given) != 1:
             raise RequestError(f"give exactly one of input_ids, prompt, messages (got {', '.join(given) or 'none'})",
                                field="prompt")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise RequestError(f"max_tokens={shown(self.max_tokens)}: must be an integer in 1..{MAX_TOKENS_LIMIT}",
-                               field="max_tokens", value=self.max_tokens)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise RequestError(f"max_tokens={shown(self.max_tokens)}: must be an integer of at least 1 (the prompt "
+                               "plus max_tokens must fit the context)", field="max_tokens", value=self.max_tokens)
         if self.input_ids is not None:
             if not isinstance(self.input_ids, list) or not self.input_ids or not all(
                     isinstance(i, int) and not isinstance(i, bool) for i in self.input_ids):
                 raise RequestError("input_ids: must be a non-empty list of integers", field="input_ids")
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
             raise RequestError("prompt: must be a non-empty string", field="prompt")
-        if self.messages is not None:
-            if not isinstance(self.messages, list) or not self.messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str)
-                    and m.get("role") in ("system", "user", "assistant") for m in self.messages):
-                raise RequestError("messages: must be a non-empty list of {role: system|user|assistant, content: str}",
-                                   field="messages")
+        self._check_chat()
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) \
                 or len(self.stop) > 16:
             raise RequestError("stop: must be a list of at most 16 non-empty strings", field="stop")
@@ -84,18 +105,66 @@ class Request:
             raise RequestError("sampling: must be an object", field="sampling")
         self.sampling.validate()
 
+    def _check_chat(self) -> None:
+        """The chat fields' shapes; their contents (roles in order, tool schemas, efforts) are the chat
+        encoder's to check, against the checkpoint's dialect."""
+        if self.messages is not None:
+            if not isinstance(self.messages, list) or not self.messages:
+                raise RequestError("messages: must be a non-empty list of {role, content}", field="messages")
+            for i, m in enumerate(self.messages):
+                if not isinstance(m, dict):
+                    raise RequestError(f"messages[{i}]: must be an object {{role, content}}", field=f"messages[{i}]")
+                if m.get("role") not in CHAT_ROLES:
+                    raise RequestError(f"messages[{i}].role={shown(m.get('role'))}: must be one of "
+                                       f"{', '.join(CHAT_ROLES)}", field=f"messages[{i}].role", value=m.get("role"))
+        shapes = (("tools", list, "a list of {type: function, function: {name, parameters}}"),
+                  ("tool_choice", str | dict, 'auto, none, required or {"type": "function", "function": {"name"}}'),
+                  ("thinking", bool, "true or false"),
+                  ("reasoning_effort", str | int, "none, minimal, low, medium, high, xhigh, max (V4.1: or 1..100)"),
+                  ("response_format", dict, "an object {type: text | json_object | json_schema}"))
+        for name, kind, what in shapes:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, kind) or (kind is bool) != isinstance(value, bool):
+                raise RequestError(f"{name}={shown(value)}: must be {what}", field=name, value=value)
+            if self.messages is None:
+                raise RequestError(f"{name}: goes with messages (a chat request), not with prompt or input_ids",
+                                   field=name)
+
     def _check_text(self) -> None:
         """Every string the engine tokenizes or echoes must be valid Unicode. A lone surrogate fails inside the
         tokenizer, where it would count as an engine fault and reset the decode state (losing the cached
         prefix), or in the frame encoder; here it is the client's error, naming the field."""
         texts = [("id", self.id), ("prompt", self.prompt)]
-        texts += [(f"messages[{i}].content", m["content"]) for i, m in enumerate(self.messages or [])]
+        texts += _strings(self.messages, "messages") + _strings(self.tools, "tools")
         texts += [(f"stop[{i}]", s) for i, s in enumerate(self.stop)]
         for name, text in texts:
             fault = unicode_fault(text) if isinstance(text, str) else None
             if fault is not None:
                 raise RequestError(f"{name}: {fault}: text must be valid Unicode (send UTF-8, or escape a "
                                    f"character beyond U+FFFF as a surrogate pair)", field=name)
+
+
+def _strings(value, path: str) -> list[tuple[str, str]]:
+    """(field, text) of every string inside `value` (keys included), in document order; iterative, since a
+    client may nest deeply."""
+    out, stack = [], [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            out.append((where, v))
+        elif isinstance(v, dict):
+            named = [(f"{where}.{_printable(k)}", k, x) for k, x in v.items()]
+            out += [(name, k) for name, k, _ in named if isinstance(k, str)]
+            stack += reversed([(name, x) for name, _, x in named])
+        elif isinstance(v, list):
+            stack += reversed([(f"{where}[{i}]", x) for i, x in enumerate(v)])
+    return out
+
+
+def _printable(key) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a field name must always encode
 
 
 @dataclass
@@ -115,11 +184,17 @@ class Progress:
 
 @dataclass
 class Tokens:
+    """Generated tokens. `text` is what they decode to; for a chat request it is the answer only (content),
+    beside the `reasoning` and the `tool_calls` (whole calls, OpenAI's message shape) they completed. Text a
+    marker may still begin is held back, so an event can carry ids and no text."""
+
     id: str
     ids: list[int]
     text: str
     index: int  # index of the first token in this event among the generated tokens
     t_ms: list[float]  # per token, ms since Started
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +204,7 @@ class Done:
     usage: dict
     timings: dict
     speculative: dict | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason stop), None for EOS
 
 
 @dataclass

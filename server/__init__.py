@@ -1,12 +1,18 @@
-"""The websocket server (protocol decode.v1) in front of the Engine API, its health and metrics routes,
-systemd integration and the latency probe. Nothing here imports torch: the server sees requests and
-events (`appliance.api`) only.
+"""The serving front, on one port (aiohttp): the websocket server (protocol decode.v1), the OpenAI- and
+Anthropic-compatible HTTP API, the health and metrics routes, systemd integration and the latency probe.
+Nothing here imports torch: the server sees requests and events (`appliance.api`) only.
 
-protocol   decode.v1 without I/O: parsing, limits, seq, event and error frames
-gate       before the upgrade: paths, bearer auth, origins
-session    one connection and the one-user box
-app        the asyncio process: routes, load, readiness, SIGTERM
-metrics    decode_* Prometheus metrics;  gpu: NVML gauges
-notify     sd_notify, load watch, watchdog;  service: the systemd unit and env file
-probe/     the latency probe: client (one user over decode.v1), stats (summaries, SLOs, files), plot
+protocol       decode.v1 without I/O: parsing, limits, seq, event and error frames
+gate           before a request is served: paths, methods, bearer auth, origins
+box            the one-user box and the running request whose pace sets Retry-After
+session        one websocket connection
+openai_api     OpenAI chat completions, completions, models without I/O: bodies -> requests, events -> replies
+anthropic_api  Anthropic Messages without I/O, likewise
+fields         reading an API body's fields (400 naming the parameter)
+http_api       one API call: auth, body, the box (429 / queue), JSON or SSE, cancel on disconnect
+strict_json    the one JSON policy (orjson reads what it writes)
+app            the asyncio process: routes, load, readiness, SIGTERM
+metrics        decode_* Prometheus metrics;  gpu: NVML gauges
+notify         sd_notify, load watch, watchdog;  service: the systemd unit and env file
+probe/         the latency probe: client (one user over decode.v1 or OpenAI's streaming chat), stats, plot
 """

@@ -1,12 +1,20 @@
-"""The asyncio layer: it moves decode.v1 frames between websockets and the Engine API, and nothing more.
-Parsing, limits and error frames are `server.protocol`; auth and routes are `server.gate`; one connection
-is a `server.session.Session`.
+"""The asyncio layer, on aiohttp: one port for the decode.v1 websocket, the OpenAI- and Anthropic-compatible
+HTTP API (JSON and SSE) and the health and metrics routes. It moves bytes between clients and the Engine
+API, and nothing more. Parsing, limits and error frames are `server.protocol`; auth and routes are
+`server.gate`; one websocket connection is a `server.session.Session`; one API call is `server.http_api`.
 
-One user per box: the connection that holds the box may generate; another connection gets
-`hello{state: busy}`, `error{busy}` and close 1013 (or, with `--on-busy queue`, waits in line and hears
-`queued{position}` until position 0 means the box is its own). The box passes on when its holder
-disconnects, so one user's session (and the prefix of its last request kept in the engine's state) is
-never interleaved with another's.
+Why aiohttp: the `websockets` library, which served decode.v1 alone, cannot read a request body, so it
+cannot take a POST. aiohttp (aio-libs, maintained since 2013) has the HTTP server, the websocket server and
+the streaming client (the probe's `--api openai`) in one library on plain asyncio: decode.v1 keeps its
+frames byte for byte, its close codes and its one-writer-per-connection design, and no ASGI layer sits
+between a token and its socket (ASGI would add a message dict and a task switch per frame).
+
+One user per box: the connection (or the API call) that holds the box may generate; another connection
+gets `hello{state: busy}`, `error{busy}` and close 1013, another API call HTTP 429 with Retry-After (or,
+with `--on-busy queue`, either waits in line; a connection hears `queued{position}` until position 0
+means the box is its own). The box passes on when its holder disconnects or its call ends, so one user's
+session (and the prefix of its last request kept in the engine's state) is never interleaved with
+another's.
 
 Lifecycle: bind the port first (so /healthz answers and /readyz says 503 during the load), load the engine
 on a thread, then READY=1; SIGTERM drains (see `App._stop`), and the process exits within `drain_s +
@@ -14,7 +22,6 @@ STOP_BOUND_S` whatever its connections and its engine do.
 """
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
@@ -23,14 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from websockets.asyncio.server import serve
-from websockets.http11 import Response
+from aiohttp import web
 
-from . import gate, notify
+from . import gate, http_api, notify
 from . import protocol as proto
+from .box import Box
 from .gpu import GpuSampler
 from .metrics import CONTENT_TYPE, Metrics
-from .session import Box, Session
+from .session import Session
 
 
 @dataclass
@@ -45,6 +52,7 @@ class ServerConfig:
     drain_s: float = 5.0  # SIGTERM: let the running request finish this long, then cancel it
     nvml: bool = True
     metrics_auth: bool = True  # with a token configured, /metrics asks for it too (--no-metrics-auth: open)
+    model_name: str | None = None  # the model id the HTTP API answers with (default: the model directory's name)
 
 
 # SIGTERM's bounds after the drain (seconds): the engine sees a cancel within one prefill chunk or decode
@@ -81,13 +89,15 @@ class App:
         self.metrics = Metrics()
         self.box = Box()
         self.sessions: set[Session] = set()
+        self.calls: set = set()  # HTTP API calls in progress (http_api.ApiCall), for the drain
         self.engine = None
         self.state = "loading"  # loading | ready | draining | failed
         self.status = "starting"
         self.limits = proto.Limits.for_engine(1, 1)
         self.model_name = ""
         self.version = _version()
-        self.server = None
+        self.started_at = time.time()
+        self.runner: web.AppRunner | None = None
         self.port: int | None = None
         self.stopping = None
         self.gpu: GpuSampler | None = None
@@ -95,19 +105,19 @@ class App:
 
     # --- HTTP ---
 
-    def process_request(self, connection, request):
-        """An HTTP answer (routes, refusals) or None to go on with the websocket upgrade."""
-        path = gate.split_target(request.path)[0]
+    async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Every request: the method check, then the health routes, the API, or the websocket upgrade."""
+        path = gate.split_target(request.raw_path)[0]
         verdict = gate.check_method(request.method, path)
+        if verdict.status is None and path in gate.API_ROUTES:
+            return await http_api.handle(self, request, path)
         if verdict.status is None:
             verdict = self._route(path, request)
         if verdict.status is None:
-            # Read no message longer than a prompt that fills the context (close 1009 beyond).
-            connection.protocol.max_message_size = self.limits.max_message_bytes
-            return None
+            return await self._websocket(request)
         if verdict.status == 401:
             self.metrics.errors.labels("unauthorized").inc()
-        return self._respond(connection, verdict, head=request.method == "HEAD")
+        return self.respond(verdict)
 
     def _route(self, path: str, request) -> gate.Verdict:
         if path == "/healthz":  # 200 while the process lives, SIGTERM's drain included
@@ -123,32 +133,42 @@ class App:
             if self.engine is not None:
                 self.metrics.heartbeat_age.set(max(0.0, time.monotonic() - self.engine.heartbeat))
             return gate.Verdict(200, self.metrics.exposition().decode(), content_type=CONTENT_TYPE)
-        verdict = gate.check_upgrade(request.path, request.headers, self.config.token, self.config.origins)
+        verdict = gate.check_upgrade(request.raw_path, request.headers, self.config.token, self.config.origins)
         if verdict.status is None and self.state == "draining":
             return gate.Verdict(503, "the server is stopping (SIGTERM): connect again when /readyz answers 200\n")
         return verdict
 
+    async def _websocket(self, request) -> web.StreamResponse:
+        # A message over limits.max_message_bytes (a prompt that fills the context) is refused by the protocol
+        # with an error frame and a close 1009 that waits for the client's close. aiohttp's own limit, far
+        # above, only bounds memory: it closes at once, and a client still sending may then lose the close
+        # frame to a TCP reset.
+        ws = web.WebSocketResponse(protocols=(proto.PROTOCOL,), max_msg_size=4 * self.limits.max_message_bytes,
+                                   compress=False, timeout=CLOSE_GRACE_S, decode_text=False)
+        if not ws.can_prepare(request).ok:
+            resp = self.respond(gate.Verdict(426, f"{proto.PATH} is a websocket (subprotocol {proto.PROTOCOL}): "
+                                                  f"send an upgrade request\n"))
+            resp.headers["Upgrade"] = "websocket"
+            return resp
+        await ws.prepare(request)
+        await Session(self, ws, request.transport).run()
+        return ws
+
     @staticmethod
-    def _respond(connection, verdict: gate.Verdict, head: bool) -> Response:
+    def respond(verdict: gate.Verdict) -> web.Response:
+        """A Verdict as an HTTP answer (HEAD: aiohttp sends its headers, Content-Length included, no body)."""
         # backslashreplace: a header value echoed in the text may hold what UTF-8 cannot encode
-        resp = connection.respond(verdict.status, verdict.text.encode("utf-8", "backslashreplace").decode())
-        if verdict.content_type is not None:
-            del resp.headers["Content-Type"]
-            resp.headers["Content-Type"] = verdict.content_type
+        body = verdict.text.encode("utf-8", "backslashreplace")
+        resp = web.Response(status=verdict.status, body=body,
+                            headers={"Content-Type": verdict.content_type or "text/plain; charset=utf-8"})
         if verdict.www_authenticate:
             resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
         if verdict.allow:
             resp.headers["Allow"] = ", ".join(verdict.allow)
-        if head:  # the GET answer's headers (Content-Length included), no body
-            resp = dataclasses.replace(resp, body=b"")
         return resp
 
-    @staticmethod
-    def select_subprotocol(connection, offered):
-        return gate.select_subprotocol(offered)
-
-    async def handle(self, ws) -> None:
-        await Session(self, ws).run()
+    async def _server_header(self, request, response) -> None:
+        response.headers["Server"] = f"decode-appliance/{self.version}"
 
     # --- lifecycle ---
 
@@ -159,11 +179,16 @@ class App:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
-        self.server = await serve(self.handle, cfg.host, cfg.port, process_request=self.process_request,
-                                  select_subprotocol=self.select_subprotocol, compression=None,
-                                  max_size=self.limits.max_message_bytes, server_header=f"decode-appliance/"
-                                  f"{self.version}")
-        self.port = self.server.sockets[0].getsockname()[1]
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.dispatch)
+        app.on_response_prepare.append(self._server_header)
+        # handler_cancellation: a client that disconnects cancels its handler at once, which cancels its
+        # request (between two prefill chunks or decode cycles), as a dropped websocket does.
+        self.runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=ABORT_GRACE_S / 2)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, cfg.host, cfg.port).start()
+        self.port = self.runner.addresses[0][1]
         self.say(f"listening on ws://{cfg.host}:{self.port}{proto.PATH} (loading the model; /readyz is 503 "
                  f"until it is ready)")
         if cfg.nvml:
@@ -221,7 +246,7 @@ class App:
             return False
         self.engine = result.result()
         info = self.engine.info
-        self.model_name = info.model
+        self.model_name = self.config.model_name or info.model
         self.limits = proto.Limits.for_engine(info.max_context, info.vocab_size)
         return True
 
@@ -236,9 +261,9 @@ class App:
             self.stopping.set_result(None)
 
     async def _stop(self, code: int) -> int:
-        """SIGTERM: refuse new websocket connections (HTTP 503; /healthz still answers 200 and /readyz 503),
-        let the running request finish for `drain_s` then cancel it, close every connection with 1012, stop
-        listening, release the engine. Each step after the drain is bounded (STOP_BOUND_S in all), so a
+        """SIGTERM: refuse new websocket connections and API calls (HTTP 503; /healthz still answers 200 and
+        /readyz 503), let the running request finish for `drain_s` then cancel it, close every connection with
+        1012, stop listening, release the engine. Each step after the drain is bounded (STOP_BOUND_S in all), so a
         client that does not read or an engine that hangs cannot hold the process. Returns the exit code."""
         failed = self.state == "failed"
         self.state, self.status = ("failed" if failed else "draining"), ("load failed" if failed else "draining")
@@ -248,8 +273,7 @@ class App:
         self.say("stopping: no new connections; draining the running request")
         await self._drain()
         await self._close_sessions()
-        self.server.close(close_connections=False)
-        if not await _within(self.server.wait_closed(), ABORT_GRACE_S):
+        if not await _within(self.runner.cleanup(), ABORT_GRACE_S):
             log.warning("stopping: the listener did not close within %g s", ABORT_GRACE_S)
         if self.engine is not None and not await _in_thread(self.engine.close, ENGINE_CLOSE_S):
             log.warning("stopping: the engine did not close within %g s; exiting without it", ENGINE_CLOSE_S)
@@ -260,7 +284,7 @@ class App:
 
     async def _drain(self) -> None:
         """Let running requests finish for `drain_s`, then cancel them and wait CANCEL_GRACE_S more."""
-        busy = [s for s in self.sessions if s.running is not None]
+        busy = [s for s in (*self.sessions, *self.calls) if s.running is not None]
         if not busy or await _within(_all(s.idle.wait() for s in busy), self.config.drain_s):
             return
         for s in busy:

@@ -1,12 +1,13 @@
-"""What happens before the websocket upgrade, without I/O: which path and method are asked for, whether the
+"""What happens before a request is served, without I/O: which path and method are asked for, whether the
 caller holds the token, whether a browser origin is allowed. Every refusal is an HTTP answer (`Verdict`),
-never an exception: a header sent twice where one is read is 400, another method than GET (or HEAD on the
-HTTP routes) is 405 with `Allow`.
+never an exception: a header sent twice where one is read is 400, a method the path does not answer is 405
+with `Allow`. Headers are a multidict (aiohttp's `request.headers`: `getall`).
 
-Auth is on when a token is configured. Scripts send `Authorization: Bearer <token>`; browsers, which cannot
-set headers on a websocket, offer the subprotocol `bearer.<base64url token>` next to `decode.v1` (the
-server never selects it, so it is not echoed back). Tokens are compared in constant time (equal-length
-digests, `hmac.compare_digest`) and never accepted in the URL.
+Auth is on when a token is configured. Scripts send `Authorization: Bearer <token>` (Anthropic's SDKs may
+send `x-api-key: <token>` instead, accepted alike); browsers, which cannot set headers on a websocket, offer
+the subprotocol `bearer.<base64url token>` next to `decode.v1` (the server never selects it, so it is not
+echoed back). Tokens are compared in constant time (equal-length digests, `hmac.compare_digest`) and never
+accepted in the URL.
 """
 
 import base64
@@ -24,6 +25,9 @@ from .protocol import PATH, PROTOCOL
 HTTP_ROUTES = ("/healthz", "/readyz", "/metrics")
 HTTP_METHODS = ("GET", "HEAD")  # HEAD: the GET answer's status and headers, no body
 UPGRADE_METHODS = ("GET",)  # RFC 6455: the opening handshake is a GET
+# The OpenAI- and Anthropic-compatible routes (server/openai_api.py, server/anthropic_api.py) and their methods.
+API_ROUTES = {"/v1/models": HTTP_METHODS, "/v1/chat/completions": ("POST",), "/v1/completions": ("POST",),
+              "/v1/messages": ("POST",)}
 BEARER_PREFIX = "bearer."
 
 
@@ -38,7 +42,7 @@ class BadHeader(ValueError):
 def one_header(headers, name: str) -> str | None:
     """The header's one value, None when absent. Raises BadHeader when it is repeated: which of two tokens
     or origins counts is not for the server to guess."""
-    values = headers.get_all(name)
+    values = headers.getall(name, [])
     if len(values) > 1:
         raise BadHeader(name, len(values))
     return values[0] if values else None
@@ -66,7 +70,7 @@ def read_token(path) -> str:
 
 
 def offered_subprotocols(headers) -> list[str]:
-    return [p.strip() for value in headers.get_all("Sec-WebSocket-Protocol") for p in value.split(",")
+    return [p.strip() for value in headers.getall("Sec-WebSocket-Protocol", []) for p in value.split(",")
             if p.strip()]
 
 
@@ -90,8 +94,8 @@ def bearer_from_subprotocol(protocol: str) -> bytes | None:
 
 
 def authorized(headers, token: str | None) -> bool:
-    """True when no token is configured, or the request carries it (header or subprotocol). Raises BadHeader
-    for a repeated Authorization header."""
+    """True when no token is configured, or the request carries it (Authorization, x-api-key or subprotocol).
+    Raises BadHeader for a repeated Authorization or x-api-key header."""
     if token is None:
         return True
     ok = False
@@ -100,6 +104,9 @@ def authorized(headers, token: str | None) -> bool:
         scheme, _, value = auth.partition(" ")
         if scheme.lower() == "bearer":
             ok |= token_matches(value.strip().encode(), token)
+    api_key = one_header(headers, "x-api-key")
+    if api_key is not None:
+        ok |= token_matches(api_key.strip().encode(), token)
     for proto in offered_subprotocols(headers):
         candidate = bearer_from_subprotocol(proto)
         if candidate is not None:
@@ -138,7 +145,7 @@ UNAUTHORIZED = Verdict(401, "unauthorized: send `Authorization: Bearer <token>` 
 
 def check_method(method: str, path: str) -> Verdict:
     """405 for a method the path does not answer; an unknown path is left to its 404."""
-    allowed = HTTP_METHODS if path in HTTP_ROUTES else UPGRADE_METHODS if path == PATH else None
+    allowed = HTTP_METHODS if path in HTTP_ROUTES else UPGRADE_METHODS if path == PATH else API_ROUTES.get(path)
     if allowed is None or method in allowed:
         return Verdict()
     return Verdict(405, f"method {method[:32]} is not allowed on {path}: use {' or '.join(allowed)}\n",
@@ -153,15 +160,23 @@ def check_token(headers, token: str | None) -> Verdict:
         return Verdict(400, f"{e}\n")
 
 
+def token_in_url(query: str) -> Verdict:
+    """400 for a token in the query string (it would land in logs and browser history)."""
+    if any(k.lower() in ("token", "access_token", "bearer", "api_key", "key") for k in parse_qs(query)):
+        return Verdict(400, "tokens never go in the URL: send `Authorization: Bearer <token>` or offer the "
+                            "subprotocol bearer.<base64url token>\n")
+    return Verdict()
+
+
 def check_upgrade(target: str, headers, token: str | None, origins: tuple[str, ...]) -> Verdict:
     """Decide a request for the websocket path (everything that is not one of HTTP_ROUTES)."""
     path, query = split_target(target)
     if path != PATH:
         return Verdict(404, f"no such path {path[:200]}: the websocket is at {PATH}; also /healthz, /readyz, "
-                            f"/metrics\n")
-    if any(k.lower() in ("token", "access_token", "bearer") for k in parse_qs(query)):
-        return Verdict(400, "tokens never go in the URL: send `Authorization: Bearer <token>` or offer the "
-                            "subprotocol bearer.<base64url token>\n")
+                            f"/metrics, {', '.join(API_ROUTES)}\n")
+    refused = token_in_url(query)
+    if refused.status is not None:
+        return refused
     try:
         origin = one_header(headers, "Origin")
     except BadHeader as e:

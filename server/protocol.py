@@ -18,7 +18,7 @@ a client sends can make a frame unwritable; a frame that still cannot be written
 import math
 from dataclasses import dataclass
 
-from appliance.api import MAX_TOKENS_LIMIT, Done, Error, Progress, Request, Sampling, Started, Tokens
+from appliance.api import Done, Error, Progress, Request, Sampling, Started, Tokens
 from appliance.errors import ApplianceError, RequestError, shown
 
 from . import strict_json
@@ -55,7 +55,8 @@ ERROR_TYPES = {
 RETRYABLE = {"busy", "not_ready"}
 
 GENERATE_FIELDS = ("type", "id", "prompt", "messages", "input_ids", "max_tokens", "sampling", "stop",
-                   "ignore_eos", "timings")
+                   "ignore_eos", "timings", "tools", "tool_choice", "thinking", "reasoning_effort", "response_format")
+CHAT_FIELDS = ("tools", "tool_choice", "thinking", "reasoning_effort", "response_format")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 MAX_ID_CHARS = 128
 
@@ -92,8 +93,7 @@ class Limits:
 
     @classmethod
     def for_engine(cls, max_context: int, vocab_size: int) -> "Limits":
-        return cls(max_context, min(MAX_TOKENS_LIMIT, max(1, max_context - 1)), max_message_bytes(max_context),
-                   vocab_size)
+        return cls(max_context, max(1, max_context - 1), max_message_bytes(max_context), vocab_size)
 
     def as_dict(self) -> dict:
         return {"max_context": self.max_context, "max_tokens": self.max_tokens,
@@ -191,9 +191,16 @@ def _generate(msg: dict, limits: Limits) -> Request:
         raise ProtocolError(f"sampling is a {_type_name(sampling)}: must be an object with "
                             f"{', '.join(SAMPLING_FIELDS)}", field="sampling", request_id=rid)
     _only(sampling, SAMPLING_FIELDS, "sampling", rid, prefix="sampling.")
-    kw = {k: msg[k] for k in ("input_ids", "prompt", "messages", "max_tokens", "stop", "ignore_eos", "timings")
-          if k in msg}
+    kw = {k: msg[k] for k in ("input_ids", "prompt", "messages", "max_tokens", "stop", "ignore_eos", "timings",
+                              *CHAT_FIELDS) if k in msg}
+    if "messages" in msg:  # a chat request samples as the checkpoint recommends unless told otherwise
+        sampling = {"temperature": None, "top_p": None, **sampling}
     req = Request(id=rid or "", sampling=Sampling(**sampling), **kw)
+    n = req.max_tokens
+    if "max_tokens" in msg and (n is None or isinstance(n, int) and not isinstance(n, bool)
+                                and not 1 <= n <= limits.max_tokens):
+        raise ProtocolError(f"max_tokens={shown(n)}: must be an integer in 1..{limits.max_tokens}", field="max_tokens",
+                            value=n, request_id=rid)
     try:
         req.validate()
         _check_input_ids(req, limits)
@@ -329,8 +336,16 @@ def event_frames(events: list, timings: str = "final") -> list[dict]:
 
 
 def delta(run: list[Tokens], timings: str) -> dict:
+    """A chat request's delta also carries `reasoning` and `tool_calls` when its tokens made some (`text` is
+    the answer alone); a prompt or input_ids request's delta never has them."""
     frame = {"type": "delta", "id": run[0].id, "index": run[0].index, "text": "".join(t.text for t in run),
              "token_ids": [i for t in run for i in t.ids]}
+    reasoning = "".join(t.reasoning for t in run)
+    if reasoning:
+        frame["reasoning"] = reasoning
+    calls = [c for t in run for c in t.tool_calls]
+    if calls:
+        frame["tool_calls"] = calls
     if timings == "per_token":
         frame["t_ms"] = [round(x, 3) for t in run for x in t.t_ms]
     return frame

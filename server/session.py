@@ -1,10 +1,12 @@
-"""One websocket connection (`Session`) and the one-user box it may hold (`Box`).
+"""One websocket connection (`Session`), on aiohttp's WebSocketResponse; the box it may hold is
+server/box.py's.
 
-Each connection has three tasks: a reader (client frames -> engine calls), a writer (the only place
-frames are sent: engine events and server frames from one queue, in order, with `seq` stamped at
-encoding) and a timer (prefill keepalive, idle timeout). The engine calls `emit` on its own thread;
-`loop.call_soon_threadsafe` moves each event into the writer's queue, so the decode loop never waits on
-a socket. When the client reads slowly, `send` blocks, events pile up in the queue and the writer sends
+Each connection has three tasks: a reader (client frames -> engine calls; it reads from the start, so a
+connection queued for the box is seen leaving, and what it sent meanwhile is handled once the box is its
+own), a writer (the only place frames are sent: engine events and server frames from one queue, in order,
+with `seq` stamped at encoding) and a timer (prefill keepalive, idle timeout). The engine calls `emit` on its
+own thread; `loop.call_soon_threadsafe` moves each event into the writer's queue, so the decode loop never
+waits on a socket. When the client reads slowly, `send` blocks, events pile up in the queue and the writer sends
 them as one merged `delta` (exact per-token `t_ms` kept, nothing dropped).
 
 What cancel does, by stage (`cancel` frame or a dropped connection alike):
@@ -30,80 +32,19 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
-from websockets.exceptions import ConnectionClosed
+from aiohttp import WSMsgType
 
 from appliance.api import Done, Error, Progress, Started, Tokens
 
 from . import protocol as proto
-
-# --- one user per box --------------------------------------------------------------------------------
-
-
-class Box:
-    """Who holds the box, and (queue mode) who waits for it, first come first served."""
-
-    def __init__(self):
-        self.owner: Session | None = None
-        self.waiting: list[tuple[Session, asyncio.Future]] = []
-
-    def try_take(self, s: "Session") -> bool:
-        if self.owner is None and not self.waiting:
-            self.owner = s
-            return True
-        return False
-
-    def wait_for(self, s: "Session") -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((s, fut))
-        s.tell_position(len(self.waiting))
-        return fut
-
-    def leave(self, s: "Session") -> None:
-        if self.owner is s:
-            self.owner = None
-        self.waiting = [(w, f) for w, f in self.waiting if w is not s]
-        while self.owner is None and self.waiting:
-            w, fut = self.waiting.pop(0)
-            if not fut.done():
-                self.owner = w
-                fut.set_result(True)
-        for i, (w, _) in enumerate(self.waiting):
-            w.tell_position(i + 1)
-
-    def retry_after_ms(self) -> int:
-        """When a refused client should try again: the owner's remaining tokens at its measured pace (100 ms
-        to 60 s), or 1 s when there is no pace to go by."""
-        r = self.owner.running if self.owner is not None else None
-        if r is not None and r.produced >= 2 and r.first_t is not None and r.last_t is not None:
-            per_token = (r.last_t - r.first_t) / (r.produced - 1)
-            return int(min(60000, max(100, (r.max_tokens - r.produced) * per_token + 100)))
-        return 1000
+from .box import Running
 
 
-# --- one connection ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Running:
-    id: str
-    timings: str
-    max_tokens: int
-    cancel: threading.Event
-    submitted: float
-    processed: int = 0
-    total: int | None = None
-    produced: int = 0
-    first_t: float | None = None  # t_ms of the first token
-    last_t: float | None = None  # t_ms of the latest token
-    gaps: list[float] = field(default_factory=list)
-
-
-@dataclass
 class _Close:
-    code: int
-    reason: str
+    def __init__(self, code: int, reason: str):
+        self.code = code
+        self.reason = reason
 
 
 _STOP = object()
@@ -114,9 +55,11 @@ class Session:
     """One websocket connection. `app` is the server (server/app.py's App, passed in rather than imported:
     the app makes sessions) for its state, limits, metrics, engine and the box."""
 
-    def __init__(self, app, ws):
+    def __init__(self, app, ws, transport=None):
+        """`ws`: a prepared aiohttp WebSocketResponse; `transport`: its TCP transport (for `abort`)."""
         self.app = app
         self.ws = ws
+        self.transport = transport
         self.loop = asyncio.get_running_loop()
         self.frames = proto.Frames()
         self.out: asyncio.Queue = asyncio.Queue()
@@ -132,6 +75,10 @@ class Session:
         self.failed: tuple[str, dict] | None = None  # (id, error to send as its terminal frame): see _fail
         self.writer: asyncio.Task | None = None
         self.timer: asyncio.Task | None = None
+        self.reader: asyncio.Task | None = None
+        self.admitted: bool | None = None  # None while deciding (or queued): what arrives is kept in `early`
+        self.closing_bad = False  # a text frame was not UTF-8: closing with 1007, nothing more is read
+        self.early: list = []
         self.finished = asyncio.Event()  # set once `_end` has run to the end
 
     # --- lifecycle ---
@@ -142,11 +89,14 @@ class Session:
         app.metrics.connections.inc()
         try:
             self.writer = asyncio.create_task(self.write_loop())
-            if await self.admit():
+            self.reader = asyncio.create_task(self.read_loop())
+            self.admitted = await self.admit()
+            if self.admitted:
                 self.timer = asyncio.create_task(self.timer_loop())
-                await self.read_loop()
-            else:
-                await self._drain_reads()
+                for message in self.early:  # sent while the box was not yet ours
+                    self.handle(message)
+            self.early.clear()
+            await asyncio.wait([self.reader])  # until the connection closes (a refused one: our close)
         finally:
             await self._end()
 
@@ -162,6 +112,8 @@ class Session:
             app.box.leave(self)
             if self.timer is not None:
                 self.timer.cancel()
+            if self.reader is not None:
+                self.reader.cancel()
             if self.writer is not None:  # ends after the running request's terminal event, if any
                 await asyncio.wait([self.writer])  # never raises, even if the writer failed or was cancelled
                 if not self.writer.cancelled() and self.writer.exception() is not None:
@@ -177,9 +129,8 @@ class Session:
         connection and stops the writer, so `_end` completes."""
         if self.writer is not None:
             self.writer.cancel()
-        transport = getattr(self.ws, "transport", None)
-        if transport is not None:
-            transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
     async def admit(self) -> bool:
         app = self.app
@@ -203,9 +154,7 @@ class Session:
         app.metrics.queued.inc()
         try:
             turn = app.box.wait_for(self)
-            closed = asyncio.ensure_future(self.ws.wait_closed())
-            await asyncio.wait([turn, closed], return_when=asyncio.FIRST_COMPLETED)
-            closed.cancel()
+            await asyncio.wait([turn, self.reader], return_when=asyncio.FIRST_COMPLETED)  # reader: it left
         finally:
             app.metrics.queued.dec()
         if not turn.done() or app.state != "ready":
@@ -213,14 +162,6 @@ class Session:
         self.last_activity = time.monotonic()
         self.send(proto.queued(0))
         return True
-
-    async def _drain_reads(self) -> None:
-        """A refused connection: read until our close completes (the client may still be sending)."""
-        try:
-            async for _ in self.ws:
-                pass
-        except ConnectionClosed:
-            pass
 
     # --- outgoing ---
 
@@ -324,23 +265,8 @@ class Session:
             if r is None:
                 break
             if isinstance(ev, Started):
-                r.total, r.processed = ev.prompt_tokens, ev.cached_tokens
                 self.failed = None  # a new request: nothing of an earlier one is left to drop
-            elif isinstance(ev, Progress):
-                r.processed, r.total = ev.processed, ev.total
-            elif isinstance(ev, Tokens):
-                for t in ev.t_ms:
-                    if r.last_t is not None:
-                        r.gaps.append(t - r.last_t)
-                    if r.first_t is None:
-                        r.first_t = t
-                    r.last_t = t
-                r.produced += len(ev.ids)
-                self.app.metrics.observe_tokens(r.gaps)
-                r.gaps.clear()
-            elif isinstance(ev, Done | Error):
-                self.app.metrics.observe_end(ev)
-                self.app.metrics.running.set(0)
+            if r.observe(ev, self.app.metrics):
                 self.recent.append(r.id)
                 self.running = None
                 self.idle.set()
@@ -364,28 +290,54 @@ class Session:
         if self.gone:
             return
         try:
-            await self.ws.send(text)
-        except ConnectionClosed:
+            await self.ws.send_str(text)
+        except (ConnectionError, RuntimeError):  # the connection is closing or gone
             self.gone = True
         self.last_sent = time.monotonic()
 
     async def _close(self, c: _Close) -> None:
+        """Send the close frame and wait (at most CLOSE_GRACE_S) for the client's before dropping TCP. The
+        reader is stopped first: aiohttp's close, called while another task waits in `receive`, drops the
+        connection at once, and a client still sending would then lose the close frame to a TCP reset."""
         if self.gone:
             return
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()  # safe: what it had not read yet stays in aiohttp's queue, and close reads it
+            await asyncio.wait([self.reader])
         try:
-            await self.ws.close(c.code, c.reason)
-        except ConnectionClosed:
+            await self.ws.close(code=c.code, message=c.reason.encode())
+        except (ConnectionError, RuntimeError):
             pass
         self.gone = True
 
     # --- incoming ---
 
     async def read_loop(self) -> None:
+        """Until the connection closes. aiohttp answers what breaks the websocket protocol itself (close 1002,
+        1009 beyond its memory bound) and ends the iteration. Text frames come as bytes (decode_text=False):
+        one that is not UTF-8 is closed with 1007 here, through the writer, whose close waits for the client's
+        (aiohttp's own 1007 would drop the connection at once, and a client still sending could lose the
+        close frame to a TCP reset)."""
         try:
-            async for message in self.ws:
+            async for msg in self.ws:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    break  # ERROR: the library has closed the connection with its code
                 self.last_activity = time.monotonic()
-                self.handle(message)
-        except ConnectionClosed:
+                data = msg.data
+                if self.closing_bad:
+                    continue
+                if msg.type == WSMsgType.TEXT:
+                    try:
+                        data = data.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        self.closing_bad = True
+                        self.close(proto.CLOSE_INVALID_DATA, f"a text frame that is not UTF-8 (byte {e.start})")
+                        continue
+                if self.admitted is None:
+                    self.early.append(data)
+                elif self.admitted:
+                    self.handle(data)
+        except (ConnectionError, RuntimeError):
             pass
 
     def handle(self, message) -> None:
@@ -428,7 +380,7 @@ class Session:
             return
         self.n_requests += 1
         req.id = req.id or f"req-{self.n_requests}"
-        self.running = Running(req.id, req.timings, req.max_tokens, threading.Event(), time.monotonic())
+        self.running = Running(req.id, req.timings, req.max_tokens, threading.Event())
         self.idle.clear()
         app.metrics.running.set(1)
         # wait=True: the box is ours, so the engine can only be finishing a cancelled request of the

@@ -98,22 +98,25 @@ class ServerProcess:
 
 
 def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[int | None, dict, bytes]:
-    """Send `request` bytes as they are (repeated headers, any method) and read until the server closes (or,
-    after a 101, until the headers end): (status or None when it closed without an answer, headers with
-    lower-case names, body)."""
-    data = b""
+    """Send `request` bytes as they are (repeated headers, any method) and read one answer: its headers, then
+    Content-Length bytes of body (none after a 101 or for HEAD), or until the server closes: (status or None
+    when it closed without an answer, headers with lower-case names, body)."""
+    data, head, headers = b"", None, {}
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(request)
         while chunk := s.recv(65536):
             data += chunk
-            if data.startswith(b"HTTP/1.1 101 ") and b"\r\n\r\n" in data:
+            if head is None and b"\r\n\r\n" in data:
+                head, _, data = data.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+                if lines[0].startswith("HTTP/1.1 101 ") or request.startswith(b"HEAD "):
+                    break
+            if head is not None and "content-length" in headers and len(data) >= int(headers["content-length"]):
                 break
-    if not data:
+    if head is None:
         return None, {}, b""
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
-    return int(lines[0].split()[1]), headers, body
+    return int(head.split(b" ", 2)[1]), headers, data
 
 
 def metric(server: ServerProcess, name: str, headers: dict | None = None) -> float:
@@ -219,3 +222,47 @@ class Datagrams:
         self._stop.set()
         self._thread.join()
         self.sock.close()
+
+
+class InProcessServer:
+    """server.app.App on its own event loop in a thread of the test process, serving `engine` (any object with
+    the Engine API: a scripted one, or a real Engine): no process to start, and the test can look at the
+    engine and the app directly. `stop()` requests the app's stop (SIGTERM's path) and waits for it."""
+
+    def __init__(self, engine, **config):
+        import asyncio
+
+        from server.app import App, ServerConfig
+
+        self.engine = engine
+        self.app = App(ServerConfig(port=0, nvml=False, **config), lambda status: engine, say=lambda m: None,
+                       handle_signals=False)
+        self.loop = asyncio.new_event_loop()
+        self.code: int | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while self.app.state != "ready":
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"in-process server not ready: {self.app.state} ({self.app.status})")
+            time.sleep(0.01)
+        self.port = self.app.port
+
+    def _serve(self) -> None:
+        self.code = self.loop.run_until_complete(self.app.main())
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        """One sample of the app's metrics registry (`name` with its labels, as exposed), 0 when absent."""
+        for line in self.app.metrics.exposition().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self) -> int | None:
+        self.loop.call_soon_threadsafe(self.app.request_stop)
+        self._thread.join(60)
+        return self.code

@@ -16,10 +16,10 @@ ALLOWED = {
     "appliance.api": {"appliance.errors"},
     "appliance.options": {"appliance.errors"},
     "appliance.chat": {"appliance.errors"},
-    "appliance.model": {"appliance.errors", "kernels"},
+    "appliance.model": {"appliance.errors", "appliance.chat", "kernels"},
     "appliance.parallel": {"appliance.errors", "appliance.model"},
-    "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model", "graphs",
-                         "kernels"},
+    "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model",
+                         "appliance.chat", "graphs", "kernels"},
     # parallel: the measure wing builds split models from a config (shapes.py) with the real split
     "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "appliance.parallel", "kernels"},
     "appliance.loader": {"appliance.errors", "appliance.options", "appliance.model", "appliance.parallel",

@@ -177,3 +177,24 @@ def test_server_modules_never_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=child_env())
     assert r.returncode == 0, r.stderr
+
+
+def test_the_probe_measures_an_openai_compatible_server_with_the_same_metrics_and_slo_gate(server, token_file,
+                                                                                           tmp_path):
+    out = tmp_path / "openai.json"
+    common = ("--api", "openai", "--requests", "2", "--warmup", "1", "--isl", "8", "--osl", "4", "--token-file",
+              str(token_file))
+    r = probe(*common, "--json", str(out), url=f"http://127.0.0.1:{server.port}")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["metrics"]) == set(probe_stats.METRICS) and doc["hello"]["api"] == "openai"
+    m = doc["metrics"]
+    assert m["output_tokens"]["min"] == m["output_tokens"]["max"] == 4  # ignore_eos: exact
+    assert m["ttft_ms"]["n"] == 2 and 0 < m["ttft_ms"]["min"] <= m["e2e_ms"]["min"]
+    assert m["tpot_ms"]["n"] == 2 and m["prompt_tokens"]["min"] > 8  # the chat template's tokens too
+    assert m["server_ttft_ms"]["n"] == 0  # OpenAI's stream carries no server times
+    assert doc["finish_reasons"] == {"length": 2}
+    missed = probe(*common, "--slo", "ttft_ms=0.001", url=f"127.0.0.1:{server.port}")
+    assert missed.returncode == 3 and "MISSED" in missed.stdout, missed.stderr
+    unauthorized = probe("--api", "openai", "--requests", "1", url=f"127.0.0.1:{server.port}")
+    assert unauthorized.returncode == 2 and "401" in unauthorized.stderr

@@ -5,6 +5,7 @@ import base64
 
 import orjson
 import pytest
+from multidict import CIMultiDict
 
 from appliance.api import Done, Error, Progress, Request, Started, Tokens
 from server import gate
@@ -62,7 +63,7 @@ def test_bad_frames_raise_an_error_naming_the_field(frame, field, code):
 def test_error_messages_name_the_field_the_value_and_the_fix():
     with pytest.raises(ProtocolError) as e:
         parse({"type": "generate", "input_ids": [1], "max_tokens": 0})
-    assert e.value.message == "max_tokens=0: must be an integer in 1..8192"
+    assert e.value.message == "max_tokens=0: must be an integer in 1..4095"  # the context (4096) less one prompt token
     with pytest.raises(ProtocolError) as e:
         parse({"type": "generate", "id": "q", "input_ids": [1], "sampling": {"temperature": 9}})
     assert "temperature=9" in e.value.message and "0..2" in e.value.message
@@ -92,7 +93,7 @@ def test_limits_derive_the_message_size_from_the_context_so_a_full_prompt_fits()
     limits = proto.Limits.for_engine(855_000, 129280)
     full_prompt = orjson.dumps({"type": "generate", "input_ids": [129279] * 854_999, "max_tokens": 1})
     assert len(full_prompt) < limits.max_message_bytes
-    assert limits.max_tokens == 8192 and proto.Limits.for_engine(100, 10).max_tokens == 99
+    assert limits.max_tokens == 854_999 and proto.Limits.for_engine(100, 10).max_tokens == 99  # no cap but the context
     assert LIMITS.as_dict() == {"max_context": 4096, "max_tokens": 4095,
                                 "max_message_bytes": proto.max_message_bytes(4096), "vocab_size": 512}
 
@@ -134,15 +135,12 @@ def test_engine_errors_map_to_protocol_codes_and_unknown_codes_become_internal()
 # --- the gate before the upgrade -----------------------------------------------------------------------
 
 
-class Headers(dict):
-    def get_all(self, key):
-        return [v for k, v in self.items() if k.lower() == key.lower()]
-
-    def get(self, key, default=None):
-        for k, v in self.items():
-            if k.lower() == key.lower():
-                return v
-        return default
+def Headers(*maps, **kw) -> CIMultiDict:
+    """Request headers as aiohttp hands them to the gate."""
+    out = CIMultiDict()
+    for m in (*maps, kw):
+        out.extend(m)
+    return out
 
 
 def test_the_token_is_accepted_from_the_bearer_header_or_the_bearer_subprotocol_only():
@@ -281,11 +279,9 @@ def test_the_engine_api_refuses_text_that_is_not_unicode_so_the_tokenizer_never_
 # --- the gate: methods, repeated headers ------------------------------------------------------------------
 
 
-class MultiHeaders(list):
-    """Headers as a list of (name, value) pairs: a name may repeat, as on the wire."""
-
-    def get_all(self, key):
-        return [v for k, v in self if k.lower() == key.lower()]
+def MultiHeaders(pairs=()) -> CIMultiDict:
+    """Headers from (name, value) pairs: a name may repeat, as on the wire."""
+    return CIMultiDict(pairs)
 
 
 def test_methods_other_than_get_and_head_get_405_naming_the_allowed_ones():

@@ -186,18 +186,19 @@ def test_an_engine_error_becomes_one_error_frame_and_the_connection_stays_up():
 
 
 class SlowSocket:
-    """A websocket whose first send blocks until released: a client that does not read."""
+    """A websocket (aiohttp's send_str / close) whose first send blocks until released: a client that does
+    not read."""
 
     def __init__(self):
         self.sent: list[dict] = []
         self.release = asyncio.Event()
 
-    async def send(self, text):
+    async def send_str(self, text):
         self.sent.append(orjson.loads(text))
         if len(self.sent) == 1:
             await self.release.wait()
 
-    async def close(self, code, reason):
+    async def close(self, *, code, message=b""):
         pass
 
 
@@ -286,7 +287,7 @@ def test_sigterm_ends_within_its_bound_when_the_client_stops_reading_and_the_eng
             async def blocked_send(text):  # a client that stopped reading: every send waits forever
                 await never.wait()
 
-            session.ws.send = blocked_send
+            session.ws.send_str = blocked_send
             session.send({"type": "pong", "t": 1, "server_t": 0.0})
             await asyncio.sleep(0.05)
             t0 = time.monotonic()

@@ -8,14 +8,16 @@ imports nothing of the project but appliance.errors, so the server and the CLI c
     dsml.py       the tool markup: tools block, tool calls in history
     output.py     the streaming output parser and parse()
     toolblock.py  one DSML tool-call block, parsed call by call
+    defaults.py   sampling defaults of a checkpoint (generation_config.json, else the model card)
 
 Spec: shared/spec/chat-encoding.md.
 """
 
+from .defaults import sampling_defaults
 from .dialects import DIALECTS, Dialect, dialect_for_model, get_dialect
 from .encoding import encode_messages
 from .output import OutputParser, ParsedMessage, TextDelta, ToolCallDelta, parse
 from .request import ChatPrompt, encode_request
 
 __all__ = ["DIALECTS", "ChatPrompt", "Dialect", "OutputParser", "ParsedMessage", "TextDelta", "ToolCallDelta",
-           "dialect_for_model", "encode_messages", "encode_request", "get_dialect", "parse"]
+           "dialect_for_model", "encode_messages", "encode_request", "get_dialect", "parse", "sampling_defaults"]

@@ -11,6 +11,10 @@ server's business and are ignored here.
 
 Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6, §9):
 
+* `tool_choice: "required"` or a named function opens the call at the end of the prompt, as DeepSeek's
+  recipe library does for required: `\n\n<｜DSML｜tool_calls>\n` (plus `<｜DSML｜invoke name="NAME">\n`
+  when named), after an empty `</think>` in thinking mode (the shape of a thinking turn that went straight
+  to a call). `ChatPrompt.forced` is that text: the output parser reads it before the model's output.
 * Request `tools` (and `response_format`) go on the leading system message (V4 also a leading developer
   message); one with empty text is created at index 0 when there is none. `tool_choice: "none"` leaves
   the tools out of the prompt, so the model is not tempted to write markup nobody parses.
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 
 from appliance.errors import RequestError
 
-from .dialects import IMAGE, Dialect
+from .dialects import IMAGE, THINK_CLOSE, Dialect
+from .dsml import Tags
 from .encoding import encode_messages
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"}
@@ -43,6 +48,7 @@ class ChatPrompt:
     thinking: bool  # the prompt ends in `<think>`: the output starts with reasoning
     reasoning_effort: str | int | None  # as the encoder got it (the dialect's table)
     messages: list[dict]  # as the encoder got them (validated, tools attached)
+    forced: str = ""  # the end of `text` that opens a forced tool call: the parser reads it first
 
 
 def encode_request(body: dict, dialect: Dialect) -> ChatPrompt:
@@ -51,9 +57,23 @@ def encode_request(body: dict, dialect: Dialect) -> ChatPrompt:
     thinking, effort = read_thinking(body, dialect)
     messages = normalize_messages(body.get("messages"), dialect)
     _check_last_turn(messages, dialect)
-    messages = _attach(messages, _tools(body), _response_format(body))
+    tools = _tools(body)
+    messages = _attach(messages, tools, _response_format(body))
     text = encode_messages(messages, dialect, thinking=thinking, reasoning_effort=effort)
-    return ChatPrompt(text, thinking, effort if thinking else None, messages)
+    forced = forced_call(body.get("tool_choice"), dialect, thinking) if tools else ""
+    return ChatPrompt(text + forced, thinking, effort if thinking else None, messages, forced)
+
+
+def forced_call(tool_choice, dialect: Dialect, thinking: bool) -> str:
+    """The prompt's end that makes the model call a tool: none for auto (or no choice), the block opener for
+    required, and the invoke of the named function after it for a named choice."""
+    if tool_choice != "required" and not isinstance(tool_choice, dict):
+        return ""
+    tags = Tags.of(dialect)
+    text = (THINK_CLOSE if thinking else "") + "\n\n" + tags.block_open + "\n"
+    if isinstance(tool_choice, dict):
+        text += tags.invoke_open + tool_choice["function"]["name"] + '">\n'
+    return text
 
 
 def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]:

@@ -1,4 +1,6 @@
-"""`appliance probe`: one user's latency measured against a running server, on the client."""
+"""`appliance probe`: one user's latency measured against a running server, on the client: over decode.v1
+(the default) or an OpenAI-compatible API's streaming chat completions (`--api openai`), so this box and
+any other server are measured side by side by one tool."""
 
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from appliance.errors import ApplianceError
 from .common import check_range, friendly
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
+OPENAI_URL = "http://127.0.0.1:8765"
 
 
 def _normalize_url(url: str) -> str:
@@ -23,7 +26,11 @@ def _normalize_url(url: str) -> str:
 
 
 @click.command()
-@click.argument("url", default=DEFAULT_URL)
+@click.argument("url", default=None, required=False)
+@click.option("--api", type=click.Choice(["decode", "openai"]), default="decode", show_default=True,
+              help="decode: decode.v1 over the websocket (URL default ws://127.0.0.1:8765/v1/stream); openai: "
+                   "streaming chat completions of any OpenAI-compatible server (URL default http://127.0.0.1:8765, "
+                   "the model the server's /v1/models lists first)")
 @click.option("--requests", "n_requests", type=int, default=20, show_default=True, help="measured requests")
 @click.option("--warmup", type=int, default=2, show_default=True, help="requests run first and not counted")
 @click.option("--isl", type=int, default=None, help="prompt length: random ids in the vocabulary (default 128)")
@@ -42,23 +49,24 @@ def _normalize_url(url: str) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the random prompts")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds to wait for any frame")
 @friendly
-def probe(url, n_requests, warmup, isl, osl, prompt_file, token_file, json_path, jsonl_path, csv_path,
+def probe(url, api, n_requests, warmup, isl, osl, prompt_file, token_file, json_path, jsonl_path, csv_path,
           plot_path, slo, seed, timeout):
     """Measure one user's latency against a running server, one request at a time: TTFT, time to second
-    token, server TTFT and the overhead between, TPOT, tokens/s, every inter-token gap, e2e.
+    token, server TTFT and the overhead between (decode.v1 only), TPOT, tokens/s, every inter-token gap, e2e.
 
     Exit codes: 0 ok, 2 usage, 3 an SLO missed, 4 the box is busy or not ready, 5 unreachable."""
     import asyncio
 
     from server.probe import stats as probe_stats
     from server.probe.client import ProbeConfig, ProbeError, run_probe
+    from server.probe.openai_client import run_openai_probe
 
     if prompt_file is not None and isl is not None:
         raise ApplianceError("give --isl (random ids) or --prompt-file, not both", field="isl")
     check_range("--requests", n_requests, 1)
     check_range("--warmup", warmup, 0)
     check_range("--isl", isl, 1)
-    check_range("--osl", osl, 1, 8192)
+    check_range("--osl", osl, 1)
     slos = probe_stats.parse_slo(slo) if slo else []
     if plot_path is not None:
         from server.probe.plot import _pyplot
@@ -74,13 +82,18 @@ def probe(url, n_requests, warmup, isl, osl, prompt_file, token_file, json_path,
             raise ApplianceError(f"--prompt-file {prompt_file}: is empty", field="prompt_file")
     from server.gate import read_token
 
-    cfg = ProbeConfig(url=_normalize_url(url), requests=n_requests, warmup=warmup,
+    if api == "openai":
+        url = url or OPENAI_URL
+    else:
+        url = _normalize_url(url or DEFAULT_URL)
+    cfg = ProbeConfig(url=url, requests=n_requests, warmup=warmup,
                       isl=None if prompt is not None else (isl or 128), osl=osl or 128, prompt=prompt,
                       ignore_eos=prompt is None or osl is not None,
                       token=read_token(token_file) if token_file else None, seed=seed, timeout_s=timeout)
     total = warmup + n_requests
     try:
-        run = asyncio.run(run_probe(cfg, on_request=lambda rec: _progress(rec, total)))
+        runner = run_openai_probe if api == "openai" else run_probe
+        run = asyncio.run(runner(cfg, on_request=lambda rec: _progress(rec, total)))
     except ProbeError as e:
         if sys.stderr.isatty():
             sys.stderr.write("\n")  # end the progress bar's line

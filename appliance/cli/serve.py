@@ -1,6 +1,6 @@
-"""`appliance serve`: the websocket server in front of the engine. The `server` package is imported inside
-the command, never at module level, so the rest of the CLI does not pay for (or depend on) websockets and
-prometheus."""
+"""`appliance serve`: the server in front of the engine (decode.v1 websocket and the OpenAI/Anthropic API on
+one port). The `server` package is imported inside the command, never at module level, so the rest of the
+CLI does not pay for (or depend on) aiohttp and prometheus."""
 
 import errno
 import os
@@ -52,8 +52,9 @@ def _token(token_file) -> str | None:
 @friendly
 def serve(options: RunOptions, host, port, token_file, metrics_auth, origins, on_busy, idle_timeout, drain,
           keepalive):
-    """Serve the model over websocket (protocol decode.v1, ws://HOST:PORT/v1/stream) with /healthz, /readyz
-    and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
+    """Serve the model over websocket (protocol decode.v1, ws://HOST:PORT/v1/stream) and the OpenAI- and
+    Anthropic-compatible API (/v1/chat/completions, /v1/completions, /v1/messages, /v1/models), with
+    /healthz, /readyz and /metrics on the same port. One user at a time. SIGTERM drains and exits 0.
 
     Every option can also come from the environment variable APPLIANCE_<OPTION> (the systemd env file)."""
     from appliance.parallel.world import start

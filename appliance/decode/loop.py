@@ -1,11 +1,15 @@
 """The request loop, without threads or I/O: one request in, Engine API events out.
 
 For each request the loop
-1. validates it and turns it into token ids (text, chat messages or ids);
+1. validates it and turns it into token ids (text, ids, or chat messages encoded in the checkpoint's
+   dialect: decode/chat.py);
 2. asks the decode session to keep the longest reusable prefix of its state and prefill the rest, in
    chunks, reporting progress and checking `cancel` between chunks;
 3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
-   between cycles, until max_tokens, EOS or a stop string, turning ids into text as it goes.
+   between cycles, until max_tokens (None: the context's end), EOS or a stop string, turning ids into text
+   as it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls).
+Stop strings match the model's text as decoded, markup included. Sampling values a request leaves None come
+from the checkpoint (generation_config.json, else the model card: appliance.chat.sampling_defaults).
 The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
 """
 
@@ -15,41 +19,46 @@ from collections.abc import Iterator
 import torch
 
 from appliance.api import Done, Error, Progress, Request, Started, Tokens
+from appliance.chat import dialect_for_model, sampling_defaults
 from appliance.errors import ApplianceError
 from appliance.model.tokenizer import StreamDecoder, check_ids
 
-from .chat import render_chat
+from .chat import ChatOutput, chat_prompt
 
 
 class RequestLoop:
     def __init__(self, session, tokenizer, model_dir=None):
         """`session`: a DecodeSession; `tokenizer`: the model's (appliance.model.tokenizer); `model_dir`:
-        where a chat template may live."""
+        where generation_config.json may live."""
         self.session = session
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.cfg = session.cfg
+        self.dialect = dialect_for_model(self.cfg.family, has_dspark=self.cfg.dspark is not None)
+        self.defaults = sampling_defaults(model_dir, self.dialect)
 
-    def prompt_ids(self, req: Request) -> list[int]:
+    def prompt_ids(self, req: Request) -> tuple[list[int], ChatOutput | None]:
+        """The prompt's ids, and for a chat request the parser of its output."""
+        chat = None
         if req.input_ids is not None:
             ids = req.input_ids
         elif req.prompt is not None:
             ids = self.tokenizer.encode(req.prompt)
         else:
-            ids = self.tokenizer.encode(render_chat(req.messages, self.model_dir))
-        check_ids(ids, self.cfg, self.session.capacity, reserve=req.max_tokens)
-        return ids
+            ids, chat = chat_prompt(req, self.dialect, self.tokenizer)
+        check_ids(ids, self.cfg, self.session.capacity, reserve=req.max_tokens or 1)
+        return ids, chat
 
     def run(self, req: Request, cancel=None) -> Iterator:
         t0 = time.perf_counter()
         try:
             req.validate()
-            ids = self.prompt_ids(req)
+            ids, chat = self.prompt_ids(req)
         except ApplianceError as e:
             yield Error(req.id, e.code, e.message, e.field)
             return
         try:
-            yield from self._run(req, ids, cancel, t0)
+            yield from self._run(req, ids, chat, cancel, t0)
         except ApplianceError as e:
             self.session.reset()
             yield Error(req.id, e.code, e.message, e.field)
@@ -61,11 +70,12 @@ class RequestLoop:
             seed = world.broadcast(seed)
         return seed
 
-    def _run(self, req: Request, ids: list[int], cancel, t0: float) -> Iterator:
+    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, cancel, t0: float) -> Iterator:
         session = self.session
+        max_tokens = req.max_tokens or session.capacity - len(ids)
         cached = session.prepare(ids)
         yield Started(req.id, len(ids), cached)
-        session.start_sampling(req.sampling, self._seed(req))
+        session.start_sampling(req.sampling.resolved(self.defaults), self._seed(req))
         for done in session.prefill(ids, cancel):
             if done < len(ids):
                 yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)
@@ -79,7 +89,9 @@ class RequestLoop:
         produced: list[int] = []
         t_first = None
         finish = "length"
-        text_so_far = ""
+        text_so_far = ""  # emitted
+        held = ""  # decoded but not emitted: it may be the start of a stop string
+        matched = None
         pending = [session.sample_first(logits)]
         while finish == "length":
             now = time.perf_counter()
@@ -90,32 +102,44 @@ class RequestLoop:
                     finish = "stop"
                     break
                 ids.append(token)
-                text = decoder.push([token])
-                stop_at = _find_stop(text_so_far + piece + text, req.stop, len(text_so_far) + len(piece))
+                held += decoder.push([token])
+                stop_at, matched = _find_stop(text_so_far + piece + held, req.stop, len(text_so_far) + len(piece))
                 if stop_at is not None:
-                    piece = (text_so_far + piece + text)[len(text_so_far):stop_at]
-                    finish = "stop"
+                    piece = (text_so_far + piece + held)[len(text_so_far):stop_at]
+                    held, finish = "", "stop"
                     break
-                piece += text
-                if len(produced) + len(ids) >= req.max_tokens:
+                keep = _stop_prefix(held, req.stop)
+                piece, held = piece + held[:len(held) - keep], held[len(held) - keep:]
+                if len(produced) + len(ids) >= max_tokens:
                     break
             if ids or piece:
-                yield Tokens(req.id, ids, piece, len(produced), [(now - t0) * 1e3] * len(ids))
+                yield _tokens(req.id, ids, piece, len(produced), [(now - t0) * 1e3] * len(ids), chat)
             produced += ids
             text_so_far += piece
-            if finish != "length" or len(produced) >= req.max_tokens:
+            if finish != "length" or len(produced) >= max_tokens:
                 break
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
             pending = session.cycle(pending[-1])
-        tail = decoder.flush() if finish != "stop" or not req.stop else ""
-        if tail:
+        tail = held + decoder.flush() if matched is None else ""  # after a stop string nothing more is text
+        if chat is not None:
+            content, reasoning, calls = chat.finish(tail)
+            if content or reasoning or calls:
+                yield Tokens(req.id, [], content, len(produced), [], reasoning, calls)
+        elif tail:
             yield Tokens(req.id, [], tail, len(produced), [])
         usage["completion_tokens"] = len(produced)
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
-        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec)
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec, matched)
+
+
+def _tokens(rid: str, ids: list[int], piece: str, index: int, t_ms: list[float], chat: ChatOutput | None) -> Tokens:
+    if chat is None:
+        return Tokens(rid, ids, piece, index, t_ms)
+    content, reasoning, calls = chat.feed(piece)
+    return Tokens(rid, ids, content, index, t_ms, reasoning, calls)
 
 
 def _timings(t0, t_prefill, t_first, end, n) -> dict:
@@ -131,11 +155,19 @@ def _timings(t0, t_prefill, t_first, end, n) -> dict:
     }
 
 
-def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
-    """Index where the earliest stop string starts, if one ends in the new part of `text`."""
-    best = None
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string (held back until they cannot)."""
+    for k in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int | None, str | None]:
+    """(index where the earliest stop string starts, that string), if one ends in the new part of `text`."""
+    best, which = None, None
     for s in stops:
         i = text.find(s, max(0, new_from - len(s) + 1))
         if i != -1 and (best is None or i < best):
-            best = i
-    return best
+            best, which = i, s
+    return best, which

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from appliance.chat.dialects import BOS, DSML, EOS, HIDDEN_TOKENS, PAD, THINK_CLOSE, THINK_OPEN
 from kernels.formats import encode_fp4, encode_fp8
 
 from .config import FAMILIES
@@ -24,11 +25,15 @@ _CORPUS = [
     "Hello, world! Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation; quotes \"x\" and 'y'. ",
     "Sparse attention keeps a window of recent tokens and a compressed memory of the distant past. ",
 ]
-SPECIALS = ["<bos>", "<eos>", "<pad>", "<noise>"]
+SPECIALS = [BOS, EOS, PAD, "<noise>"]  # ids 0..3: BOS and EOS at DeepSeek's ids
+# DeepSeek's other special tokens (roles, think tags, the DSML marker, tasks), so the chat encoding tokenizes
+# on a tiny model as on the real one: each one id.
+CHAT_SPECIALS = [t for t in (THINK_OPEN, THINK_CLOSE, DSML, *HIDDEN_TOKENS) if t not in SPECIALS]
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """Byte-level BPE trained on a fixed corpus, padded with <unused_k> tokens to exactly vocab_size."""
+    """Byte-level BPE trained on a fixed corpus, then DeepSeek's chat special tokens, padded with <unused_k>
+    tokens to exactly vocab_size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -37,6 +42,7 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.add_special_tokens(CHAT_SPECIALS)
     n = tok.get_vocab_size()
     if n > vocab_size:
         raise ValueError(f"tokenizer came out with {n} tokens > vocab_size {vocab_size}")

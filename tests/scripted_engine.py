@@ -1,0 +1,103 @@
+"""An Engine whose model writes what the test says: the seam for tests of the HTTP API.
+
+Everything but the model is real: the Engine thread, the request loop (validation, the chat encoding in the
+checkpoint's dialect, tokenization, stop strings, the streaming output parser) and the embedded model's
+tokenizer. Only the decode session is a stand-in: `ScriptedSession` returns the ids of a scripted output
+text instead of sampling, keeps the prompt of the previous request as its "cached prefix" (so
+`cached_tokens` means what it means on the real session), and can be slowed per prefill chunk or per token
+so a test can disconnect or cancel in the middle.
+
+    engine, session = scripted_engine()
+    session.script("Some reasoning</think>The answer.")      # then EOS, as the model ends a turn
+    ... a client talks to an App serving `engine` ...
+    session.prompts[-1]                                       # the ids the request loop sent to the model
+"""
+
+import collections
+import threading
+import time
+
+from appliance.chat.dialects import EOS
+from appliance.decode.loop import RequestLoop
+from appliance.engine import Engine, EngineInfo
+from appliance.loader import default_model_dir
+from appliance.model.config import load_config
+from appliance.model.tokenizer import load_tokenizer
+
+
+class ScriptedSession:
+    """The DecodeSession calls the request loop makes (prepare, prefill, start_sampling, sample_first,
+    cycle, reset), answered from scripts."""
+
+    def __init__(self, cfg, tokenizer, capacity: int = 4096, chunk: int = 16):
+        self.cfg, self.tokenizer, self.capacity, self.chunk = cfg, tokenizer, capacity, chunk
+        self.world = self.spec = self.stats = None
+        self.logits = None
+        self.scripts: collections.deque[list[int]] = collections.deque()
+        self.state: list[int] = []  # the ids the "decode state" holds
+        self.prompts: list[list[int]] = []
+        self.samplings: list = []
+        self.token_delay_s = 0.0
+        self.chunk_delay_s = 0.0
+        self.cycles = 0  # decode cycles run, over all requests
+        self.chunks = 0  # prefill chunks run, over all requests
+        self.lock = threading.Lock()
+        self._out: list[int] = []
+
+    def script(self, text: str, eos: bool = True) -> list[int]:
+        """The model's next output: `text` (special tokens as single ids), then EOS unless `eos` is False."""
+        ids = self.tokenizer.encode(text + (EOS if eos else ""))
+        self.scripts.append(ids)
+        return ids
+
+    def prompt_text(self, k: int = -1) -> str:
+        return self.tokenizer.decode(self.prompts[k])
+
+    # --- what the request loop calls ---
+
+    def prepare(self, ids: list[int]) -> int:
+        common = 0
+        while common < min(len(ids) - 1, len(self.state)) and ids[common] == self.state[common]:
+            common += 1
+        self.state = self.state[:common]
+        self.prompts.append(list(ids))
+        return common
+
+    def prefill(self, ids: list[int], cancel=None):
+        self.logits = None
+        while len(self.state) < len(ids):
+            if cancel is not None and cancel.is_set():
+                return
+            time.sleep(self.chunk_delay_s)
+            self.state = list(ids[:len(self.state) + self.chunk])
+            self.chunks += 1
+            yield len(self.state)
+        self.logits = object()
+        self._out = self.scripts.popleft() if self.scripts else [self.cfg.eos_token_id]
+
+    def start_sampling(self, sampling, seed: int) -> None:
+        self.samplings.append(sampling)
+
+    def sample_first(self, logits) -> int:
+        return self._next()
+
+    def cycle(self, token: int) -> list[int]:
+        time.sleep(self.token_delay_s)
+        self.cycles += 1
+        self.state.append(token)
+        return [self._next()]
+
+    def _next(self) -> int:
+        return self._out.pop(0) if self._out else self.cfg.eos_token_id
+
+    def reset(self) -> None:
+        self.state = []
+
+
+def scripted_engine(capacity: int = 4096) -> tuple[Engine, ScriptedSession]:
+    model_dir = default_model_dir()
+    cfg = load_config(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    session = ScriptedSession(cfg, tokenizer, capacity)
+    info = EngineInfo("scripted", cfg.family, capacity, cfg.vocab_size, "none", "cpu")
+    return Engine(RequestLoop(session, tokenizer, model_dir), info, warmup=False), session
