@@ -129,6 +129,9 @@ class Done:
     usage: dict
     timings: dict
     speculative: dict | None = None
+    # how the prompt's prefix was restored: source (none | device | host | disk), matched_tokens (the longest
+    # prefix any tier shares), cached_tokens (positions not prefilled), restored_bytes, restore_ms
+    prefix_cache: dict | None = None
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 For each request the loop
 1. validates it and turns it into token ids (text, chat messages or ids);
-2. asks the decode session to keep the longest reusable prefix of its state and prefill the rest, in
-   chunks, reporting progress and checking `cancel` between chunks;
+2. asks the decode session to restore the longest prefix any tier holds (the live state, the prefix
+   cache) and prefill the rest, in chunks, reporting progress and checking `cancel` between chunks;
 3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
-   between cycles, until max_tokens, EOS or a stop string, turning ids into text as it goes.
+   between cycles, until max_tokens, EOS or a stop string, turning ids into text as it goes;
+4. after its Done, lets the session file the conversation in the prefix cache.
 The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
 """
 
@@ -73,7 +74,9 @@ class RequestLoop:
         t_prefill = time.perf_counter()
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
         if logits is None:
-            yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0))
+            yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
+                       prefix_cache=dict(session.timeline.last))
+            session.finish()
             return
         decoder = StreamDecoder(self.tokenizer)
         produced: list[int] = []
@@ -115,7 +118,9 @@ class RequestLoop:
         usage["completion_tokens"] = len(produced)
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
-        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec)
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec,
+                   dict(session.timeline.last))
+        session.finish()  # after Done: filing the conversation in the prefix cache is off the client's clock
 
 
 def _timings(t0, t_prefill, t_first, end, n) -> dict:
