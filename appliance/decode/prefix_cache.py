@@ -307,16 +307,14 @@ class PrefixCache:
         while n is not None and n is not self.root:
             newest_path.add(n)
             n = n.parent
+
+        def order(n: Node):  # unprotected first, then the new branch, then protected; LRU, deepest first
+            return 2 if n in protected else (1 if n in newest_path else 0), n.last_used, -_depth(n)
+
         while self.host_bytes > self.budget:
             candidates = [n for n in self.nodes() if self._evictable(n)]
             if not candidates:
                 return
-            depth = {n: _depth(n) for n in candidates}
-
-            def order(n: Node):
-                tier = 2 if n in protected else (1 if n in newest_path else 0)
-                return tier, n.last_used, -depth[n]
-
             self._drop(min(candidates, key=order))
 
     def _evictable(self, n: Node) -> bool:

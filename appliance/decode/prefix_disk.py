@@ -43,7 +43,11 @@ SAMPLES = 4  # samples per weight file
 
 
 class CacheFileError(Exception):
-    """A cache file that cannot be used; the message says which and why."""
+    """A cache file that cannot be used (`fid`); the message says which and why."""
+
+    def __init__(self, message: str, fid: str = ""):
+        super().__init__(message)
+        self.fid = fid
 
 
 @dataclass
@@ -203,7 +207,7 @@ class DiskTier:
         the checksums. Raises CacheFileError (and removes the file) when it cannot be used."""
         info = self.files.get(fid)
         if info is None:
-            raise CacheFileError(f"prefix cache: file {fid} is no longer there")
+            raise CacheFileError(f"prefix cache: file {fid} is no longer there", fid)
         try:
             tensors = load_file(str(info.path))
             with safe_open(str(info.path), framework="pt") as f:
@@ -212,7 +216,8 @@ class DiskTier:
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the file is not used again
             self.remove(fid)
             why = str(e) if isinstance(e, CacheFileError) else f"{type(e).__name__}: {e}"
-            raise CacheFileError(f"prefix cache: {info.path.name}: corrupted ({why}); ignored and removed") from None
+            raise CacheFileError(f"prefix cache: {info.path.name}: corrupted ({why}); ignored and removed",
+                                 fid) from None
         now = time.time()
         os.utime(info.path, (now, now))
         info.used = now

@@ -95,12 +95,13 @@ class Timeline:
     def prepare(self, ids: list[int]) -> int:
         """Bring the live state to the longest prefix of `ids` any tier holds (at most len(ids) - 1: the
         last prompt id is always processed); returns the positions kept (cached_tokens)."""
-        try:
-            return self._prepare(ids)
-        except CacheFileError as e:  # a file failed its checks: it is gone now; plan again without it
-            self.notice(str(e))
-            self.cache.disk.rejected.append(str(e))
-            return self._prepare(ids)
+        while True:
+            try:
+                return self._prepare(ids)
+            except CacheFileError as e:  # nothing was restored yet: drop what the file held, plan again
+                self.notice(str(e))
+                self.cache.disk.rejected.append(str(e))
+                self.cache.forget_file(e.fid)
 
     def _prepare(self, ids: list[int]) -> int:
         t0 = time.perf_counter()
