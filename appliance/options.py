@@ -29,7 +29,7 @@ class RunOptions:
     chunk: int = 256  # prefill chunk: cancel and progress act between chunks
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
-    checkpoint_stride: int = 2048  # positions between state checkpoints (0: only at request ends and branches)
+    checkpoint_stride: int = 2048  # positions between state checkpoints (0: none; rewinds within 16 only)
     prefix_cache_gb: float = 8.0  # host memory for cached conversations (0: keep only the live state)
     prefix_cache_dir: Path | None = None  # the disk tier: cached conversations that survive a restart
     prefix_cache_disk_gb: float = 64.0  # the disk tier's budget

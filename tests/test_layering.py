@@ -20,7 +20,7 @@ ALLOWED = {
     "appliance.parallel": {"appliance.errors", "appliance.model"},
     "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model", "graphs",
                          "kernels"},
-    "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "kernels"},
+    "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "appliance.chat", "kernels"},
     "appliance.loader": {"appliance.errors", "appliance.options", "appliance.model", "appliance.parallel",
                          "kernels"},
     "appliance.engine": {"appliance.api", "appliance.errors", "appliance.options", "appliance.loader",

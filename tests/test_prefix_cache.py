@@ -225,3 +225,72 @@ def test_prefix_cache_metrics_count_hits_misses_bytes_and_restore_time():
     assert "decode_prefix_cache_misses_total 1.0" in text
     assert "decode_prefix_cache_restored_bytes_total 4096.0" in text
     assert "decode_prefix_cache_restore_seconds_count 2.0" in text
+
+
+def test_a_restarted_server_with_a_cache_dir_resumes_a_conversation_with_its_prefix_cached(tmp_path):
+    from tests.server_harness import ServerProcess, generate, metric, open_ws, prompt, recv, token_ids
+
+    args = ("--chunk", "32", "--prefix-cache-dir", str(tmp_path / "cache"))
+    first = prompt(301, 80)
+
+    def talk(request_id, ids, n):
+        server = ServerProcess(*args)
+        try:
+            with open_ws(server, token=None) as ws:
+                assert recv(ws)["type"] == "hello"
+                frames = generate(ws, request_id, ids, n)
+            return frames, metric(server, 'decode_prefix_cache_hits_total{tier="disk"}')
+        finally:
+            assert server.stop() == 0
+
+    frames, _ = talk("a", first, 8)
+    out = token_ids(frames)
+    frames, disk_hits = talk("b", first + out + [5, 6, 7], 4)
+    started = next(f for f in frames if f["type"] == "started")
+    done = next(f for f in frames if f["type"] == "done")
+    # the first request's state held its prompt and all but its last token: all of it comes back
+    assert started["cached_tokens"] == done["usage"]["cached_tokens"] == len(first) + len(out) - 1
+    assert disk_hits == 1
+
+
+def test_bench_agent_replays_a_trace_with_and_without_the_cache_and_reports_the_ideal(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+
+    a = ids_of(60, 5)
+    lines = [{"input_ids": a, "kind": "main"},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+              "kind": "side", "max_tokens": 2},
+             {"input_ids": a + ids_of(10, 6), "kind": "main"}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = CliRunner().invoke(main, ["bench", "agent", "--trace", str(trace), "--max-tokens", "3", "--chunk", "32",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    rows, plain = out["requests"], out["no_reuse"]
+    assert [x["kind"] for x in rows] == ["main", "side", "main"] and out["identical_outputs"]
+    assert rows[2]["ideal_cached_tokens"] == 60 and rows[2]["cached_tokens"] == 60  # the request end's checkpoint
+    assert plain[2]["cached_tokens"] == 0  # the side request replaced the only state
+    assert out["summary"]["cache"]["cached_of_ideal"] == 1.0
+
+
+def test_the_agent_conversation_keeps_tool_loop_reasoning_and_drops_the_side_chats():
+    from appliance.chat import get_dialect
+    from appliance.loader import default_model_dir
+    from appliance.measure.agent import AgentConversation
+    from appliance.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())
+    conv = AgentConversation(get_dialect("deepseek_v41"), tok, context=1500, side_every=2)
+    seen = []
+    for kind, ids in conv.requests(4):
+        seen.append((kind, tok.decode(ids)))
+        conv.heard(kind, f"thought-{len(seen)}")
+    assert [k for k, _ in seen] == ["main", "main", "side", "main", "main", "side"]
+    assert len(tok.encode(seen[0][1])) >= 1500 and "Repository map" in seen[0][1]
+    assert "thought-1" in seen[1][1] and "thought-1" in seen[4][1]  # the tool loop keeps its reasoning
+    assert "thought-3" not in seen[5][1] and "Step 2: parser." in seen[5][1]  # the side chat drops it

@@ -80,8 +80,9 @@ _DECODE_OPTIONS = [
                                        help="on CUDA, run the decode cycle eagerly instead of replaying CUDA graphs")),
     ("checkpoint_stride", lambda: click.option(
         "--checkpoint-stride", type=int, default=2048, show_default=True, envvar=_env("checkpoint_stride"),
-        help="positions between checkpoints of the state's rings: a rewind to any position prefills at most "
-             "this many ids again (0: checkpoints only at request ends and branch points)")),
+        help="positions between checkpoints of the state's rings (also taken at each prompt's end, each "
+             "request's end and where a prompt branches off): a rewind to any position prefills at most this many "
+             "ids again (0: no checkpoints, rewinds only within the last 16 positions)")),
     ("prefix_cache_gb", lambda: click.option(
         "--prefix-cache-gb", type=float, default=8.0, show_default=True, envvar=_env("prefix_cache_gb"),
         help="host memory (GB, pinned with a GPU) for earlier conversations, least recently used evicted "

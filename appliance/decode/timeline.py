@@ -37,7 +37,8 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class Timeline:
     def __init__(self, state, spec, stride: int, cache: PrefixCache | None = None, notice=None):
         """`state`: the target's DecodeState; `spec`: the speculator or None; `stride`: positions between
-        checkpoints (0: none but the request ends and branch points); `cache`: the prefix cache or None."""
+        checkpoints (0: no checkpoints at all, only the journal's last `spare` positions rewind); `cache`:
+        the prefix cache or None."""
         self.state, self.spec = state, spec
         self.stride = stride
         self.cache = cache
@@ -74,7 +75,7 @@ class Timeline:
 
     def checkpoint(self) -> None:
         n = self.state.length
-        if n > 0 and n not in self.ckpts:
+        if self.stride and n > 0 and n not in self.ckpts:
             self.ckpts[n] = ckpt.take(n, self.buffers)
 
     def cut_points(self, start: int, end: int) -> list[int]:
