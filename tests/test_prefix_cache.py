@@ -110,6 +110,35 @@ def test_a_rewind_to_1000_random_positions_of_a_4k_state_equals_a_fresh_prefill(
         assert torch.equal(s.logits, logits[p]), f"logits at {p} after prefilling from {landed}"
 
 
+def test_rewinds_of_a_v4_state_with_overlapping_compressors_and_its_mtp_drafter_equal_a_fresh_prefill(tiny_dirs):
+    # V4's compressors pool overlapping groups (their carries reach two groups back) and its indexer has a
+    # compressor of its own; the MTP drafter keeps its own ring
+    v4 = load(tiny_dirs["deepseek_v4"], draft="auto")
+    n = 384
+    s = DecodeSession(v4, RunOptions(draft="auto", chunk=64, checkpoint_stride=64), capacity=1024, spare=64)
+    ids = ids_of(n, 7)
+    rings, logits = record(s, ids)
+    s.finish()
+    final = {k: v.clone() for k, v in s.state.live_buffers().items()}
+    positions = random.Random(1).sample(range(1, n), 200)
+    for p in positions:
+        assert s.prepare(ids[:p + 1]) == p
+        live = s.state.live_buffers()
+        for name, r in s.state.rings.items():
+            assert torch.equal(live[f"ring.{name}"], rings[name][max(0, p - r.reach): p]), f"ring {name} at {p}"
+        for name, r in s.state.rows.items():
+            assert torch.equal(live[f"rows.{name}"], final[f"rows.{name}"][: p // r.ratio]), f"rows {name} at {p}"
+    for p in positions[:2]:
+        s.prepare(ids[:p + 1])
+        list(s.prefill(ids[:p + 1]))
+        assert torch.equal(s.logits, logits[p]), f"logits at {p}"
+    # drafting from a restored state: the greedy continuation of a plain cold run
+    p = 200
+    _, got, _ = run(RequestLoop(s, v4.tokenizer), ids[:p])
+    _, want, _ = run(RequestLoop(session(v4, prefix_cache_gb=0), v4.tokenizer), ids[:p])
+    assert got == want
+
+
 def run(loop, ids, n=8, rid="r"):
     events = list(loop.run(Request(id=rid, input_ids=ids, max_tokens=n, ignore_eos=True)))
     assert isinstance(events[0], Started) and isinstance(events[-1], Done), events[-1]

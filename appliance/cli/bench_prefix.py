@@ -23,7 +23,8 @@ NO_REUSE = {"prefix_cache_gb": 0.0, "checkpoint_stride": 0, "prefix_cache_dir": 
 @click.option("--context", "context", type=int, default=0, show_default=True,
               help="tokens the conversation starts at: the system prompt with its tools, padded with a repository "
                    "map (0: no padding, ~1.2K tokens on the embedded model)")
-@click.option("--max-tokens", type=int, default=16, show_default=True, help="tokens generated per request")
+@click.option("--max-tokens", type=int, default=32, show_default=True,
+              help="tokens generated per request (the turn's reasoning)")
 @click.option("--side-every", type=int, default=4, show_default=True,
               help="a side request (a sub-agent sharing the system prompt) after every N turns (0: none)")
 @click.option("--trace", type=click.Path(path_type=Path, dir_okay=False, exists=True),
@@ -87,7 +88,8 @@ def agent(options: RunOptions, turns, context, max_tokens, side_every, trace, sa
         click.echo(json.dumps(result, indent=1))
         return
     click.echo(f"{'req':>4} {'kind':<5}{'prompt':>7}{'ideal':>7}{'cached':>7}{'prefill ms':>11}{'TTFT ms':>9}"
-               f"  |{'cached':>7}{'prefill ms':>11}{'TTFT ms':>9}   (left: prefix cache; right: no reuse)")
+               f"  |{'cached':>7}{'prefill ms':>11}{'TTFT ms':>9}   (left: prefix cache; right: no cache, "
+               "the journal's 16 positions)")
     for a, b in zip(rows, rows_plain):
         click.echo(f"{a['request']:>4} {a['kind']:<5}{a['prompt_tokens']:>7}{a['ideal_cached_tokens']:>7}"
                    f"{a['cached_tokens']:>7}{a['prefill_ms']:>11.1f}{a['ttft_ms']:>9.1f}  |{b['cached_tokens']:>7}"
@@ -96,8 +98,8 @@ def agent(options: RunOptions, turns, context, max_tokens, side_every, trace, sa
         slope = s["late_ttft_ms_per_1k_prompt_tokens"]
         click.echo(f"{name}: cached {s['cached_tokens']} of an ideal {s['ideal_cached_tokens']} "
                    f"({s['cached_of_ideal']:.1%}); late main turns: TTFT {s['late_main_ttft_ms']:.1f} ms at "
-                   f"{s['late_main_prompt_tokens']:.0f} prompt tokens, "
-                   f"{'n/a' if slope is None else f'{slope:+.1f}'} ms per 1K more")
+                   f"{s['late_main_prompt_tokens']:.0f} prompt tokens ({s['late_main_prefilled_tokens']:.0f} "
+                   f"prefilled), {'n/a' if slope is None else f'{slope:+.1f}'} ms per 1K more")
     click.echo(f"identical outputs: {identical}")
     for n in notes:
         click.echo(n)

@@ -175,4 +175,6 @@ def summary(rows: list[dict]) -> dict:
             "ideal_cached_tokens": ideal, "cached_of_ideal": cached / ideal if ideal else 1.0,
             "late_main_ttft_ms": statistics.mean(r["ttft_ms"] for r in late) if late else None,
             "late_main_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in late) if late else None,
+            "late_main_prefilled_tokens": statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in late)
+            if late else None,
             "late_ttft_ms_per_1k_prompt_tokens": slope}
