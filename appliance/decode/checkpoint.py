@@ -4,8 +4,10 @@ Of a state's buffers only the rings forget (appliance/model/state.py): the windo
 and indexers' unfinished groups (their carries) and the drafter's input rows in the target's state, and the
 drafter's stage rings in its own. Compressed rows and ids are indexed by position and kept. So the state
 at position c is (rows and ids below c) + (every ring as it was at c), and a checkpoint is only the second
-part: for V4.1-Flash about 7 MB (43 window rings of 144 x 512 bf16, 3 DSpark rings, the carries and the
-drafter's rows), against 890 B per token of rows.
+part: for V4.1-Flash 7.2 MB with a bf16 state (40 window rings of 144 x 512, 3 DSpark rings, the
+compressors' carries, 18 rows of DSpark inputs), against 3.2 KB per token of rows as the reference path
+holds them (890 B packed). The default stride of 2048 positions makes a checkpoint about as large as the
+rows of the positions it covers, and bounds the prefill of any rewind to 2048 tokens.
 
 A checkpoint taken at c serves every position p in [c - spare, c] without any prefill: each ring holds
 `spare` positions more than its readers reach, so at p every reachable slot still holds the row of its own
