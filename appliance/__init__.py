@@ -13,17 +13,20 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
               (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py, tiny.py
     decode/   the request loop (loop.py; chat.py: a chat request's prompt ids and output parser), the decode
               session that owns state, speculator and graphs (session.py), the cycle steps (cycle.py), the
-              speculator (speculator.py)
+              speculator (speculator.py); prefix reuse: the timeline of the live state (timeline.py), ring
+              checkpoints (checkpoint.py), the prefix cache (prefix_cache.py: a radix trie in host memory) and its
+              disk tier (prefix_disk.py)
     parallel/ several devices: process group and collectives (world.py), sharding, placement
     measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py), the
-              cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py)
+              cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py), an
+              agent's conversation replayed (agent.py) and the costs of prefix reuse (prefix.py)
     cli/      one module per command family; the only place that imports server/
 
     chat     -> errors
     model    -> kernels, errors, chat (tiny.py writes DeepSeek's special tokens)
     parallel -> model
     decode   -> model, chat, graphs, kernels, api, options
-    measure  -> model, parallel, kernels, api
+    measure  -> model, parallel, kernels, api, chat (an agent's conversation for `bench agent`)
     loader   -> model, parallel, options
     engine   -> decode, measure, parallel, loader
     cli      -> everything, and server (the one upward arrow)

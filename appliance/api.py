@@ -205,6 +205,9 @@ class Done:
     timings: dict
     speculative: dict | None = None
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason stop), None for EOS
+    # how the prompt's prefix was restored: source (none | device | host | disk), matched_tokens (the longest
+    # prefix any tier shares), cached_tokens (positions not prefilled), restored_bytes, restore_ms
+    prefix_cache: dict | None = None
 
 
 @dataclass

@@ -96,7 +96,10 @@ class Engine:
     def _warmup(self) -> None:
         """One real generation end to end (readiness means a request has gone through)."""
         req = Request(id="warmup", input_ids=[self.session.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
+        self.session.timeline.caching = False  # not a conversation: keep it out of the prefix cache
         events = list(self.generate(req))
+        self.wait_idle()  # the engine thread finishes the request after its Done
+        self.session.timeline.caching = True
         if not isinstance(events[-1], Done):
             raise ApplianceError(f"warm-up generation failed: {events[-1]}", code="internal")
         self.session.reset()
@@ -106,6 +109,13 @@ class Engine:
     @property
     def busy(self) -> bool:
         return self._running is not None or not self._inbox.empty()
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until the engine thread has finished its requests (after a Done it still files the conversation in
+        the prefix cache): for callers that touch the session directly (warm-up, tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def submit(self, request: Request, emit: Callable, cancel: threading.Event | None = None,
                wait: bool = False) -> threading.Event:

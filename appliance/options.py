@@ -34,10 +34,16 @@ class RunOptions:
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
     allreduce: str = "auto"  # several devices: how partial sums meet (appliance/parallel/collectives.py)
+    checkpoint_stride: int = 2048  # positions between state checkpoints (0: none; rewinds within 16 only)
+    prefix_cache_gb: float = 8.0  # host memory for cached conversations (0: keep only the live state)
+    prefix_cache_dir: Path | None = None  # the disk tier: cached conversations that survive a restart
+    prefix_cache_disk_gb: float = 64.0  # the disk tier's budget
 
     def __post_init__(self):
-        if self.model_dir is not None and not isinstance(self.model_dir, Path):
-            object.__setattr__(self, "model_dir", Path(self.model_dir))
+        for name in ("model_dir", "prefix_cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
         self.check()
 
     @property
@@ -59,6 +65,12 @@ class RunOptions:
         _at_least("draft_tokens", self.draft_tokens, 1)
         if self.context is not None:
             _at_least("context", self.context, 2)
+        _at_least("checkpoint_stride", self.checkpoint_stride, 0)
+        for name in ("prefix_cache_gb", "prefix_cache_disk_gb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be a number >= 0", field=name,
+                                     value=value)
 
     def describe(self) -> dict:
         return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}

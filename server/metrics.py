@@ -31,8 +31,18 @@ class Metrics:
                              "(the target's own token not counted; as done.speculative.mean_accepted)",
                              ACCEPTED_BUCKETS)
         self.prompt_tokens = Counter("decode_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("decode_cached_prompt_tokens", "Prompt tokens reused from the previous "
-                                     "request's state", registry=r)
+        self.cached_tokens = Counter("decode_cached_prompt_tokens", "Prompt tokens restored instead of prefilled "
+                                     "(the live state or the prefix cache)", registry=r)
+        self.cache_hits = Counter("decode_prefix_cache_hits", "Requests that restored a cached prefix, by where "
+                                  "its rows came from (device: the live state; host; disk)", ["tier"], registry=r)
+        self.cache_misses = Counter("decode_prefix_cache_misses", "Requests prefilled from position 0",
+                                    registry=r)
+        self.cache_bytes = Counter("decode_prefix_cache_restored_bytes", "Bytes copied into the decode state "
+                                   "by restores (rows, ids, checkpoints)", registry=r)
+        self.cache_restore = hist("decode_prefix_cache_restore_seconds", "Time to restore a cached prefix "
+                                  "(files read included)")
+        for tier in ("device", "host", "disk"):
+            self.cache_hits.labels(tier)
         self.generated_tokens = Counter("decode_generated_tokens", "Generated tokens", registry=r)
         self.requests = Counter("decode_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
@@ -74,6 +84,7 @@ class Metrics:
         self.prompt_tokens.inc(u.get("prompt_tokens", 0))
         self.cached_tokens.inc(u.get("cached_tokens", 0))
         self.generated_tokens.inc(u.get("completion_tokens", 0))
+        self.observe_prefix_cache(event.prefix_cache)
         spec = event.speculative or {}
         histogram = spec.get("acceptance_histogram")  # cycles by number of accepted drafts
         if histogram:
@@ -82,6 +93,18 @@ class Metrics:
                     self.accepted.observe(accepted)
         elif spec.get("mean_accepted") is not None:
             self.accepted.observe(spec["mean_accepted"])
+
+    def observe_prefix_cache(self, info: dict | None) -> None:
+        """Done.prefix_cache: where the request's prefix came from, how many bytes, how long."""
+        if not info:
+            return
+        if info.get("cached_tokens", 0) > 0 and info.get("source") in ("device", "host", "disk"):
+            self.cache_hits.labels(info["source"]).inc()
+        else:
+            self.cache_misses.inc()
+        self.cache_bytes.inc(info.get("restored_bytes", 0))
+        if info.get("restore_ms") is not None:
+            self.cache_restore.observe(info["restore_ms"] / 1e3)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,8 @@ ALLOWED = {
     "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model",
                          "appliance.chat", "graphs", "kernels"},
     # parallel: the measure wing builds split models from a config (shapes.py) with the real split
-    "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "appliance.parallel", "kernels"},
+    "appliance.measure": {"appliance.api", "appliance.errors", "appliance.model", "appliance.parallel",
+                          "appliance.chat", "kernels"},
     "appliance.loader": {"appliance.errors", "appliance.options", "appliance.model", "appliance.parallel",
                          "kernels"},
     "appliance.engine": {"appliance.api", "appliance.errors", "appliance.options", "appliance.loader",

@@ -5,6 +5,8 @@ prints one line to stderr naming the problem and exits with status 2 (never a tr
 import click
 
 from .bench import bench
+from .bench_prefix import agent as bench_agent
+from .bench_prefix import prefix as bench_prefix
 from .chat import chat
 from .checkpoint import info, tiny
 from .probe import probe
@@ -33,5 +35,7 @@ def main():
 
 for command in (generate, score, tiny, info, chat, bench, serve, probe, service):
     main.add_command(command)
+for command in (bench_agent, bench_prefix):
+    bench.add_command(command)
 
 __all__ = ["main"]

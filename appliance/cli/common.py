@@ -83,6 +83,23 @@ _DECODE_OPTIONS = [
                                      help="context limit in tokens (default: the model's, capped by memory)")),
     ("no_graphs", lambda: click.option("--no-graphs", is_flag=True, envvar=_env("no_graphs"),
                                        help="on CUDA, run the decode cycle eagerly instead of replaying CUDA graphs")),
+    ("checkpoint_stride", lambda: click.option(
+        "--checkpoint-stride", type=int, default=2048, show_default=True, envvar=_env("checkpoint_stride"),
+        help="positions between checkpoints of the state's rings (also taken at each prompt's end, each "
+             "request's end and where a prompt branches off): a rewind to any position prefills at most this many "
+             "ids again (0: no checkpoints, rewinds only within the last 16 positions)")),
+    ("prefix_cache_gb", lambda: click.option(
+        "--prefix-cache-gb", type=float, default=8.0, show_default=True, envvar=_env("prefix_cache_gb"),
+        help="host memory (GB, pinned with a GPU) for earlier conversations, least recently used evicted "
+             "first; a prompt restores the longest prefix any of them shares (0: only the live state)")),
+    ("prefix_cache_dir", lambda: click.option(
+        "--prefix-cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+        envvar=_env("prefix_cache_dir"),
+        help="also keep cached conversations in this directory: they survive a restart (files made by another "
+             "model, numerics, dtype or path are ignored)")),
+    ("prefix_cache_disk_gb", lambda: click.option(
+        "--prefix-cache-disk-gb", type=float, default=64.0, show_default=True, envvar=_env("prefix_cache_disk_gb"),
+        help="the disk tier's budget (GB), least recently used files removed first")),
 ]
 
 

@@ -3,11 +3,12 @@
 For each request the loop
 1. validates it and turns it into token ids (text, ids, or chat messages encoded in the checkpoint's
    dialect: decode/chat.py);
-2. asks the decode session to keep the longest reusable prefix of its state and prefill the rest, in
-   chunks, reporting progress and checking `cancel` between chunks;
+2. asks the decode session to restore the longest prefix any tier holds (the live state, the prefix
+   cache) and prefill the rest, in chunks, reporting progress and checking `cancel` between chunks;
 3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
    between cycles, until max_tokens (None: the context's end), EOS or a stop string, turning ids into text
-   as it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls).
+   as it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls);
+4. after its Done, lets the session file the conversation in the prefix cache.
 Stop strings match the model's text as decoded, markup included. Sampling values a request leaves None come
 from the checkpoint (generation_config.json, else the model card: appliance.chat.sampling_defaults).
 The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
@@ -83,7 +84,9 @@ class RequestLoop:
         t_prefill = time.perf_counter()
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
         if logits is None:
-            yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0))
+            yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
+                       prefix_cache=dict(session.timeline.last))
+            session.finish()
             return
         decoder = StreamDecoder(self.tokenizer)
         produced: list[int] = []
@@ -132,7 +135,9 @@ class RequestLoop:
         usage["completion_tokens"] = len(produced)
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
-        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec, matched)
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec,
+                   stop_sequence=matched, prefix_cache=dict(session.timeline.last))
+        session.finish()  # after Done: filing the conversation in the prefix cache is off the client's clock
 
 
 def _tokens(rid: str, ids: list[int], piece: str, index: int, t_ms: list[float], chat: ChatOutput | None) -> Tokens:

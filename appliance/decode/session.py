@@ -1,12 +1,14 @@
 """The device side of decoding: one mutable inference timeline.
 
 A `DecodeSession` owns the target's decode state, the speculator (the drafter and its state), the cycle
-buffers and the graph set of cycle steps. Its calls, in the order a request makes them:
-    cached = session.prepare(ids)            keep the longest reusable prefix of the state
+buffers, the graph set of cycle steps and the timeline (timeline.py: the ids the state holds, its
+checkpoints and the prefix cache). Its calls, in the order a request makes them:
+    cached = session.prepare(ids)            restore the longest prefix any tier holds
     for done in session.prefill(ids, cancel): ...   the rest in chunks; `session.logits` after the last
     session.start_sampling(sampling, seed)   per request: parameters and the device RNG's seed
     token = session.sample_first(logits)
     tokens = session.cycle(token)            one decode cycle: one replay, one small copy back
+    session.finish()                         checkpoint and file the conversation in the prefix cache
 The request loop (loop.py) owns ids, stops, text and events; nothing here knows a request.
 """
 
@@ -18,26 +20,33 @@ from appliance.errors import ModelLoadError
 from appliance.options import RunOptions
 from graphs.graph_set import GraphSet
 
+from .checkpoint import ring_buffers
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, Target, VerifyStep, reach_for, reaches
+from .prefix_cache import PrefixCache
+from .prefix_disk import DiskTier, Layout, fingerprint
 from .speculator import DraftStats, make_speculator
+from .timeline import Timeline
 
 SPARE = 16  # positions a state can rewind without re-prefilling (the rings' slack)
 
 
 class DecodeSession:
     def __init__(self, lm, options: RunOptions, capacity: int | None = None, reach_floor: int = 4096,
-                 notice=None, check_graph_inputs: bool = False):
+                 notice=None, check_graph_inputs: bool = False, spare: int = SPARE):
         """`lm`: a loaded model (appliance.loader.LoadedModel); `capacity`: positions the state holds (the
-        model's maximum by default). With graphs on a CUDA device every cycle step is captured here;
-        `notice` hears about it first."""
+        model's maximum by default); `spare`: positions a ring keeps beyond what its readers reach (journal
+        rewinds, and the reach of a checkpoint). With graphs on a CUDA device every cycle step is captured
+        here; `notice` hears about it first (and about prefix-cache files it does not use)."""
         self.model, self.cfg, self.world = lm.model, lm.cfg, lm.world
         self.device = lm.runtime.device
         self.capacity = capacity or self.cfg.max_context
         self.chunk = options.chunk
         self.index_keys = options.index_keys
-        self.state = self.model.new_state(self.capacity, SPARE)
+        self.state = self.model.new_state(self.capacity, spare)
         self.spec = make_speculator(lm.drafter, options.draft, options.draft_tokens, options.index_keys,
                                     self.model, self.state)
+        self.timeline = Timeline(self.state, self.spec, options.checkpoint_stride,
+                                 self._prefix_cache(lm, options, notice), notice)
         self.stats = DraftStats(options.draft, options.draft_tokens)
         keep_streams = self.spec is not None and self.spec.drafter.kind == "mtp"
         self.target = Target(self.model, self.state, lm.runtime.ops, options.index_keys, keep_streams)
@@ -87,36 +96,50 @@ class DecodeSession:
 
     # --- state ---------------------------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Back to an empty timeline (a cold start)."""
-        self.state.reset()
-        if self.spec is not None:
-            self.spec.reset()
+    def _prefix_cache(self, lm, options: RunOptions, notice) -> PrefixCache | None:
+        """The host tier (None with --prefix-cache-gb 0) and, with --prefix-cache-dir, its disk tier."""
+        if options.prefix_cache_gb <= 0:
+            return None
+        cache = PrefixCache(int(options.prefix_cache_gb * 1e9), {n: r.ratio for n, r in self.state.rows.items()},
+                            notice)
+        if options.prefix_cache_dir is not None:
+            draft_state = self.spec.state if self.spec is not None else None
+            layout = Layout({n: (tuple(t.shape), t.dtype) for n, t in ring_buffers(self.state, draft_state).items()},
+                            {n: (r.ratio, r.data.shape[1], r.data.dtype) for n, r in self.state.rows.items()},
+                            self.state.spare)
+            world = self.world
+            rank, size = (world.rank, world.size) if world is not None and world.distributed else (0, 1)
+            run = {"numerics": options.numerics, "dtype": options.dtype, "path": lm.runtime.ops.path,
+                   "index_keys": options.index_keys, "drafter": self.spec.drafter.kind if self.spec else "none",
+                   "rank": rank, "ranks": size}
+            root = options.prefix_cache_dir / f"rank{rank}" if size > 1 else options.prefix_cache_dir
+            disk = DiskTier(root, fingerprint(lm.model_dir, run, layout), layout,
+                            int(options.prefix_cache_disk_gb * 1e9), notice)
+            cache.attach_disk(disk)
+        return cache
 
-    def reusable_prefix(self, ids: list[int]) -> int:
-        """Positions of the current state that `ids` can keep: the common token prefix, at most
-        len(ids) - 1 (the last prompt token is always processed, it produces the first logits)."""
-        st = self.state
-        n = min(st.length, len(ids) - 1)
-        if n <= 0:
-            return 0
-        have = st.tokens[:n]
-        want = torch.tensor(ids[:n], dtype=torch.long, device=have.device)
-        diff = (have != want).nonzero()
-        return n if diff.numel() == 0 else int(diff[0])
+    def reset(self) -> None:
+        """Back to an empty state (a cold start); the prefix cache keeps what it has."""
+        self.timeline.reset()
 
     def prepare(self, ids: list[int]) -> int:
-        """Rewind (or reset) the state to the longest reusable prefix of `ids`; returns its length."""
-        cached = self.reusable_prefix(ids)
-        if cached < self.state.length:
-            if cached > 0 and cached >= self.state.length - self.state.spare:
-                self.state.rewind(cached)
-            else:  # the rings no longer hold what a rewind that far back needs
-                self.state.reset()
-                cached = 0
-        if self.spec is not None:
-            self.spec.sync(self.state.length)
-        return cached
+        """Restore the longest prefix of `ids` that the live state, its checkpoints or the prefix cache hold
+        (at most len(ids) - 1: the last prompt id always runs, it produces the first logits); returns its
+        length. What it did is in `self.timeline.last`."""
+        return self.timeline.prepare(ids)
+
+    def rewind(self, position: int) -> int:
+        """Back to `position` of the current ids, from any tier, prefilling what the nearest checkpoint
+        lacks; returns the positions restored without prefill."""
+        ids = self.timeline.history[:position]
+        landed = self.timeline.rewind(position)
+        for _ in self.prefill(ids):
+            pass
+        return landed
+
+    def finish(self) -> None:
+        """End of a request: checkpoint the state and file the conversation in the prefix cache."""
+        self.timeline.commit()
 
     # --- prefill -------------------------------------------------------------------------------------
 
@@ -127,14 +150,18 @@ class DecodeSession:
         self.logits = None
         pos = self.state.length
         out = None
+        cuts = self.timeline.cut_points(pos, len(ids))  # chunks end there, and a checkpoint is taken
         while pos < len(ids):
             if cancel is not None and cancel.is_set():
                 return
-            n = min(self.chunk, len(ids) - pos)
+            n = min(self.chunk, next(c for c in cuts if c > pos) - pos)
             out = self.forward_out(ids[pos:pos + n], "last")
             if self.spec is not None:
                 self.spec.observe(out, pos)
+            self.timeline.extend(ids[pos:pos + n])
             pos += n
+            if pos in cuts:
+                self.timeline.checkpoint()
             yield pos
         if out is not None:
             self.logits = out.logits[-1]
@@ -200,4 +227,8 @@ class DecodeSession:
         if spec is not None:
             spec.state.advance(count)
             self.stats.record(drafted, accepted)
-        return values[2:2 + count]
+        tokens = values[2:2 + count]
+        self.timeline.extend([token] + tokens[:-1])  # what the cycle processed: the anchor, accepted drafts
+        if self.timeline.crossed_stride(N):
+            self.timeline.checkpoint()
+        return tokens

@@ -96,7 +96,12 @@ class Speculator:
             self.state.skip_to(first)
         positions = torch.arange(first, end, device=device)
         nxt = self.target_state.tokens[positions + 1]  # the target's history holds the next tokens
-        self.drafter.commit(self.state, self.rows_at(positions), nxt, first)
+        # rows of this chunk from the forward itself: the ring keeps only its last spare + 2, and the drafter's
+        # ring slack (a rewind's reach) must hold true rows too
+        kept = self.rows_at(positions)
+        fresh = positions >= start
+        kept[fresh] = rows.reshape(n, *self.row_shape)[positions[fresh] - start].to(kept.dtype)
+        self.drafter.commit(self.state, kept, nxt, first)
 
     def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
         """The kept target rows of `positions` [n] (a device tensor) -> [n, *row_shape]."""

@@ -10,6 +10,11 @@ All state is indexed by absolute position, so it is rewindable without snapshots
 Every write also goes to a `Journal` that keeps the overwritten values of the last `spare` positions, so
 `rewind(p)` restores the buffers exactly (not only what stays reachable): after a rejected draft the state
 is tensor for tensor what plain decoding of the accepted tokens leaves.
+
+Further back, a state is rewound from a copy of its rings (appliance/decode/checkpoint.py): the rings are
+the only buffers that forget, so copying them in, keeping the rows and ids below the new length and
+`truncate`-ing the rest returns the state to that position. What a reader can reach then equals a fresh
+prefill (`live_buffers`); only the spare slots of a ring, which no reader reaches, may differ.
 """
 
 import torch
@@ -74,8 +79,10 @@ class Journal:
 class PositionRing:
     """[size, width] rows; slot = position % size. Holds the last `size` positions written."""
 
-    def __init__(self, size: int, width: int, dtype: torch.dtype, device, journal: Journal, fill: float = 0.0):
+    def __init__(self, size: int, width: int, dtype: torch.dtype, device, journal: Journal, fill: float = 0.0,
+                 reach: int | None = None):
         self.size = size
+        self.reach = size if reach is None else reach  # the last positions a reader reads (size - spare)
         self.journal = journal
         self.fill = fill
         self.data = torch.full((size, width), fill, dtype=dtype, device=device)
@@ -85,6 +92,11 @@ class PositionRing:
         s = torch.arange(self.size, device=self.data.device)
         q = (start - 1) - torch.remainder(start - 1 - s, self.size)
         return torch.where(q >= 0, q, torch.full_like(q, -1))
+
+    def reachable(self, length: int) -> torch.Tensor:
+        """The rows a reader at `length` can reach, oldest first: positions max(0, length - reach) .. length-1."""
+        positions = torch.arange(max(0, length - self.reach), length, device=self.data.device)
+        return self.data[positions % self.size]
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows for consecutive positions (only the last `size` can survive)."""
@@ -135,6 +147,8 @@ class DecodeState:
         self.spare = spare
         self.device = device
         self.length = 0
+        self.high = 0  # the longest length since the last reset: rows and ids past it are still as allocated
+        self.journal_floor = 0  # the journal holds every write since this position (a restore drops it)
         self.journal = Journal(spare)
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.rings: dict[str, PositionRing] = {}
@@ -155,6 +169,9 @@ class DecodeState:
             raise StateError(f"rewind({position}): only the last {self.spare} of {self.length} positions can be "
                              "rewound (rings keep no older rows); prefill again instead", field="position",
                              value=position)
+        if position < self.journal_floor:
+            raise StateError(f"rewind({position}): the state was restored at {self.journal_floor} and holds no "
+                             "journal before it; rewind from a checkpoint instead", field="position", value=position)
         self.journal.undo(position)
         self.length = position
 
@@ -163,10 +180,32 @@ class DecodeState:
         self.journal.record(self.tokens, positions, positions)
         self.tokens[positions] = tokens
 
+    def can_undo(self, position: int) -> bool:
+        """Whether `rewind(position)` can restore the buffers from the journal."""
+        return 0 < position <= self.length and position >= max(self.length - self.spare, self.journal_floor)
+
     def advance(self, n: int) -> None:
         """Count `n` more committed positions (eager calls; a captured cycle's host updates the length)."""
         self.length += n
+        self.high = max(self.high, self.length)
         self.journal.prune(self.length)
+
+    def truncate(self, length: int) -> None:
+        """Set the length to `length` after the caller has put the rings of that position in place (a
+        checkpoint's): ids and compressed rows below it are kept, the rest back to zero as allocated (rows
+        past the length are invisible anyway: this keeps a restored state comparable to a fresh one), and
+        the journal starts again. Writes in place: buffer addresses never change (captured graphs)."""
+        if not 0 <= length <= self.capacity:
+            raise StateError(f"truncate({length}): outside the capacity {self.capacity}", field="position",
+                             value=length)
+        high = max(self.high, self.length)
+        if high > length:
+            self.tokens[length:high].zero_()
+            for r in self.rows.values():
+                r.data[length // r.ratio: high // r.ratio].zero_()
+        self.journal.entries.clear()
+        self.journal_floor = length
+        self.length = self.high = length
 
     def skip_to(self, position: int) -> None:
         """Advance to `position` without writing: for positions whose rows no reader can reach any more
@@ -174,6 +213,7 @@ class DecodeState:
         if position < self.length:
             raise StateError(f"skip_to({position}) is behind the state ({self.length})", field="position")
         self.length = position
+        self.high = max(self.high, self.length)
         self.journal.prune(self.length)
 
     def reset(self) -> None:
@@ -184,7 +224,7 @@ class DecodeState:
             r.data.zero_()
         self.tokens.zero_()
         self.journal.entries.clear()
-        self.length = 0
+        self.length = self.high = self.journal_floor = 0
 
     def check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
@@ -192,7 +232,8 @@ class DecodeState:
                              field="context", value=self.length + n)
 
     def ring(self, name: str, size: int, width: int, dtype, fill: float = 0.0) -> PositionRing:
-        self.rings[name] = PositionRing(size, width, dtype, self.device, self.journal, fill)
+        """A ring of `size` slots, the last `spare` of them slack a reader never reaches."""
+        self.rings[name] = PositionRing(size, width, dtype, self.device, self.journal, fill, reach=size - self.spare)
         return self.rings[name]
 
     def row_cache(self, name: str, ratio: int, width: int, dtype) -> RowCache:
@@ -205,6 +246,16 @@ class DecodeState:
         out = {"tokens": self.tokens}
         out.update({f"ring.{k}": r.data for k, r in self.rings.items()})
         out.update({f"rows.{k}": r.data[:-1] for k, r in self.rows.items()})
+        return out
+
+    def live_buffers(self) -> dict[str, torch.Tensor]:
+        """What a reader at the current length can reach, by name: ids and compressed rows below the length,
+        and each ring's reachable rows in position order. Two states with equal live buffers compute the
+        same next logits (the rings' spare slots and everything past the length are never read)."""
+        n = self.length
+        out = {"tokens": self.tokens[:n]}
+        out.update({f"ring.{k}": r.reachable(n) for k, r in self.rings.items()})
+        out.update({f"rows.{k}": r.data[: n // r.ratio] for k, r in self.rows.items()})
         return out
 
     @property

@@ -1,0 +1,239 @@
+"""What the live decode state holds and how to get any prefix back: the ids it has processed, its
+checkpoints (checkpoint.py), and the prefix cache of earlier conversations behind it (prefix_cache.py, with
+its disk tier prefix_disk.py). Three tiers, tried in this order for the longest prefix of a new prompt:
+- the device state in use: the journal rewinds the last `spare` positions exactly; further back, the
+  nearest checkpoint (the live state keeps its rows and ids);
+- host memory: the rows of the cached path and one checkpoint are copied into the live state;
+- disk: the same, after reading the files into host memory.
+
+A restore lands on a checkpoint position c (or on the prompt's match p itself when a checkpoint sits in
+[p, p + spare]); the session then prefills ids[c:] as usual, so `cached_tokens` is exactly the number of
+prompt positions not prefilled. Checkpoints are taken during prefill at every multiple of the stride, at
+the match point p when the restore landed before it (a branch point: the next branch there is free), at
+the end of the prompt, during decoding at every multiple of the stride, and at the end of every request,
+when the conversation is committed to the prefix cache.
+
+Restores write into the existing state tensors (copy_, fill_, zero_): no buffer is rebound, so captured
+CUDA graphs replay on valid addresses.
+"""
+
+import time
+
+import torch
+
+from . import checkpoint as ckpt
+from .prefix_cache import Found, Match, PrefixCache
+from .prefix_disk import CacheFileError
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    diff = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return n if diff.numel() == 0 else int(diff[0])
+
+
+class Timeline:
+    def __init__(self, state, spec, stride: int, cache: PrefixCache | None = None, notice=None):
+        """`state`: the target's DecodeState; `spec`: the speculator or None; `stride`: positions between
+        checkpoints (0: no checkpoints at all, only the journal's last `spare` positions rewind); `cache`:
+        the prefix cache or None."""
+        self.state, self.spec = state, spec
+        self.stride = stride
+        self.cache = cache
+        self.notice = notice or (lambda m: None)
+        draft_state = spec.state if spec is not None else None
+        self.buffers = ckpt.ring_buffers(state, draft_state)
+        self.fills = ckpt.ring_fills(state, draft_state)
+        self.rows = {name: r.data for name, r in state.rows.items()}
+        self.history: list[int] = []  # the ids at positions 0 .. state.length - 1
+        self.ckpts: dict[int, ckpt.Checkpoint] = {}  # live checkpoints not in the cache (yet)
+        self.branch: int | None = None  # a position the running prefill checkpoints (the match point)
+        self.caching = True  # commit requests to the cache (off for warm-up)
+        self.last: dict = {}  # what the last prepare did (Done.prefix_cache)
+
+    # --- the live state -------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.state.reset()
+        if self.spec is not None:
+            self.spec.reset()
+        self.history, self.ckpts, self.branch = [], {}, None
+
+    def sync(self) -> None:
+        """Re-read the ids from the device if something advanced the state behind the timeline's back
+        (a benchmark's raw forward)."""
+        n = self.state.length
+        if len(self.history) != n:
+            self.history = self.state.tokens[:n].tolist()
+            self.ckpts = {c: k for c, k in self.ckpts.items() if c <= n}
+
+    def extend(self, ids: list[int]) -> None:
+        """Ids the session just processed (a prefill chunk, a decode cycle)."""
+        self.history += ids
+
+    def checkpoint(self) -> None:
+        n = self.state.length
+        if self.stride and n > 0 and n not in self.ckpts:
+            self.ckpts[n] = ckpt.take(n, self.buffers)
+
+    def cut_points(self, start: int, end: int) -> list[int]:
+        """Positions in (start, end] where a prefill over ids[start:end] stops to checkpoint."""
+        cuts = {end}
+        if self.stride:
+            cuts.update(range((start // self.stride + 1) * self.stride, end, self.stride))
+        if self.branch is not None and start < self.branch < end:
+            cuts.add(self.branch)
+        return sorted(c for c in cuts if c > start)
+
+    def crossed_stride(self, before: int) -> bool:
+        n = self.state.length
+        return bool(self.stride) and n // self.stride > before // self.stride
+
+    # --- restore --------------------------------------------------------------------------------------
+
+    def prepare(self, ids: list[int]) -> int:
+        """Bring the live state to the longest prefix of `ids` any tier holds (at most len(ids) - 1: the
+        last prompt id is always processed); returns the positions kept (cached_tokens)."""
+        while True:
+            try:
+                return self._prepare(ids)
+            except CacheFileError as e:  # nothing was restored yet: drop what the file held, plan again
+                self.notice(str(e))
+                self.cache.disk.rejected.append(str(e))
+                self.cache.forget_file(e.fid)
+
+    def _prepare(self, ids: list[int]) -> int:
+        t0 = time.perf_counter()
+        self.sync()
+        self.branch = None
+        limit = len(ids) - 1
+        live = common_prefix(self.history, ids, limit)
+        match = Match()
+        if self.cache is not None and limit > 0:
+            self.cache.clock += 1
+            match = self.cache.match(torch.tensor(ids[:limit], dtype=torch.long))
+            self.cache.touch(match.path)
+        target = max(live, match.length)
+        source, moved = "device", 0
+        if target <= live and target == self.state.length:
+            landed = target
+        elif target <= live and self.state.can_undo(target):
+            self.state.rewind(target)
+            if self.spec is not None:
+                self.spec.sync(target)
+            landed = target
+        else:
+            landed, holder = self._choose(target, live, match)
+            if isinstance(holder, Found):  # rings (and maybe rows) from the cache
+                need = [p for p in match.path if p.end > live and p.start < landed]
+                source = "host" if landed > live else "device"  # where the rows come from
+                if any(not p.on_host for p in need) or holder.ref.host is None:
+                    source = "disk"
+                    self.cache.load(need, [holder.ref])
+                self.cache.touch([holder.node])
+                if landed > live:
+                    moved += self.cache.rows_into(need, live, landed, self.rows)
+                    self.state.tokens[live:landed].copy_(torch.tensor(ids[live:landed], dtype=torch.long))
+                    moved += (landed - live) * 8
+                holder = holder.ref.host
+            moved += self._restore(holder, landed)
+        if landed < target:
+            self.branch = target
+        self.history = self.history[:landed] if landed <= live else list(ids[:landed])
+        self.ckpts = {c: k for c, k in self.ckpts.items() if c <= min(landed, live)}
+        if self.state.device.type == "cuda" and moved:
+            torch.cuda.current_stream().synchronize()  # the restore time includes the copies
+        self.last = {"source": source if landed else "none", "matched_tokens": target, "cached_tokens": landed,
+                     "restored_bytes": moved, "restore_ms": (time.perf_counter() - t0) * 1e3}
+        return landed
+
+    def _choose(self, target: int, live: int, match: Match):
+        """(the position to land on, what holds its rings: a live Checkpoint, a cache Found, or None for
+        the empty state). A checkpoint in [target, target + spare] lands on the target itself, else the
+        last one before it does. A checkpoint serves where its branch agrees with the prompt: the live
+        ones below `live`, the cache's below `match.length`. The live state wins ties (nothing to copy)."""
+        spare = self.state.spare
+        land, holder = 0, None
+        for c, k in self.ckpts.items():
+            if target <= live and target <= c <= target + spare:
+                at = target
+            elif c <= min(target, live):
+                at = c
+            else:
+                continue
+            if at > land:
+                land, holder = at, k
+        if self.cache is not None and match.length:
+            found = self.cache.checkpoint_for(match, target, spare)
+            if found is not None and min(found.position, target) > land:
+                land, holder = min(found.position, target), found
+        return land, holder
+
+    def _restore(self, rings: ckpt.Checkpoint | None, landed: int) -> int:
+        """Put the rings of a checkpoint in place and cut the target state to `landed` (its drafter to
+        landed - 1); returns the bytes copied."""
+        if landed == 0:
+            self.state.reset()
+            if self.spec is not None:
+                self.spec.reset()
+            return 0
+        moved = ckpt.restore(rings, self.buffers, self.fills)
+        self.state.truncate(landed)
+        if self.spec is not None:
+            self.spec.state.truncate(landed - 1)
+        return moved
+
+    def rewind(self, position: int) -> int:
+        """Go back to `position` (<= the state's length) through any tier; returns where it landed (the
+        caller prefills history[landed:position] to get there, as `prepare` leaves it)."""
+        return self.prepare(self.history[:position] + [0])
+
+    # --- commit ---------------------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """End of a request: checkpoint the state and file the whole conversation in the cache."""
+        self.sync()
+        self.checkpoint()
+        cache = self.cache
+        if cache is None or not self.caching or not self.history:
+            return
+        state = self.state
+
+        def rows_of(a: int, b: int) -> dict[str, torch.Tensor]:
+            return {name: ckpt.to_host(state.rows[name].data[a // m: b // m]) for name, m in cache.ratios.items()}
+
+        ids = torch.tensor(self.history, dtype=torch.long)
+        new, path, added = cache.insert(ids, rows_of, self.ckpts)
+        if state.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the host copies are read below (disk) and kept
+        if cache.disk is not None and (new is not None or added):
+            self._write(new, path, added, ids)
+        self.ckpts = {}
+        cache.evict(newest=path[-1] if path else None)
+
+    def _write(self, new, path, added, ids) -> None:
+        cache, disk = self.cache, self.cache.disk
+        start = new.start if new is not None else len(self.history)
+        parent = ""
+        if start > 0:
+            holder = next((p for p in path if p.start <= start - 1 < p.end), None)
+            if holder is None or holder.disk is None:
+                self.notice(f"prefix cache: positions before {start} are not on disk; this request stays in "
+                            "host memory only")
+                return
+            parent = holder.disk[0]
+        rows = new.rows if new is not None else {name: self.rows[name][:0].cpu() for name in cache.ratios}
+        try:
+            fid = disk.write(parent, start, ids[start:], rows, {c: r.host for c, r in added.items()})
+        except OSError as e:
+            self.notice(f"prefix cache: cannot write to {disk.root} ({e}); this request stays in host memory")
+            return
+        if new is not None:
+            new.disk = (fid, start)
+        for r in added.values():
+            r.file = fid
+        keep = {p.disk[0] for p in path if p.disk is not None}
+        for gone in disk.evict(keep):
+            cache.forget_file(gone)
