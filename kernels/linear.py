@@ -129,12 +129,30 @@ def reference(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_
     `in` inputs).
 
     Bytes moved: weight.nbytes (read once) + x.numel()*x.element_size() + out.numel()*out.element_size()."""
-    a = q8_pow2(x, act_block) if act_block else x.float()
+    a = (q8_pow2(x, act_block) if act_block else x.float()).double().reshape(-1, x.shape[-1])
     if groups == 1:
-        return torch.matmul(a.double(), weight.dense64()).to(out_dtype)
-    a = a.double().reshape(-1, groups, x.shape[-1] // groups)
-    y = torch.einsum("tgi,gir->tgr", a, weight.grouped64(groups))
+        y = rows_matmul(a, weight.dense64())
+    else:
+        a = a.reshape(-1, groups, x.shape[-1] // groups)
+        w = weight.grouped64(groups)
+        y = torch.stack([rows_matmul(a[:, g], w[g]) for g in range(groups)], 1)
     return y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+
+
+REFERENCE_ROWS = 16
+
+
+def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ w [K, N] in float64, REFERENCE_ROWS rows per call (the last block zero-padded). A BLAS
+    chooses its blocking, and so the order of a row's float64 sum, from the call's shapes: with every call
+    the same shape, a row's sum does not depend on how many rows came with it, so a verify block on the
+    reference path equals single steps bit for bit (one M-dependent last bit in ~10^7 products, rounded
+    across an FP8 or bfloat16 boundary, otherwise changes a logit)."""
+    m = a.shape[0]
+    pad = -m % REFERENCE_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.cat([a[i:i + REFERENCE_ROWS] @ w for i in range(0, m + pad, REFERENCE_ROWS)])[:m]
 
 
 # --- Triton kernel ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from ._triton import (
     triton,
     tsum,
 )
+from .linear import rows_matmul
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -48,7 +49,7 @@ def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     hc = X.shape[-2]
     v = X.flatten(-2).double()
     rho = torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)
-    m = torch.matmul(v, fn.double().t()) * rho
+    m = _project(v, fn) * rho
     m = m.float().double()  # the projection is an fp32 tensor in the official code
     s = scale.double()
     b = base.double()
@@ -68,8 +69,13 @@ def head_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     """V4's final `hc_head` collapse weights: pre = sigmoid(m * scale + base) + eps, no Sinkhorn."""
     v = X.flatten(-2).double()
     rho = torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)
-    m = (torch.matmul(v, fn.double().t()) * rho).float().double()
+    m = (_project(v, fn) * rho).float().double()
     return (torch.sigmoid(m * scale.double()[0] + base.double()) + hc_eps).float()
+
+
+def _project(v: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """v [..., K] float64 @ fn [N, K]^T, each row summed the same way whatever the batch (rows_matmul)."""
+    return rows_matmul(v.reshape(-1, v.shape[-1]), fn.double().t()).reshape(*v.shape[:-1], fn.shape[0])
 
 
 def collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -57,13 +57,16 @@ from .linear import PackedWeight, act_tile, check_act_block, check_weight, kerne
 def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
           route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
     """x [M, D]; gate [E, D] (dense) -> (weights float32 [M, k], indices int64 [M, k])."""
-    logits = torch.matmul(x.double(), gate.dense64()).float()
+    logits = linear.rows_matmul(x.double(), gate.dense64()).float()
+    # the nonlinearity in float64, rounded once: torch's float32 softplus/sigmoid on the CPU take a vector or a
+    # scalar path by where an element falls in the tensor, which differ in the last bit (a row's scores would
+    # depend on the batch)
     if score_func == "sqrtsoftplus":
-        s = F.softplus(logits).sqrt()
+        s = F.softplus(logits.double()).float().sqrt()
     elif score_func == "sigmoid":
-        s = torch.sigmoid(logits)
+        s = torch.sigmoid(logits.double()).float()
     else:
-        s = torch.softmax(logits, dim=-1)
+        s = torch.softmax(logits.double(), dim=-1).float()
     if hash_idx is not None:
         idx = hash_idx
     else:

@@ -27,7 +27,7 @@ from appliance.model.tokenizer import load_tokenizer
 
 class ScriptedSession:
     """The DecodeSession calls the request loop makes (prepare, prefill, start_sampling, sample_first,
-    cycle, reset), answered from scripts."""
+    cycle, reset, restored, finish), answered from scripts."""
 
     def __init__(self, cfg, tokenizer, capacity: int = 4096, chunk: int = 16):
         self.cfg, self.tokenizer, self.capacity, self.chunk = cfg, tokenizer, capacity, chunk
@@ -43,6 +43,7 @@ class ScriptedSession:
         self.chunks = 0  # prefill chunks run, over all requests
         self.lock = threading.Lock()
         self._out: list[int] = []
+        self.cached = 0  # what the last prepare kept
 
     def script(self, text: str, eos: bool = True) -> list[int]:
         """The model's next output: `text` (special tokens as single ids), then EOS unless `eos` is False."""
@@ -60,8 +61,17 @@ class ScriptedSession:
         while common < min(len(ids) - 1, len(self.state)) and ids[common] == self.state[common]:
             common += 1
         self.state = self.state[:common]
+        self.cached = common
         self.prompts.append(list(ids))
         return common
+
+    @property
+    def restored(self) -> dict:
+        n = self.cached
+        return {"source": "device" if n else "none", "matched_tokens": n, "cached_tokens": n}
+
+    def finish(self) -> None:
+        pass
 
     def prefill(self, ids: list[int], cancel=None):
         self.logits = None

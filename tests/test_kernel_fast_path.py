@@ -33,7 +33,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy under the interpreter: exp overflow to inf
 ]
 
-LOGIT_TOL = 2.0**-7  # relative to the row's largest |logit|; measured worst over many random prompts: README
+LOGIT_TOL = 2.0**-5  # relative to the row's largest |logit| (README "Numerics": why so wide on the tiny models)
 PROMPT = 32          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
 GENERATE = 12        # greedy tokens per cycle test
 DRAFTS = [("deepseek_v41", "dspark"), ("deepseek_v41", "adaptive"), ("deepseek_v4", "mtp"),

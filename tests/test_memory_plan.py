@@ -38,5 +38,5 @@ def test_the_released_v41_plan_on_four_b300_fits_855k_tokens_and_names_the_state
     plan = fast_path_plan(load_config(tmp_path), 855000, int(288e9), world=4, dtype="bfloat16", drafter=False)
     assert plan.fits
     assert plan.details["state_bytes_per_token"] > 890  # bf16 rows as stored, not the packed format
-    assert plan.parts["weights"] > 70e9 and plan.parts["float_copies_and_caches"] > 1e9
-    assert any("w64" in k for k in plan.details["largest_copies"])
+    # the fast path reads packed weights as stored: what it adds is norm vectors and kernel caches (MBs)
+    assert plan.parts["weights"] > 70e9 and plan.parts["float_copies_and_caches"] < 1e-3 * plan.parts["weights"]

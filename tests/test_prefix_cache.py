@@ -245,10 +245,10 @@ def test_prefix_cache_metrics_count_hits_misses_bytes_and_restore_time():
 
     m = Metrics()
     usage = {"prompt_tokens": 10, "completion_tokens": 1, "cached_tokens": 8}
-    m.observe_end(Done("a", "length", usage, {}, None, {"source": "host", "cached_tokens": 8,
+    m.observe_end(Done("a", "length", usage, {}, None, prefix_cache={"source": "host", "cached_tokens": 8,
                                                         "restored_bytes": 4096, "restore_ms": 2.0}))
     m.observe_end(Done("b", "length", dict(usage, cached_tokens=0), {}, None,
-                       {"source": "none", "cached_tokens": 0, "restored_bytes": 0, "restore_ms": 0.1}))
+                       prefix_cache={"source": "none", "cached_tokens": 0, "restored_bytes": 0, "restore_ms": 0.1}))
     text = m.exposition().decode()
     assert 'decode_prefix_cache_hits_total{tier="host"} 1.0' in text
     assert "decode_prefix_cache_misses_total 1.0" in text

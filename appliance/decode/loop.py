@@ -85,7 +85,7 @@ class RequestLoop:
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
         if logits is None:
             yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
-                       prefix_cache=dict(session.timeline.last))
+                       prefix_cache=session.restored)
             session.finish()
             return
         decoder = StreamDecoder(self.tokenizer)
@@ -136,7 +136,7 @@ class RequestLoop:
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
         yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec,
-                   stop_sequence=matched, prefix_cache=dict(session.timeline.last))
+                   stop_sequence=matched, prefix_cache=session.restored)
         session.finish()  # after Done: filing the conversation in the prefix cache is off the client's clock
 
 

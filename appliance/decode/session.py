@@ -137,6 +137,12 @@ class DecodeSession:
             pass
         return landed
 
+    @property
+    def restored(self) -> dict:
+        """What the last prepare restored (Done.prefix_cache): source, matched_tokens, cached_tokens,
+        restored_bytes, restore_ms."""
+        return dict(self.timeline.last)
+
     def finish(self) -> None:
         """End of a request: checkpoint the state and file the conversation in the prefix cache."""
         self.timeline.commit()

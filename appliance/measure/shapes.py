@@ -133,10 +133,9 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
         model.engram_hash = place(EngramHash(token_map, cfg), META)
     d = build_drafter(cfg, ckpt, rt, model) if drafter else None
     blockers = ["(meta build) " + b for b in shard(model, d, ShapeComm(rank, world))] if world > 1 else []
-    kept: list[tuple[str, int]] = []
-    place((model, d), META, kept=kept)  # what placement moves (RoPE tables, Engram's hash constants)
-    blockers += [f"{name} stays in host memory ({size / 1e9:.1f} GB) and a captured step cannot gather its rows "
-                 "from there yet" for name, size in kept]
+    # what placement moves (RoPE tables, Engram's hash constants); host tables stay where they are and the
+    # gather kernel reads their rows in place (kernels/engram.py), so they block no capture
+    place((model, d), META)
     return MetaModel(cfg, model, d, rt, ckpt, world=_World(rank, world), capture_blockers=blockers)
 
 
