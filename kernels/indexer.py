@@ -119,24 +119,35 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    nv_ptr,  # int64 n_valid [M]
                    s_ptr,   # out float32 [M, N]
                    M, N, NH, DI, stride_k, rows_per_prog,
-                   RD: tl.constexpr, DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                   RD: tl.constexpr, DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                   BDC: tl.constexpr):
     keys = tl.program_id(0) * BN + tl.arange(0, BN)
     kmask = keys < N
     heads = tl.arange(0, BH)
     hmask = heads < NH
     dcols = tl.arange(0, BD)
     dmask = dcols < DI
-    kt = tl.load(k_ptr + keys[:, None].to(tl.int64) * stride_k + dcols[None, :], mask=kmask[:, None] & dmask[None, :],
-                 other=0.0)
+    if DOT_BF16:
+        kt = tl.load(k_ptr + keys[:, None].to(tl.int64) * stride_k + dcols[None, :],
+                     mask=kmask[:, None] & dmask[None, :], other=0.0)
     m_lo = tl.program_id(1) * rows_per_prog
     for m in range(m_lo, tl.minimum(M, m_lo + rows_per_prog)):
         m64 = as_int64(m)
-        q = tl.load(q_ptr + (m64 * NH + heads[:, None]) * DI + dcols[None, :], mask=hmask[:, None] & dmask[None, :],
-                    other=0.0)
         if DOT_BF16:
+            q = tl.load(q_ptr + (m64 * NH + heads[:, None]) * DI + dcols[None, :],
+                        mask=hmask[:, None] & dmask[None, :], other=0.0)
             d = tl.dot(q.to(tl.bfloat16), tl.trans(kt.to(tl.bfloat16)))
-        else:  # float32 FMA dot ("ieee"): the interpreter's bfloat16 dot is wrong
-            d = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:  # float32 FMA dot ("ieee"; the interpreter's bfloat16 dot is wrong), BDC columns at a time in
+            # column order: a whole [BH, BD] x [BD, BN] FMA dot spills (ptxas)
+            d = tl.zeros((BH, BN), dtype=tl.float32)
+            for c0 in tl.static_range(0, BD, BDC):
+                cols = c0 + tl.arange(0, BDC)
+                cmask = cols < DI
+                q = tl.load(q_ptr + (m64 * NH + heads[:, None]) * DI + cols[None, :],
+                            mask=hmask[:, None] & cmask[None, :], other=0.0)
+                kc = tl.load(k_ptr + keys[:, None].to(tl.int64) * stride_k + cols[None, :],
+                             mask=kmask[:, None] & cmask[None, :], other=0.0)
+                d += tl.dot(q.to(tl.float32), tl.trans(kc.to(tl.float32)), input_precision="ieee")
         w = tl.load(w_ptr + m64 * NH + heads, mask=hmask, other=0.0).to(tl.float32)
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
@@ -177,10 +188,11 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: t
         bn, rows = 128, m
     else:
         bn, rows = 64 if bf16 else 32, 8
+    bd = pow2(di, 16 if not INTERPRET else 1)
     _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
         q, w, keys, nv, out, m, n, nh, di, keys.stride(0), rows,
         RD=_ROUND[round_dtype], DOT_BF16=bf16 and not INTERPRET, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
-        BD=pow2(di, 16 if not INTERPRET else 1))
+        BD=bd, BDC=bd if INTERPRET else min(bd, 32))
     return out
 
 

@@ -389,8 +389,11 @@ def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
         bn_up, bn_down = min(pow2(i), 128), min(pow2(d), 128)
     else:
         bk = max(64, act_block)
-        bn_up, bn_down = 64, 64
+        bn_up, bn_down = (64, 32) if bk == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
     pairs = p if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
+    # (ptxas) with 4 warps the gate and up tiles and their bfloat16 parts do not fit 255 registers, nor does a
+    # 64-wide down tile
+    warps = 8
     xb = x.dtype == torch.bfloat16
     parts = 3 if not act_block and not xb else 1  # float32 activations: three exact bfloat16 parts
     dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
@@ -399,7 +402,7 @@ def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
     _gate_up_kernel[(triton.cdiv(p, pairs), triton.cdiv(i, bn_up))](
         x, table.table, e, rows, pw, first, end, h, p, pairs, d, i, x.stride(0), swn, ssn, float(limit),
         FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_up, ACT_BLOCK=act_block, X_PARTS=parts, DOT_BF16=dot_bf16,
-        HAS_LIMIT=limit > 0, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_up, BK=bk)
+        HAS_LIMIT=limit > 0, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_up, BK=bk, num_warps=warps)
     o = torch.empty((p, d), dtype=torch.float32, device=dev)
     swn, ssn, fmt, bo, bi = table.down
     _down_kernel[(triton.cdiv(p, pairs), triton.cdiv(d, bn_down))](
