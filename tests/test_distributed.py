@@ -65,7 +65,9 @@ def test_a_killed_rank_stops_the_whole_service_with_a_message_naming_it(tiny_dir
         if m:
             pids[int(m.group(1))] = int(m.group(2))
     assert len(pids) == 3, "".join(lines)
-    time.sleep(8)  # let the ranks load and meet in their first collective
+    while time.monotonic() < deadline and not lines[-1].startswith("appliance: ready"):
+        lines.append(proc.stderr.readline())  # serving: the ranks loaded and warmed up together
+    assert lines[-1].startswith("appliance: ready"), "".join(lines)
     os.kill(pids[2], signal.SIGKILL)
     killed = time.monotonic()
     try:
