@@ -30,7 +30,7 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
     loader   -> model, parallel, options
     engine   -> decode, measure, parallel, loader
     cli      -> everything, and server (the one upward arrow)
-    server   -> api, errors (never torch); kernels and graphs import nothing of ours
+    server   -> api, errors, chat (never torch); kernels and graphs import nothing of ours
 """
 
 __version__ = "0.1.0"

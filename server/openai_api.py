@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from appliance.api import Done, Error, Request, Sampling, Started, Tokens
+from appliance.chat.request import thinking_switch
 from appliance.errors import RequestError, shown
 
 from . import fields
@@ -70,23 +71,6 @@ def _stream(body: dict) -> tuple[bool, bool]:
     stream = fields.boolean(body, "stream")
     options = fields.obj(body, "stream_options")
     return stream, stream and fields.boolean(options, "include_usage")
-
-
-def thinking_switch(body: dict) -> bool | None:
-    """The thinking switch: `thinking` first, then `chat_template_kwargs.thinking`, then `.enable_thinking`;
-    None when none is given (the model's default: thinking on)."""
-    kwargs = fields.obj(body, "chat_template_kwargs")
-    for name, value in (("thinking", body.get("thinking")), ("chat_template_kwargs.thinking", kwargs.get("thinking")),
-                        ("chat_template_kwargs.enable_thinking", kwargs.get("enable_thinking"))):
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, dict) and value.get("type") in ("enabled", "disabled"):
-            return value["type"] == "enabled"
-        raise RequestError(f'{name}={shown(value)}: must be true, false or {{"type": "enabled" | "disabled"}}',
-                           field=name, value=value)
-    return None
 
 
 def checked(req: Request) -> Request:

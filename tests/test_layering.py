@@ -29,7 +29,7 @@ ALLOWED = {
                          "appliance.decode", "appliance.measure", "appliance.parallel"},
     "appliance.cli": {"appliance", "kernels", "graphs", "server"},
     "appliance": {"appliance.cli"},  # __init__ / __main__
-    "server": {"appliance.api", "appliance.errors"},
+    "server": {"appliance.api", "appliance.errors", "appliance.chat"},  # chat: pure Python request fields
 }
 NO_TORCH = ("server", "appliance.api", "appliance.errors", "appliance.options", "appliance.chat")
 

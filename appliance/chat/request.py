@@ -32,7 +32,7 @@ Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6,
 import json
 from dataclasses import dataclass
 
-from appliance.errors import RequestError
+from appliance.errors import RequestError, shown
 
 from .dialects import IMAGE, THINK_CLOSE, Dialect
 from .dsml import Tags
@@ -78,7 +78,7 @@ def forced_call(tool_choice, dialect: Dialect, thinking: bool) -> str:
 
 def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]:
     """(thinking on?, the encoder's effort value) from the body's switch and `reasoning_effort`."""
-    switch = _thinking_switch(body)
+    switch = thinking_switch(body)
     value = body.get("reasoning_effort")
     if value == "none":
         if switch:
@@ -101,7 +101,9 @@ def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]
     return (True if switch is None else switch), effort
 
 
-def _thinking_switch(body: dict) -> bool | None:
+def thinking_switch(body: dict) -> bool | None:
+    """The thinking switch of an OpenAI-style body: `thinking` first, then `chat_template_kwargs.thinking`,
+    then `.enable_thinking`; None when none is given (the model's default: thinking on)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs: must be an object", field="chat_template_kwargs")
@@ -114,7 +116,7 @@ def _thinking_switch(body: dict) -> bool | None:
             return value
         if isinstance(value, dict) and value.get("type") in ("enabled", "disabled"):
             return value["type"] == "enabled"
-        raise RequestError(f'{name}={value!r}: must be true, false or {{"type": "enabled" | "disabled"}}',
+        raise RequestError(f'{name}={shown(value)}: must be true, false or {{"type": "enabled" | "disabled"}}',
                            field=name, value=value)
     return None
 
