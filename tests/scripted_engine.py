@@ -14,6 +14,7 @@ so a test can disconnect or cancel in the middle.
 """
 
 import collections
+import random
 import threading
 import time
 
@@ -111,3 +112,22 @@ def scripted_engine(capacity: int = 4096) -> tuple[Engine, ScriptedSession]:
     session = ScriptedSession(cfg, tokenizer, capacity)
     info = EngineInfo("scripted", cfg.family, capacity, cfg.vocab_size, "none", "cpu")
     return Engine(RequestLoop(session, tokenizer, model_dir), info, warmup=False), session
+
+
+_rng = random.Random()
+
+
+def words(n: int = 4) -> str:
+    """n random lowercase words: a prompt the scripted model does not read."""
+    return " ".join("".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.randint(2, 8)))
+                    for _ in range(n))
+
+
+def scripted_box():
+    """For a module fixture: (an in-process server with the token, its scripted session); stops it after."""
+    from tests.server_harness import TOKEN, InProcessServer
+
+    engine, session = scripted_engine()
+    server = InProcessServer(engine, token=TOKEN)
+    yield server, session
+    assert server.stop() == 0

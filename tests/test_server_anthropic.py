@@ -3,31 +3,21 @@
 round trip, stop sequences, usage with cached tokens, bad values, auth by x-api-key or Bearer, busy as 429.
 Inputs are fresh random words each run."""
 
-import random
 
 import anthropic
 import pytest
 
 from appliance.chat import DIALECTS, encode_request
-from tests.scripted_engine import scripted_engine
-from tests.server_harness import TOKEN, InProcessServer
+from tests.scripted_engine import scripted_box, words
+from tests.server_harness import TOKEN
 
-rng = random.Random()
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-def words(n: int = 4) -> str:
-    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-                    for _ in range(n))
-
-
 @pytest.fixture(scope="module")
 def box():
-    engine, session = scripted_engine()
-    server = InProcessServer(engine, token=TOKEN)
-    yield server, session
-    assert server.stop() == 0
+    yield from scripted_box()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from appliance.chat import DIALECTS, encode_request
-from tests.scripted_engine import scripted_engine
+from tests.scripted_engine import scripted_box, scripted_engine, words
 from tests.server_harness import TOKEN, InProcessServer
 
 V41 = DIALECTS["deepseek_v41"]
@@ -25,17 +25,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 
 
-def words(n: int = 4) -> str:
-    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-                    for _ in range(n))
-
-
 @pytest.fixture(scope="module")
 def box():
-    engine, session = scripted_engine()
-    server = InProcessServer(engine, token=TOKEN)
-    yield server, session
-    assert server.stop() == 0
+    yield from scripted_box()
 
 
 @pytest.fixture
