@@ -173,9 +173,22 @@ async def measure_one(ws, req: dict, index: int, warmup: bool, timeout_s: float)
 
 def _finish(rec: RequestRecord, done: dict, t0: float, t_done: float, arrivals: list[float]) -> None:
     usage, timings = done.get("usage", {}), done.get("timings") or {}
+    rec.finish_reason = done.get("finish_reason", "")
+    record_arrivals(rec, t0, t_done, arrivals, usage, len(arrivals))
+    if timings.get("ttft_ms") is not None:
+        rec.server_ttft_ms = (timings.get("queue_ms") or 0.0) + timings["ttft_ms"]
+        if rec.ttft_ms is not None:
+            rec.overhead_ms = rec.ttft_ms - rec.server_ttft_ms
+    spec = done.get("speculative") or {}
+    rec.accepted_length = spec.get("mean_accepted")
+
+
+def record_arrivals(rec: RequestRecord, t0: float, t_done: float, arrivals: list[float], usage: dict,
+                    tokens: int) -> None:
+    """The client-side times of one request from when its output arrived (`arrivals`, perf_counter seconds;
+    one per token on decode.v1, one per chunk of `tokens` in all over an SSE stream)."""
     rec.prompt_tokens = usage.get("prompt_tokens", 0)
     rec.output_tokens = usage.get("completion_tokens", len(arrivals))
-    rec.finish_reason = done.get("finish_reason", "")
     rec.e2e_ms = (t_done - t0) * 1e3
     rec.token_ms = [(a - t0) * 1e3 for a in arrivals]
     rec.itl_ms = [b - a for a, b in zip(rec.token_ms, rec.token_ms[1:])]
@@ -184,15 +197,10 @@ def _finish(rec: RequestRecord, done: dict, t0: float, t_done: float, arrivals: 
     if len(rec.token_ms) >= 2:
         rec.t2t_ms = rec.token_ms[1]
         span = rec.token_ms[-1] - rec.token_ms[0]
-        rec.tpot_ms = span / (len(rec.token_ms) - 1)
-        rec.tokens_per_s = (len(rec.token_ms) - 1) / (span / 1e3) if span > 0 else None
+        n = max(tokens, len(rec.token_ms))
+        rec.tpot_ms = span / (n - 1)
+        rec.tokens_per_s = (n - 1) / (span / 1e3) if span > 0 else None
         rec.max_stall_ms = max(rec.itl_ms)
-    if timings.get("ttft_ms") is not None:
-        rec.server_ttft_ms = (timings.get("queue_ms") or 0.0) + timings["ttft_ms"]
-        if rec.ttft_ms is not None:
-            rec.overhead_ms = rec.ttft_ms - rec.server_ttft_ms
-    spec = done.get("speculative") or {}
-    rec.accepted_length = spec.get("mean_accepted")
 
 
 async def run_probe(cfg: ProbeConfig, on_request=None) -> ProbeRun:

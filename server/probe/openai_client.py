@@ -17,7 +17,7 @@ import time
 import aiohttp
 import orjson
 
-from .client import EXIT_BUSY, EXIT_UNREACHABLE, ProbeConfig, ProbeError, ProbeRun, RequestRecord
+from .client import EXIT_BUSY, EXIT_UNREACHABLE, ProbeConfig, ProbeError, ProbeRun, RequestRecord, record_arrivals
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -95,26 +95,10 @@ async def measure_one(http, url: str, body: dict, index: int, warmup: bool, time
                         or delta.get("tool_calls"):
                     arrivals.append(t)
                 rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
-    _finish(rec, t0, time.perf_counter(), arrivals, usage or {})
+    usage = usage or {}
+    record_arrivals(rec, t0, time.perf_counter(), arrivals, usage,
+                    usage.get("completion_tokens", len(arrivals)))
     return rec
-
-
-def _finish(rec: RequestRecord, t0: float, t_done: float, arrivals: list[float], usage: dict) -> None:
-    rec.delta_frames = len(arrivals)
-    rec.prompt_tokens = usage.get("prompt_tokens", 0)
-    rec.output_tokens = usage.get("completion_tokens", len(arrivals))
-    rec.e2e_ms = (t_done - t0) * 1e3
-    rec.token_ms = [(a - t0) * 1e3 for a in arrivals]
-    rec.itl_ms = [b - a for a, b in zip(rec.token_ms, rec.token_ms[1:])]
-    if rec.token_ms:
-        rec.ttft_ms = rec.token_ms[0]
-    if len(rec.token_ms) >= 2:
-        rec.t2t_ms = rec.token_ms[1]
-        span = rec.token_ms[-1] - rec.token_ms[0]
-        n = max(rec.output_tokens, len(rec.token_ms))
-        rec.tpot_ms = span / (n - 1)
-        rec.tokens_per_s = (n - 1) / (span / 1e3) if span > 0 else None
-        rec.max_stall_ms = max(rec.itl_ms)
 
 
 async def run_openai_probe(cfg: ProbeConfig, on_request=None) -> ProbeRun:
