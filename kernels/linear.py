@@ -139,20 +139,15 @@ def reference(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_
     return y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
 
-REFERENCE_ROWS = 16
-
-
 def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ w [K, N] in float64, REFERENCE_ROWS rows per call (the last block zero-padded). A BLAS
-    chooses its blocking, and so the order of a row's float64 sum, from the call's shapes: with every call
-    the same shape, a row's sum does not depend on how many rows came with it, so a verify block on the
-    reference path equals single steps bit for bit (one M-dependent last bit in ~10^7 products, rounded
-    across an FP8 or bfloat16 boundary, otherwise changes a logit)."""
-    m = a.shape[0]
-    pad = -m % REFERENCE_ROWS
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    return torch.cat([a[i:i + REFERENCE_ROWS] @ w for i in range(0, m + pad, REFERENCE_ROWS)])[:m]
+    """a [M, K] @ w [K, N] in float64, one row per call. A BLAS chooses its blocking, and so the order of a
+    row's float64 sum, from the call's shape: with every call one row, a row's sum does not depend on how
+    many rows came with it, so a verify block on the reference path equals single steps bit for bit (one
+    M-dependent last bit in ~10^7 products, rounded across an FP8 or bfloat16 boundary, otherwise changes a
+    logit). A decode row costs one vector-matrix product (a padded block of rows cost 16)."""
+    if a.shape[0] == 1:
+        return a @ w
+    return torch.cat([a[i:i + 1] @ w for i in range(a.shape[0])])
 
 
 # --- Triton kernel ---------------------------------------------------------------------------------------

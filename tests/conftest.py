@@ -15,6 +15,13 @@ FIXTURE = DATA / "v41-tiny-a"
 FIXTURE_EXPECTED = DATA / "v41-tiny-a-expected"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (minutes each: long generations, the interpreter, subprocess ranks, fixed waits) run
+    first, so that two workers share them and finish together (the Makefile hands tests out one at a time:
+    `--maxschedchunk 1`); the many short tests fill in behind. A stable sort: file order otherwise."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     from appliance.model.tiny import FAMILIES, write_tiny

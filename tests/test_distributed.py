@@ -29,6 +29,7 @@ def generate(model, ids_file, draft, devices):
     return json.loads(p.stdout)["ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4"])
 def test_four_gloo_ranks_give_the_single_process_greedy_tokens_with_and_without_drafting(tiny_dirs, tmp_path,
                                                                                         family):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+# minutes of compiling, shared by both tests through one module fixture: first, and on one worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_dry_run")]
 
 @pytest.fixture(scope="module")
 def report():

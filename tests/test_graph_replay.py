@@ -31,18 +31,20 @@ def _tokens(lm, draft: str, runner_factory, monkeypatch) -> list[int]:
         monkeypatch.setattr(graphs.runner, "make_runner", runner_factory)
     gen = open_loop(lm, capacity=128, draft=draft, draft_tokens=2, reach_floor=128)  # makes every step now
     ids = []
-    for event in gen.run(Request(input_ids=list(range(5, 17)), max_tokens=5, ignore_eos=True)):
+    for event in gen.run(Request(input_ids=list(range(5, 17)), max_tokens=4, ignore_eos=True)):
         ids += getattr(event, "ids", [])
     monkeypatch.undo()
     return ids
 
 
 # the cycle step kinds: plain (V4.1), draft + verify in one step (DSpark on V4.1), a chained drafter (V4's MTP)
+@pytest.mark.slow
 @pytest.mark.parametrize("family, draft", [("deepseek_v41", "none"), ("deepseek_v41", "dspark"),
                                            ("deepseek_v4", "mtp")])
 def test_replayed_cycle_steps_give_the_tokens_of_eager_steps(tiny_dirs, family, draft, monkeypatch):
     lm = load(tiny_dirs[family], path="fast", draft=draft)
     want = _tokens(lm, draft, None, monkeypatch)
-    replay = lambda step, device, graphs=True, pool=None, check_inputs=False: ReplayRunner(step)  # noqa: E731
+    # one warm-up call (a GPU's two only repeat it): what matters is that the capture is not a step's first call
+    replay = lambda step, device, graphs=True, pool=None, check_inputs=False: ReplayRunner(step, warmup=1)  # noqa: E731
     got = _tokens(lm, draft, replay, monkeypatch)
-    assert got == want and len(want) == 5
+    assert got == want and len(want) == 4

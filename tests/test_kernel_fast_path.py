@@ -1,13 +1,16 @@
 """End to end on the fast path (every op a Triton kernel; on CPU under the interpreter):
 
-- Tolerance to the reference path: up to the first row where the paths' index selections differ, the
-  teacher-forced logits of every tiny model and of the official fixture are within LOGIT_TOL of the
-  reference's (relative to the row's largest |logit|), and the greedy token is the reference's wherever its
-  top-2 margin exceeds 2 LOGIT_TOL (each of the two logits can move by the tolerance). Why LOGIT_TOL (README
-  "Numerics"): the float32 kernels differ from the float64 reference by ~2^-22 relative, but that can move a
-  value across a rounding boundary of the official numerics (an FP8 activation code, an FP4 KV or index
-  code, a bfloat16 rounding), which then changes that one element by a whole code step; the bound covers a
-  few such flips reaching the logits.
+- Tolerance to the reference path, teacher-forced, up to the first row where the paths' discrete choices
+  differ (an index's top-k selection, a token's experts: a near tie the last bits break the other way makes
+  the two models compute different things from there on), for every tiny model and the official fixture.
+  With `--numerics plain` the two paths compute the same rounding points, and the logits agree within
+  PLAIN_TOL (a float32 sum against a float64 one: ~2^-22 relative per sum, ~1e-6 of the row's largest
+  |logit| measured). With `--numerics official` a value near a rounding boundary of the official
+  quantization (an FP8 activation code, an FP4 KV or index code) can land on the other side in one path and
+  move by a whole code step, 2^-3 of itself for e4m3's three mantissa bits; in 64- and 128-wide tiny models
+  a few such flips moved rows by up to 6e-2 of their largest |logit| (one in a thousand rows past 2^-5),
+  so OFFICIAL_TOL is one e4m3 code step. In both, the greedy token is the reference's wherever its top-2
+  margin exceeds twice the tolerance (each of the two logits can move by it).
 - Batch invariance of the whole forward: a verify block of M rows (M = 1..6) equals M single steps bit for
   bit (logits, DSpark inputs, final streams and every state buffer).
 - Whole cycles: greedy decoding with each family's drafter equals greedy decoding without, token for token.
@@ -34,43 +37,48 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy under the interpreter: exp overflow to inf
 ]
 
-LOGIT_TOL = 2.0**-5  # relative to the row's largest |logit| (README "Numerics": why so wide on the tiny models)
+PLAIN_TOL = 2.0**-16    # relative to the row's largest |logit|: the float32 kernels against the float64 reference
+OFFICIAL_TOL = 2.0**-3  # one e4m3 code step: flips of the official quantization (README "Numerics")
 PROMPT = 32          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
 GENERATE = 4         # greedy tokens per cycle test (the interpreter: ~6 s per forward of a tiny model)
-DRAFTS = [("deepseek_v41", "dspark"), ("deepseek_v41", "adaptive"), ("deepseek_v4", "mtp"),
-          ("deepseek_v4_0731", "dspark")]
+DRAFTS = {"deepseek_v41": ("dspark", "adaptive"), "deepseek_v4": ("mtp",), "deepseek_v4_0731": ("dspark",)}
 
 
+def _choices(lm, probe: dict) -> dict[str, torch.Tensor]:
+    """The forward's discrete choices per row: each index's top-k selection and each layer's experts."""
+    picks = {k: v for k, v in probe.items() if "topk" in k}
+    picks.update({f"experts.{L}": layer.ffn.routing_log[0].sort(-1).values for L, layer in enumerate(lm.model.layers)})
+    return picks
+
+
+@pytest.mark.parametrize("numerics, tol", [("plain", PLAIN_TOL), ("official", OFFICIAL_TOL)])
 @pytest.mark.parametrize("name", ["deepseek_v41", "deepseek_v4", "deepseek_v4_0731", "fixture"])
-def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(name, tiny_dirs):
-    """Rows up to the first position where the two paths' discrete choices differ (an index's top-k
-    selection: a near tie the kernels' last bits break the other way changes which compressed rows a query
-    reads, and from there on the two models compute different things); at least the first 16 rows."""
+def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(name, numerics, tol, tiny_dirs):
     seed = random.randrange(1 << 30)
     model_dir = FIXTURE if name == "fixture" else tiny_dirs[name]
     out, picks = {}, {}
     for path in ("reference", "fast"):
-        lm = load(model_dir, path=path)
+        lm = load(model_dir, path=path, numerics=numerics)
         tokens = torch.randint(0, lm.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
         probe = {}
+        for layer in lm.model.layers:
+            layer.ffn.routing_log = []
         out[path] = lm.model.forward(tokens, lm.model.new_state(PROMPT), logits="all", probe=probe).logits
-        picks[path] = {k: v for k, v in probe.items() if "topk" in k and v.shape[0] == PROMPT}
+        picks[path] = _choices(lm, probe)
     same = torch.ones(PROMPT, dtype=torch.bool)
     for k, v in picks["reference"].items():
         same &= (v == picks["fast"][k]).flatten(1).all(-1)
-    rows = int(same.long().cumprod(0).sum())  # the rows before the first differing selection
-    assert rows >= 16, f"{name} (seed {seed}): the index selections differ from row {rows}"
+    rows = int(same.long().cumprod(0).sum())  # the rows before the first differing choice
+    ctx = f"{name} --numerics {numerics} (seed {seed})"
+    assert rows >= 4, f"{ctx}: the paths' discrete choices differ from row {rows}"
     want, got = out["reference"][:rows], out["fast"][:rows]
-    tol = LOGIT_TOL * want.abs().amax(-1)
-    err = (got - want).abs().amax(-1)
-    print(f"{name} (seed {seed}): worst |delta logit| / row max {(err / want.abs().amax(-1)).max().item():.3g} "
-          f"(tolerance {LOGIT_TOL:.3g}) over {rows} rows with the same selections")
-    over = (err > tol).nonzero().flatten().tolist()
-    assert not over, f"{name} (seed {seed}): rows over the tolerance: {over}"
+    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    print(f"{ctx}: worst |delta logit| / row max {err.max().item():.3g} (tolerance {tol:.3g}) over {rows} rows")
+    assert (err <= tol).all(), f"{ctx}: rows over the tolerance: {(err > tol).nonzero().flatten().tolist()}"
     top2 = want.topk(2, -1).values
-    clear = top2[:, 0] - top2[:, 1] > 2 * tol
+    clear = top2[:, 0] - top2[:, 1] > 2 * tol * want.abs().amax(-1)
     same = want.argmax(-1) == got.argmax(-1)
-    assert (same | ~clear).all(), f"{name} (seed {seed}): greedy token differs at {(~same & clear).nonzero().tolist()}"
+    assert (same | ~clear).all(), f"{ctx}: greedy token differs at {(~same & clear).nonzero().tolist()}"
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +87,7 @@ def fast_models(tiny_dirs):
                                                                        "deepseek_v4_0731")}
 
 
+@pytest.mark.slow
 def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(fast_models):
     """M = 1..6 from one prefilled state: six single steps (outputs and state kept after each), then for each
     M the block of M rows from the same start (the state rewound between blocks)."""
@@ -112,8 +121,9 @@ def greedy(lm, prompt, n, **options):
     return ids, g.session.stats
 
 
-@pytest.mark.parametrize("family,draft", DRAFTS, ids=[f"{f}-{d}" for f, d in DRAFTS])
-def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models, family, draft, monkeypatch):
+@pytest.mark.slow
+@pytest.mark.parametrize("family", DRAFTS)
+def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models, family, monkeypatch):
     # adaptive trims drafts by a verify-cost table it measures at load; the interpreter's timings mean
     # nothing, so the table is set (longer verifies cost a little more)
     monkeypatch.setattr(Speculator, "calibrate", lambda self, model, repeats=5: setattr(
@@ -122,6 +132,7 @@ def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models
     seed = random.randrange(1 << 30)
     prompt = torch.randint(0, lm.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
     want, _ = greedy(lm, prompt, GENERATE)
-    got, stats = greedy(lm, prompt, GENERATE, draft=draft, draft_tokens=3)
-    assert got == want, f"{family} --draft {draft} (seed {seed}): {got} != {want}"
-    assert stats.cycles > 0 and stats.drafted >= stats.cycles
+    for draft in DRAFTS[family]:
+        got, stats = greedy(lm, prompt, GENERATE, draft=draft, draft_tokens=3)
+        assert got == want, f"{family} --draft {draft} (seed {seed}): {got} != {want}"
+        assert stats.cycles > 0 and stats.drafted >= stats.cycles

@@ -33,6 +33,7 @@ def greedy(lm, prompt, n, **kw):
     return ids, done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_with_drafting_equals_no_drafting_over_256_tokens(drafter_models, family):
     lm = drafter_models[family]
