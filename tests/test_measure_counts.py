@@ -120,6 +120,7 @@ def meta_counts():
         finally:
             mm.runtime.ops = saved
 
+    count.model = mm.model
     return count
 
 
@@ -190,3 +191,22 @@ def test_the_cost_model_adds_bytes_launches_and_collectives():
     budget = p["ideal_bytes_and_launch_budget"]["terms_s"]["launches"]
     assert budget == pytest.approx((16 * 2 + 20) * cm.LAUNCH_S)
     assert cm.cycle_time(count, gpu, world=1)["terms_s"]["collectives"] == 0
+
+
+def test_an_engram_layer_reads_the_rows_it_gathers_not_its_table(meta_counts):
+    """The released tables are ~100 GB in host memory: a table 100x longer must not change what a step reads."""
+    engrams = {f"layer {i}": layer.engram for i, layer in enumerate(meta_counts.model.layers)
+               if getattr(layer, "engram", None) is not None}
+    assert engrams
+    base = meta_counts()["bytes_per_step"]["by_block"]
+    saved = [(e.table, e.table_scale) for e in engrams.values()]
+    try:
+        for e in engrams.values():
+            e.table = e.table.new_empty((e.table.shape[0] * 100, e.table.shape[1]))
+            e.table_scale = e.table_scale.new_empty((e.table_scale.shape[0] * 100, e.table_scale.shape[1]))
+        longer = meta_counts()["bytes_per_step"]["by_block"]
+    finally:
+        for e, (table, scale) in zip(engrams.values(), saved):
+            e.table, e.table_scale = table, scale
+    for block, e in engrams.items():  # a count varies by a few routed rows; the longer table adds 99 tables
+        assert abs(longer[block] - base[block]) < e.table.numel(), (block, base[block], longer[block])

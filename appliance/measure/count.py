@@ -90,7 +90,8 @@ class DeclaredReads:
         ops = self.rt.ops
         import dataclasses
 
-        self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention), moe=self._moe(ops.moe))
+        self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention), moe=self._moe(ops.moe),
+                                          engram_rows=self._engram(ops.engram_rows))
         try:
             yield
         finally:
@@ -112,6 +113,18 @@ class DeclaredReads:
                 self.rows_read[rec.block] += rows * row_bytes
             with rec.gather(comp_kv, rows * row_bytes):
                 return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
+
+        return call
+
+    def _engram(self, engram_rows):
+        """The gather reads the rows of `ids` from the table (~100 GB in host memory), not the table."""
+        rec = self.rec
+
+        def call(table, scale, ids, out_dtype):
+            rows = ids.numel()
+            with rec.gather(table, rows * table.shape[-1] * table.element_size()), \
+                    rec.gather(scale, rows * scale.shape[-1] * scale.element_size()):
+                return engram_rows(table, scale, ids, out_dtype)
 
         return call
 
