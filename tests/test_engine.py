@@ -45,6 +45,7 @@ def test_generate_from_another_thread_streams_events_without_blocking_the_caller
         if isinstance(event, (Done, Error)):
             done.set()
 
+    engine.wait_idle()  # a request before this one may still be filing its conversation in the prefix cache
     engine.submit(Request(id="b", input_ids=[5] * 30, max_tokens=6, ignore_eos=True), emit)
     assert not seen  # submit came back while the request's events were still held: it did not run them
     gate.set()
