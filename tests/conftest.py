@@ -17,8 +17,9 @@ FIXTURE_EXPECTED = DATA / "v41-tiny-a-expected"
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow (minutes each: long generations, the interpreter, subprocess ranks, fixed waits) run
-    first, so that two workers share them and finish together (the Makefile hands tests out one at a time:
-    `--maxschedchunk 1`); the many short tests fill in behind. A stable sort: file order otherwise."""
+    first, so that two workers share them and finish together (the Makefile hands tests out a few at a time
+    in this order: `--dist loadgroup --no-loadscope-reorder`); the many short tests fill in behind. A stable
+    sort: file order otherwise."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
