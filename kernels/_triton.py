@@ -67,6 +67,19 @@ else:
     tsum, tmax, tmin, tcumsum = tl.sum, tl.max, tl.min, tl.cumsum
 
 
+_COUNTERS: dict = {}
+
+
+def counters(dev: torch.device, n: int = 1 << 16) -> torch.Tensor:
+    """int32 [n] zeros, one buffer per device, for the fused kernels' last-program pattern (the programs of a
+    split reduction count themselves in; the last one adds the partials in a fixed order and resets the
+    count): zero between launches, so a captured graph replays with it as it was at capture."""
+    key = (dev.type, dev.index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=dev)
+    return _COUNTERS[key]
+
+
 def device_function(fn):
     """Decorator for helpers called from kernels: `triton.jit` on the GPU. Under the interpreter a plain
     Python function (it runs on the same patched triton.language): the interpreter re-patches the language

@@ -28,6 +28,7 @@ where a float32 P sits at a bfloat16 rounding boundary, one bfloat16 ulp of that
 
 import torch
 
+from . import rope as rope_op
 from ._triton import (
     INTERPRET,
     bf16_rne,
@@ -83,25 +84,62 @@ def reference(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tens
     return o.to(q.dtype)
 
 
-# --- Triton kernels --------------------------------------------------------------------------------------
+def attend_reference(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,
+                     comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
+                     p_dtype: torch.dtype | None, freqs: torch.Tensor) -> torch.Tensor:
+    """A V4.1 attention over its window by position, then the inverse RoPE of the output.
+
+    q [T, H, d] at `positions` (consecutive); the window keys of the query at p are the positions
+    p - window + 1 .. p: this call's `keys` [T, d] for positions from positions[0] on, the window ring
+    [S, d] (slot position mod S) before; comp_kv/comp_index as for `reference`; freqs [r/2] the RoPE whose
+    inverse rotates each head's last r dims of the output."""
+    start = positions[0]
+    kv = torch.cat((ring.to(keys.dtype), keys), dim=0)
+    t = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)
+    row = torch.where(t >= start, ring.shape[0] + (t - start), torch.remainder(t, ring.shape[0]))
+    o = reference(q, kv, torch.where(t >= 0, row, -1), comp_kv, comp_index, sink, scale, p_dtype)
+    cos, sin = rope_op.table(positions, freqs)
+    return rope_op.reference(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+
+
+# --- Triton kernel ---------------------------------------------------------------------------------------
+# One program per (query row, block of heads), all of the row's keys: (1) logits for blocks of keys over d in
+# chunks, stored (float32 scratch [M, H, NT]), and the row max; (2) Z from the stored logits; (3) per chunk of
+# d, P = exp(l - M) (rounded as `p_dtype` rounds it) times the values, over the key blocks in order, divided
+# by Z plus the sink term, optionally inverse-rotated, rounded once.
 
 
 @device_function
-def _gather_keys(win_ptr, comp_ptr, wi_ptr, ci_ptr, m, keys, dcols, W, NT, Nw, Nc, d,
-                 stride_w, stride_c, stride_wi, stride_ci):
-    """Entries `keys` of query row m's key list ([BN, BD] at columns dcols, zero where invalid) and their
-    validity: entry j < W is window_kv[window_index[m, j]], entry j >= W is comp_kv[comp_index[m, j - W]],
-    each valid where the index is in range."""
+def _key_rows(m, keys, W, NT, wi_ptr, ci_ptr, stride_wi, stride_ci, pos, start, S, Nw, Nc,
+              BY_POSITION: tl.constexpr):
+    """For entries `keys` of query m's key list: (source, row): source 0 the ring / window_kv, 1 this call's
+    keys (BY_POSITION), 2 the compressed rows; row -1 where the entry is invalid."""
     in_list = keys < NT
     is_w = keys < W
-    widx = tl.load(wi_ptr + m * stride_wi + keys, mask=is_w & in_list, other=-1)
+    if BY_POSITION:  # entry j is position pos - W + 1 + j
+        t = pos - (W - 1) + keys
+        src = tl.where(t >= start, 1, 0)
+        wrow = tl.where(t >= start, t - start, t % S)
+        wrow = tl.where(is_w & in_list & (t >= 0), wrow, -1)
+    else:
+        src = tl.zeros(keys.shape, dtype=tl.int32)
+        widx = tl.load(wi_ptr + m * stride_wi + keys, mask=is_w & in_list, other=-1)
+        wrow = tl.where((widx >= 0) & (widx < Nw), widx, -1)
     cidx = tl.load(ci_ptr + m * stride_ci + (keys - W), mask=(keys >= W) & in_list, other=-1)
-    wvalid = is_w & in_list & (widx >= 0) & (widx < Nw)
-    cvalid = (keys >= W) & in_list & (cidx >= 0) & (cidx < Nc)
+    crow = tl.where((cidx >= 0) & (cidx < Nc), cidx, -1)
+    return tl.where(is_w, src, 2), tl.where(is_w, wrow, crow)
+
+
+@device_function
+def _gather_keys(win_ptr, chunk_ptr, comp_ptr, src, row, dcols, d, stride_w, stride_k, stride_c):
+    """Key rows [BN, BD] at columns dcols (zero where invalid)."""
     dmask = dcols[None, :] < d
-    kw = tl.load(win_ptr + widx[:, None] * stride_w + dcols[None, :], mask=wvalid[:, None] & dmask, other=0.0)
-    kc = tl.load(comp_ptr + cidx[:, None] * stride_c + dcols[None, :], mask=cvalid[:, None] & dmask, other=0.0)
-    return tl.where(wvalid[:, None], kw, kc), wvalid | cvalid
+    ok = (row >= 0)[:, None] & dmask
+    r64 = row.to(tl.int64)[:, None]
+    kw = tl.load(win_ptr + r64 * stride_w + dcols[None, :], mask=ok & (src == 0)[:, None], other=0.0)
+    kk = tl.load(chunk_ptr + r64 * stride_k + dcols[None, :], mask=ok & (src == 1)[:, None], other=0.0)
+    kc = tl.load(comp_ptr + r64 * stride_c + dcols[None, :], mask=ok & (src == 2)[:, None], other=0.0)
+    return tl.where((src == 0)[:, None], kw, tl.where((src == 1)[:, None], kk, kc))
 
 
 @device_function
@@ -116,175 +154,182 @@ def _dot(a, b, acc, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _logits_kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
-                   win_ptr,    # window_kv [Nw, d], row stride stride_w
-                   comp_ptr,   # comp_kv [Nc, d], row stride stride_c (window_kv when there is none)
-                   wi_ptr,     # int64 window_index [M, W], row stride stride_wi
-                   ci_ptr,     # int64 comp_index [M, K], row stride stride_ci
-                   l_ptr,      # out: float32 logits [M, H, NT] (NT = W + K); -inf = invalid
-                   H, d, W, NT, Nw, Nc, stride_w, stride_c, stride_wi, stride_ci,
-                   scale,      # float32
-                   DOT_BF16: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    keys = tl.program_id(1) * BN + tl.arange(0, BN)
-    heads = tl.program_id(2) * BH + tl.arange(0, BH)
-    hmask = heads < H
-    acc = tl.zeros((BH, BN), dtype=tl.float32)
-    valid = keys < 0
-    for d0 in range(0, d, BD):
-        dcols = d0 + tl.arange(0, BD)
-        q = tl.load(q_ptr + (m * H + heads[:, None]) * d + dcols[None, :], mask=hmask[:, None] & (dcols[None, :] < d),
-                    other=0.0)
-        k, valid = _gather_keys(win_ptr, comp_ptr, wi_ptr, ci_ptr, m, keys, dcols, W, NT, Nw, Nc, d,
-                                stride_w, stride_c, stride_wi, stride_ci)
-        acc = _dot(q, tl.trans(k), acc, DOT_BF16)
-    lg = tl.where(valid[None, :], acc * scale, float("-inf"))
-    tl.store(l_ptr + (m * H + heads[:, None]) * NT + keys[None, :], lg, mask=hmask[:, None] & (keys[None, :] < NT))
-
-
-@triton.jit
-def _pv_kernel(l_ptr,      # float32 logits [M, H, NT] from _logits_kernel
-               win_ptr, comp_ptr, wi_ptr, ci_ptr,  # the key lists, as for _logits_kernel
-               sink_ptr,   # float32 [H]
-               o_ptr,      # out [M, H, d] in q's dtype (written when SPLIT == 1)
-               acc_ptr,    # float32 [SPLIT, M, H, d] partial P.V (SPLIT > 1)
-               z_ptr,      # float32 [SPLIT, M, H] partial Z (SPLIT > 1)
-               mx_ptr,     # float32 [M, H] row max (SPLIT > 1)
-               M, H, d, W, NT, Nw, Nc, stride_w, stride_c, stride_wi, stride_ci, keys_per_split,
-               P_ROUND: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr,
-               BH: tl.constexpr, BN: tl.constexpr, BDV: tl.constexpr):
+def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
+            win_ptr,    # the window ring [S, d] (BY_POSITION) or window_kv [Nw, d], row stride stride_w
+            chunk_ptr,  # this call's keys [M, d] (BY_POSITION), row stride stride_k
+            comp_ptr,   # comp_kv [Nc, d], row stride stride_c (window_kv when there is none)
+            wi_ptr,     # int64 window_index [M, W], row stride stride_wi (not BY_POSITION)
+            ci_ptr,     # int64 comp_index [M, K], row stride stride_ci
+            pos_ptr,    # int64 positions [M] (BY_POSITION)
+            freq_ptr,   # float32 [HALF] (ROPE)
+            sink_ptr,   # float32 [H]
+            l_ptr,      # scratch float32 [M, H, NT] logits
+            o_ptr,      # out [M, H, d] in q's dtype
+            H, d, W, NT, Nw, Nc, S, stride_w, stride_k, stride_c, stride_wi, stride_ci,
+            scale,      # float32
+            BY_POSITION: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, P_ROUND: tl.constexpr,
+            QK_BF16: tl.constexpr, PV_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BH: tl.constexpr,
+            BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
-    n_dchunks = (d + BDV - 1) // BDV
-    split = tl.program_id(2) // n_dchunks
-    dcols = (tl.program_id(2) % n_dchunks) * BDV + tl.arange(0, BDV)
+    pos = tl.load(pos_ptr + m) if BY_POSITION else 0
+    start = tl.load(pos_ptr) if BY_POSITION else 0
     lrow = l_ptr + (m * H + heads) * NT
     mx = tl.full((BH,), float("-inf"), dtype=tl.float32)
-    for n0 in range(0, NT, BN):
+    for n0 in range(0, NT, BN):  # (1) logits
         keys = n0 + tl.arange(0, BN)
-        lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < NT), other=float("-inf"))
+        src, row = _key_rows(m, keys, W, NT, wi_ptr, ci_ptr, stride_wi, stride_ci, pos, start, S, Nw, Nc,
+                             BY_POSITION)
+        acc = tl.zeros((BH, BN), dtype=tl.float32)
+        for d0 in range(0, d, BD):
+            dcols = d0 + tl.arange(0, BD)
+            q = tl.load(q_ptr + (m * H + heads[:, None]) * d + dcols[None, :],
+                        mask=hmask[:, None] & (dcols[None, :] < d), other=0.0)
+            k = _gather_keys(win_ptr, chunk_ptr, comp_ptr, src, row, dcols, d, stride_w, stride_k, stride_c)
+            acc = _dot(q, tl.trans(k), acc, QK_BF16)
+        lg = tl.where((row >= 0)[None, :], acc * scale, float("-inf"))
+        tl.store(lrow[:, None] + keys[None, :], lg, mask=hmask[:, None] & (keys[None, :] < NT))
         mx = tl.maximum(mx, tmax(lg, axis=1))
     mx = tl.maximum(mx, -1e30)
+    tl.debug_barrier()  # the logits are read back by other threads below
     z = tl.zeros((BH,), dtype=tl.float32)
-    acc = tl.zeros((BH, BDV), dtype=tl.float32)
-    k_lo = split * keys_per_split
-    k_end = tl.minimum(NT, k_lo + keys_per_split)
-    for n0 in range(k_lo, k_end, BN):
+    for n0 in range(0, NT, BN):  # (2) Z, keys in order
         keys = n0 + tl.arange(0, BN)
-        lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < k_end),
-                     other=float("-inf"))
-        p = tl.exp(lg - mx[:, None])
-        z += tsum(p, axis=1)
-        if P_ROUND == 2:
-            p = bf16_rne(p).to(tl.float32)
-        v, valid = _gather_keys(win_ptr, comp_ptr, wi_ptr, ci_ptr, m, keys, dcols, W, k_end, Nw, Nc, d,
-                                stride_w, stride_c, stride_wi, stride_ci)
-        acc = _dot(p, v, acc, DOT_BF16)
-    omask = hmask[:, None] & (dcols[None, :] < d)
-    if SPLIT == 1:
-        z += tl.exp(tl.load(sink_ptr + heads, mask=hmask, other=0.0) - mx)
-        tl.store(o_ptr + (m * H + heads[:, None]) * d + dcols[None, :], round_out(acc / z[:, None], OUT_BF16),
-                 mask=omask)
-    else:
-        tl.store(acc_ptr + ((split * M + m) * H + heads[:, None]) * d + dcols[None, :], acc, mask=omask)
-        if tl.program_id(2) % n_dchunks == 0:
-            tl.store(z_ptr + (split * M + m) * H + heads, z, mask=hmask)
-            if split == 0:
-                tl.store(mx_ptr + m * H + heads, mx, mask=hmask)
-
-
-@triton.jit
-def _combine_kernel(acc_ptr, z_ptr, mx_ptr,  # float32 partials from _pv_kernel
-                    sink_ptr,                # float32 [H]
-                    o_ptr,                   # out [M, H, d] in q's dtype
-                    M, H, d, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = heads < H
-    dcols = tl.program_id(2) * BDV + tl.arange(0, BDV)
-    omask = hmask[:, None] & (dcols[None, :] < d)
-    mx = tl.load(mx_ptr + m * H + heads, mask=hmask, other=0.0)
-    z = tl.zeros((BH,), dtype=tl.float32)
-    acc = tl.zeros((BH, BDV), dtype=tl.float32)
-    for s in range(SPLIT):  # split order: the same result however the splits were scheduled
-        z += tl.load(z_ptr + (s * M + m) * H + heads, mask=hmask, other=0.0)
-        acc += tl.load(acc_ptr + ((s * M + m) * H + heads[:, None]) * d + dcols[None, :], mask=omask, other=0.0)
+        lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < NT), other=float("-inf"))
+        z += tsum(tl.exp(lg - mx[:, None]), axis=1)
     z += tl.exp(tl.load(sink_ptr + heads, mask=hmask, other=0.0) - mx)
-    tl.store(o_ptr + (m * H + heads[:, None]) * d + dcols[None, :], round_out(acc / z[:, None], OUT_BF16), mask=omask)
+    for d0 in range(0, d, BDV):  # (3) P.V per chunk of d
+        dcols = d0 + tl.arange(0, BDV)
+        acc = tl.zeros((BH, BDV), dtype=tl.float32)
+        for n0 in range(0, NT, BN):
+            keys = n0 + tl.arange(0, BN)
+            lg = tl.load(lrow[:, None] + keys[None, :], mask=hmask[:, None] & (keys[None, :] < NT),
+                         other=float("-inf"))
+            p = tl.exp(lg - mx[:, None])
+            if P_ROUND == 2:
+                p = bf16_rne(p).to(tl.float32)
+            src, row = _key_rows(m, keys, W, NT, wi_ptr, ci_ptr, stride_wi, stride_ci, pos, start, S, Nw, Nc,
+                                 BY_POSITION)
+            v = _gather_keys(win_ptr, chunk_ptr, comp_ptr, src, row, dcols, d, stride_w, stride_k, stride_c)
+            acc = _dot(p, v, acc, PV_BF16)
+        o = acc / z[:, None]
+        if ROPE:  # inverse RoPE on each head's last 2 HALF dims (interleaved pairs; a chunk holds whole pairs)
+            o = round_out(o, OUT_BF16).to(tl.float32)
+            j = dcols - (d - 2 * HALF)
+            rot = (j >= 0) & (dcols < d)
+            f = tl.load(freq_ptr + tl.where(rot, j // 2, 0), mask=rot, other=0.0)
+            phi = pos.to(tl.float32) * f
+            c = tl.cos(phi)[None, :]
+            sn = tl.sin(phi)[None, :]
+            a, b = tl.split(tl.reshape(o, (BH, BDV // 2, 2)))
+            partner = tl.reshape(tl.join(b, a), (BH, BDV))
+            even = ((j % 2) == 0)[None, :]
+            rotated = tl.where(even, o * c + partner * sn, o * c - partner * sn)
+            o = tl.where(rot[None, :], rotated, o)
+        tl.store(o_ptr + (m * H + heads[:, None]) * d + dcols[None, :], round_out(o, OUT_BF16),
+                 mask=hmask[:, None] & (dcols[None, :] < d))
 
 
 _P_ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
-def blocks(h: int, qk_bf16: bool) -> tuple[int, int, int, int, int]:
-    """(BH, BN, BD, BDV, keys per split): fixed by the head count and the operands' dtype, never by the
-    number of rows or keys."""
+def blocks(h: int, qk_bf16: bool) -> tuple[int, int, int, int]:
+    """(BH, BN, BD, BDV): fixed by the head count and the operands' dtype, never by the number of rows or
+    keys."""
     if INTERPRET:
-        return pow2(h), 128, 64, 64, 128
+        return pow2(h), 128, 64, 64
     if qk_bf16:
-        return min(64, pow2(h, 16)), 64, 64, 64, 512
-    return min(64, pow2(h, 16)), 32, 16, 32, 512
+        return min(16, pow2(h, 16)), 64, 64, 64
+    return min(16, pow2(h, 16)), 32, 16, 32
 
 
-def fast(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
-         comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
-         p_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The kernels for `reference` (same signature; results within the stated tolerance)."""
-    require_dtype(q, "q", (torch.float32, torch.bfloat16))
-    require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, H, d])")
-    m, h, d = q.shape
-    require(window_kv.dim() == 2 and window_kv.shape[1] == d, "window_kv.shape", tuple(window_kv.shape),
-            f"must be [Nw, {d}]")
-    require_dtype(window_kv, "window_kv", (torch.float32, torch.bfloat16))
-    nw = window_kv.shape[0]
-    require(window_index.dim() == 2 and window_index.shape[0] == m, "window_index.shape",
-            tuple(window_index.shape), f"must be [{m}, W]")
-    require_dtype(window_index, "window_index", (torch.int64,))
-    require(tuple(sink.shape) == (h,), "sink.shape", tuple(sink.shape), f"must be {(h,)}")
-    require_dtype(sink, "sink", (torch.float32,))
-    require(p_dtype in _P_ROUND, "p_dtype", p_dtype, "must be None, float32 or bfloat16")
+def _check_comp(q, comp_kv, comp_index, d, m):
     if comp_index is None or comp_index.shape[-1] == 0:
-        comp_kv, comp_index = window_kv, torch.empty((m, 0), dtype=torch.int64, device=q.device)
+        return None, torch.empty((m, 0), dtype=torch.int64, device=q.device)
     require(comp_kv is not None, "comp_kv", None, "must be given with comp_index")
     require(comp_kv.dim() == 2 and comp_kv.shape[1] == d, "comp_kv.shape", tuple(comp_kv.shape), f"must be [Nc, {d}]")
     require_dtype(comp_kv, "comp_kv", (torch.float32, torch.bfloat16))
     require(comp_index.dim() == 2 and comp_index.shape[0] == m, "comp_index.shape", tuple(comp_index.shape),
             f"must be [{m}, K]")
     require_dtype(comp_index, "comp_index", (torch.int64,))
-    for name, t in (("window_kv", window_kv), ("comp_kv", comp_kv), ("comp_index", comp_index),
-                    ("window_index", window_index)):
-        require_rows(t, name)
-    dev = device_of(q, window_kv, window_index, comp_kv, comp_index, sink)
+    require_rows(comp_kv, "comp_kv")
+    require_rows(comp_index, "comp_index")
+    return comp_kv, comp_index
+
+
+def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, freqs, sink, scale, p_dtype, w,
+            by_position):
+    m, h, d = q.shape
+    require(tuple(sink.shape) == (h,), "sink.shape", tuple(sink.shape), f"must be {(h,)}")
+    require_dtype(sink, "sink", (torch.float32,))
+    require(p_dtype in _P_ROUND, "p_dtype", p_dtype, "must be None, float32 or bfloat16")
     q = q.contiguous()
     o = torch.empty_like(q)
-    w = window_index.shape[1]
     nt = w + comp_index.shape[1]
     if m == 0 or h == 0 or d == 0:
         return o
-    qk_bf16 = q.dtype == window_kv.dtype == comp_kv.dtype == torch.bfloat16
-    bh, bn, bd, bdv, keys_per_split = blocks(h, qk_bf16)
-    splits = triton.cdiv(nt, keys_per_split)
-    logits = torch.empty((m, h, nt), dtype=torch.float32, device=dev)
-    sizes = (w, nt, nw, comp_kv.shape[0])
-    strides = (window_kv.stride(0), comp_kv.stride(0), window_index.stride(0), comp_index.stride(0))
-    _logits_kernel[(m, triton.cdiv(nt, bn), triton.cdiv(h, bh))](
-        q, window_kv, comp_kv, window_index, comp_index, logits, h, d, *sizes, *strides, float(scale),
-        DOT_BF16=qk_bf16 and not INTERPRET, BH=bh, BN=bn, BD=bd)
-    out_bf16 = q.dtype == torch.bfloat16
-    n_dchunks = triton.cdiv(d, bdv)
-    if splits > 1:
-        acc = torch.empty((splits, m, h, d), dtype=torch.float32, device=dev)
-        z = torch.empty((splits, m, h), dtype=torch.float32, device=dev)
-        mx = torch.empty((m, h), dtype=torch.float32, device=dev)
-    else:
-        acc = z = mx = logits
-    pv_bf16 = p_dtype == torch.bfloat16 and window_kv.dtype == comp_kv.dtype == torch.bfloat16 and not INTERPRET
-    _pv_kernel[(m, triton.cdiv(h, bh), splits * n_dchunks)](
-        logits, window_kv, comp_kv, window_index, comp_index, sink, o, acc, z, mx, m, h, d, *sizes, *strides,
-        keys_per_split, P_ROUND=_P_ROUND[p_dtype], DOT_BF16=pv_bf16, SPLIT=splits, OUT_BF16=out_bf16, BH=bh,
-        BN=bn, BDV=bdv)
-    if splits > 1:
-        _combine_kernel[(m, triton.cdiv(h, bh), n_dchunks)](acc, z, mx, sink, o, m, h, d, SPLIT=splits,
-                                                            OUT_BF16=out_bf16, BH=bh, BDV=bdv)
+    comp = win if comp_kv is None else comp_kv
+    qk_bf16 = q.dtype == win.dtype == comp.dtype == torch.bfloat16
+    bh, bn, bd, bdv = blocks(h, qk_bf16)
+    if freqs is not None:
+        require(bdv % 2 == 0 and (d - 2 * freqs.shape[0]) % 2 == 0, "freqs", tuple(freqs.shape),
+                "must rotate whole pairs")
+    logits = torch.empty((m, h, nt), dtype=torch.float32, device=q.device)
+    wi = window_index if window_index is not None else comp_index
+    pos = positions if positions is not None else comp_index
+    _kernel[(m, triton.cdiv(h, bh))](
+        q, win, chunk, comp, wi, comp_index, pos, freqs if freqs is not None else sink, sink, logits, o,
+        h, d, w, nt, win.shape[0], comp.shape[0], win.shape[0], win.stride(0), chunk.stride(0), comp.stride(0),
+        wi.stride(0), comp_index.stride(0), float(scale), BY_POSITION=by_position, ROPE=freqs is not None,
+        HALF=freqs.shape[0] if freqs is not None else 1, P_ROUND=_P_ROUND[p_dtype],
+        QK_BF16=qk_bf16 and not INTERPRET,
+        PV_BF16=p_dtype == torch.bfloat16 and win.dtype == comp.dtype == torch.bfloat16 and not INTERPRET,
+        OUT_BF16=q.dtype == torch.bfloat16, BH=bh, BN=bn, BD=bd, BDV=bdv)
     return o
+
+
+def fast(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
+         comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
+         p_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The kernel for `reference` (same signature; results within the stated tolerance): one launch."""
+    require_dtype(q, "q", (torch.float32, torch.bfloat16))
+    require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, H, d])")
+    m, h, d = q.shape
+    require(window_kv.dim() == 2 and window_kv.shape[1] == d, "window_kv.shape", tuple(window_kv.shape),
+            f"must be [Nw, {d}]")
+    require_dtype(window_kv, "window_kv", (torch.float32, torch.bfloat16))
+    require(window_index.dim() == 2 and window_index.shape[0] == m, "window_index.shape",
+            tuple(window_index.shape), f"must be [{m}, W]")
+    require_dtype(window_index, "window_index", (torch.int64,))
+    require_rows(window_kv, "window_kv")
+    require_rows(window_index, "window_index")
+    comp_kv, comp_index = _check_comp(q, comp_kv, comp_index, d, m)
+    device_of(q, window_kv, window_index, comp_kv, comp_index, sink)
+    return _launch(q, window_kv, window_kv, comp_kv, window_index, comp_index, None, None, sink, scale, p_dtype,
+                   window_index.shape[1], False)
+
+
+def fast_attend(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,
+                comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
+                p_dtype: torch.dtype | None, freqs: torch.Tensor) -> torch.Tensor:
+    """The kernel for `attend_reference` (same signature; results within the stated tolerance of `fast`
+    plus one rounding of the rotation): one launch, the window keys read where they are (ring or this
+    call's keys), nothing concatenated."""
+    require_dtype(q, "q", (torch.float32, torch.bfloat16))
+    require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([T, H, d])")
+    m, h, d = q.shape
+    require(ring.dim() == 2 and ring.shape[1] == d and ring.dtype == q.dtype, "ring", f"{tuple(ring.shape)} "
+            f"{ring.dtype}", f"must be [S, {d}] {q.dtype}")
+    require(tuple(keys.shape) == (m, d) and keys.dtype == q.dtype, "keys", f"{tuple(keys.shape)} {keys.dtype}",
+            f"must be [{m}, {d}] {q.dtype}")
+    require(tuple(positions.shape) == (m,) and positions.dtype == torch.int64, "positions",
+            f"{tuple(positions.shape)} {positions.dtype}", f"must be [{m}] int64")
+    require(window >= 1, "window", window, "must be >= 1")
+    require_dtype(freqs, "freqs", (torch.float32,))
+    require(2 * freqs.shape[0] <= d, "freqs.shape[0]", freqs.shape[0], f"must be <= d / 2 = {d // 2}")
+    for name, t in (("ring", ring), ("keys", keys)):
+        require_rows(t, name)
+    comp_kv, comp_index = _check_comp(q, comp_kv, comp_index, d, m)
+    device_of(q, ring, keys, positions, comp_kv, comp_index, sink, freqs)
+    return _launch(q, ring, keys, comp_kv, None, comp_index, positions, freqs, sink, scale, p_dtype, window, True)

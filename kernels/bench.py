@@ -172,18 +172,23 @@ def _bench_moe(s, m, dev, dt, iters, tiny):
     sets = []
     for _ in range(8 if not tiny else 1):  # different rows choose different experts: weights rotate
         x = torch.randn(m, s.dim, device=dev).to(dt)
-        idx = torch.stack([torch.randperm(s.experts, device=dev)[: s.top_k] for _ in range(m)])
-        w = torch.rand(m, s.top_k, device=dev)
-        sets.append((x, w, idx))
+        X = torch.randn(m, 4, s.dim, device=dev).to(dt)
+        sets.append((x, X))
+    post, comb = torch.rand(m, 4, device=dev), torch.rand(m, 4, 4, device=dev)
     cuda = dev.type == "cuda"
-    t = _time(lambda x, w, i: moe.fast(x, w, i, experts, shared, s.block, 10.0, True), sets, iters, cuda)
-    distinct = statistics.mean(len(torch.unique(i)) for _, _, i in sets)
-    nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + 2 * m * s.dim * dt.itemsize)
-    out = [("moe experts+shared fp4", f"E={s.experts} k={s.top_k} I={s.inter}", t, nbytes)]
-    t = _time(lambda x, w, i: moe.fast_route(x, gate, bias, s.top_k, "sqrtsoftplus", 1.5, 1e-20), sets, iters,
-              cuda)
-    out.append(("moe route", f"[{s.dim}, {s.experts}]", t, gate.nbytes + m * s.dim * dt.itemsize))
-    return out
+    picks = []
+
+    def ffn(x, X):
+        out = moe.fast_ffn(x, gate, bias, s.top_k, "sqrtsoftplus", 1.5, 1e-20, None, experts, shared, s.block, 10.0,
+                           True, X, post, comb)
+        picks.append(out[2])
+        return out
+
+    t = _time(ffn, sets, iters, cuda)
+    distinct = statistics.mean(len(torch.unique(i)) for i in picks)
+    nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + gate.nbytes + 10 * m * s.dim * dt.itemsize)
+    return [("moe sub-block fp4 (router, experts, shared, expand)", f"E={s.experts} k={s.top_k} I={s.inter}", t,
+             nbytes)]
 
 
 def _bench_attention(s, m, dev, dt, iters, tiny):
@@ -213,16 +218,17 @@ def _bench_indexer(s, m, dev, dt, iters, tiny):
         w = torch.randn(m, s.index_heads, device=dev).to(dt)
         keys = torch.randn(n, s.index_dim, device=dev).to(dt)
         sets.append((q, w, keys))
-    nv = torch.full((m,), n, device=dev)
+    positions = torch.full((m,), n - 1, device=dev)  # every row visible (ratio 1)
     cuda = dev.type == "cuda"
     rd = dt if dt != torch.float32 else None
-    t = _time(lambda q, w, k: indexer.fast_scores(q, w, k, nv, rd), sets, iters, cuda)
+    t = _time(lambda q, w, k: indexer.fast_scores(q, w, k, positions, 1, rd), sets, iters, cuda)
     out = [("index scores", f"N={n} {s.index_heads}x{s.index_dim}", t, n * s.index_dim * dt.itemsize + 4 * m * n)]
-    scores = [(indexer.fast_scores(q, w, k, nv, rd),) for q, w, k in sets]
+    scores = [(indexer.fast_scores(q, w, k, positions, 1, rd),) for q, w, k in sets]
     t = _time(lambda sc: indexer.fast_select(sc, s.index_topk), scores, iters, cuda)
     out.append(("index select", f"N={n} k={s.index_topk}", t, 4 * m * n + 8 * m * s.index_topk))
-    t = _time(lambda sc: indexer.fast_candidate_mask(sc, nv, 8, 2048 if not tiny else 4), scores, iters, cuda)
-    out.append(("candidate mask", f"N={n} block 8", t, 4 * m * n + m * n))
+    t = _time(lambda sc: indexer.fast_select(sc, s.index_topk, positions, 1, None, 8, 2048 if not tiny else 4),
+              scores, iters, cuda)
+    out.append(("index select + candidate blocks", f"N={n} block 8", t, 4 * m * n + m * n + 8 * m * s.index_topk))
     return out
 
 

@@ -1,11 +1,14 @@
 """Lightning-indexer scoring and top-k selection of compressed rows.
 
-scores: s[m, t] = sum_h w[m, h] * relu(q[m, h] . K[t]) for rows t < n_valid[m], -inf elsewhere.
+scores: s[m, t] = sum_h w[m, h] * relu(q[m, h] . K[t]) for rows t < n_valid[m] = (p_m + 1) // ratio (the
+groups a query at position p_m has completed), -inf elsewhere.
 `round_dtype` reproduces the official precision: the dot, the relu-weight product and the head sum are
 each rounded to that dtype (bf16 on the device; the activation dtype in general). None = one rounding.
 select: the k' = min(k, n_valid) largest scores, indices ascending, -1 in unused slots. Exact ties (the
 ReLU makes zero scores common) go to the lower row index, whatever the length of the row: a query selects
-the same rows in a prefill chunk, a verify block or a single decode step.
+the same rows in a prefill chunk, a verify block or a single decode step. V4.1's two levels in the same
+call: the candidate source also chooses the `top_blocks` blocks of rows with the highest max score (the
+newest block always kept) and returns their mask; a later re-indexing layer selects inside that mask.
 
 Kernels:
 - `fast_scores`, float32 only: one program per block of keys (BN fixed by the operands' dtype, never by the
@@ -17,11 +20,10 @@ Kernels:
   exponents under 16 bits) the head sum: bit-identical in practice. Tolerance: float32 operands without
   rounding: 2^-22 relative to the largest score (float32 sums over dI and the heads); with a
   `round_dtype`: one rounding of it where a float32 sum differs from the float64 one.
-- `fast_select`: exact top-k by radix selection on the float bit patterns (8 counting passes of 4 bits
-  for the k-th largest value, then one compaction pass in row order), so the tie rule is the reference's: the
-  lower index wins. Bit-identical.
-- `fast_candidate_mask`: block maxima (with the forced newest block), the same top-k kernel over blocks,
-  and the expansion to rows. Bit-identical.
+- `fast_select`, one launch, one program per query: exact top-k by radix selection on the float bit
+  patterns (8 counting passes of 4 bits for the k-th largest value, then one compaction pass in row order),
+  so the tie rule is the reference's: the lower index wins; at the candidate source the same selection over
+  block maxima first (with the forced newest block), and the mask of the kept blocks' rows. Bit-identical.
 """
 
 import torch
@@ -44,12 +46,14 @@ from ._triton import (
 )
 
 
-def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
            round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
-    """q [M, nh, dI], w [M, nh] (already scaled), keys [N, dI], n_valid [M] -> float32 [M, N].
+    """q [M, nh, dI], w [M, nh] (already scaled), keys [N, dI], the queries' positions [M] -> float32 [M, N]
+    (a query at p sees the rows of its completed groups: n_valid = (p + 1) // ratio).
     `reduce` (tensor parallel, heads split over ranks) is applied to the float64 head sum before its
     final rounding: an all-reduce makes every rank's scores those of all heads.
     Bytes moved: keys once (N x dI) + q + w + the [M, N] scores."""
+    n_valid = (positions + 1) // ratio
     d = torch.einsum("mhd,nd->mhn", q.double(), keys.double())
     if round_dtype is not None:
         d = d.to(round_dtype).double()
@@ -63,8 +67,21 @@ def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.
     return s.masked_fill(t.unsqueeze(0) >= n_valid.unsqueeze(1), float("-inf"))
 
 
-def select(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [M, N] (-inf = not selectable) -> int64 [M, min(k, N)] ascending, -1 for -inf picks."""
+def select(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1,
+           candidates: torch.Tensor | None = None, block: int = 0, top_blocks: int = 0):
+    """scores [M, N] (-inf = not selectable) -> (int64 [M, min(k, N)] ascending, -1 for -inf picks; the
+    candidate mask or None). V4.1's two levels: with `block` (the candidate source) the candidate blocks of
+    the scores are chosen too (`candidate_mask`, the queries' `positions` and `ratio` giving their valid
+    rows) and returned; with `candidates` (a later re-indexing layer) only rows inside them are selectable."""
+    made = None
+    if block:
+        made = candidate_mask(scores, (positions + 1) // ratio, block, top_blocks)
+    elif candidates is not None:
+        scores = scores.masked_fill(~candidates[:, : scores.shape[1]], float("-inf"))
+    return _select(scores, k), made
+
+
+def _select(scores: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, scores.shape[-1])
     if k == 0:
         return torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
@@ -116,9 +133,9 @@ def _round_to(v, RD: tl.constexpr):
 def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    w_ptr,   # head weights [M, nh] (float32 / bfloat16), contiguous
                    k_ptr,   # keys [N, dI], row stride stride_k
-                   nv_ptr,  # int64 n_valid [M]
+                   pos_ptr,  # int64 positions [M]: a query at p sees (p + 1) // ratio rows
                    s_ptr,   # out float32 [M, N]
-                   M, N, NH, DI, stride_k, rows_per_prog,
+                   M, N, NH, DI, stride_k, rows_per_prog, ratio,
                    RD: tl.constexpr, DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    BDC: tl.constexpr):
     keys = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -152,7 +169,7 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
         s = _round_to(tsum(u, axis=0), RD)
-        nv = tl.load(nv_ptr + m)
+        nv = (tl.load(pos_ptr + m) + 1) // ratio
         s = tl.where(keys < nv, s, float("-inf"))
         tl.store(s_ptr + m64 * N + keys, s, mask=kmask)
 
@@ -160,12 +177,12 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
 _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
-def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
                 round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
     """The kernel for `scores` (same signature and result). With heads split over ranks (`reduce`), the
     kernel's rounded head sum cannot be reduced exactly: that case runs the reference scorer."""
     if reduce is not None:
-        return scores(q, w, keys, n_valid, round_dtype, reduce)
+        return scores(q, w, keys, positions, ratio, round_dtype, reduce)
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
     m, nh, di = q.shape
@@ -174,15 +191,16 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: t
     require(keys.dim() == 2 and keys.shape[1] == di, "keys.shape", tuple(keys.shape), f"must be [N, {di}]")
     require_dtype(keys, "keys", (torch.float32, torch.bfloat16))
     require_rows(keys, "keys")
-    require(tuple(n_valid.shape) == (m,), "n_valid.shape", tuple(n_valid.shape), f"must be {(m,)}")
+    require(tuple(positions.shape) == (m,), "positions.shape", tuple(positions.shape), f"must be {(m,)}")
+    require(ratio >= 1, "ratio", ratio, "must be >= 1")
     require(round_dtype in _ROUND, "round_dtype", round_dtype, "must be None, float32 or bfloat16")
     require(di <= 1024 and nh <= 256, "q.shape", tuple(q.shape), "supports nh <= 256 heads of dI <= 1024")
-    dev = device_of(q, w, keys, n_valid)
+    dev = device_of(q, w, keys, positions)
     n = keys.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=dev)
     if m == 0 or n == 0:
         return out
-    q, w, nv = q.contiguous(), w.contiguous(), n_valid.to(torch.int64).contiguous()
+    q, w, pos = q.contiguous(), w.contiguous(), positions.to(torch.int64).contiguous()
     bf16 = q.dtype == keys.dtype == torch.bfloat16
     if INTERPRET:
         bn, rows = 128, m
@@ -190,7 +208,7 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_valid: t
         bn, rows = 64 if bf16 else 32, 8
     bd = pow2(di, 16 if not INTERPRET else 1)
     _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
-        q, w, keys, nv, out, m, n, nh, di, keys.stride(0), rows,
+        q, w, keys, pos, out, m, n, nh, di, keys.stride(0), rows, ratio,
         RD=_ROUND[round_dtype], DOT_BF16=bf16 and not INTERPRET, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
         BD=bd, BDC=bd if INTERPRET else min(bd, 32))
     return out
@@ -204,134 +222,131 @@ def _order_key(v):
     return key.to(tl.int64) + 2147483648
 
 
-@triton.jit
-def _topk_kernel(x_ptr,    # float32 scores [R, N] (-inf = not selectable), row stride stride_x
-                 out_ptr,  # int64 [R, k] out: selected indices ascending, then -1
-                 R, N, k, stride_x, BR: tl.constexpr, BN: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    xrow = x_ptr + rows.to(tl.int64) * stride_x
-    orow = out_ptr + rows.to(tl.int64) * k
-    # 1. the k-th largest key T: the largest T with count(key >= T) >= k, found 4 bits at a time (the
-    #    count is non-increasing in T, so the next digit is how many of the 15 candidates keep count >= k)
-    thr = tl.zeros((BR,), dtype=tl.int64)
+@device_function
+def _values(s_ptr, c_ptr, m, cols, N, NS, nv, block, MODE: tl.constexpr, BL: tl.constexpr):
+    """Entries `cols` of row m (-inf past N): MODE 0 its scores; 1 its scores where the candidate mask
+    (bool [M, NS]) holds, -inf elsewhere; 2 the maxima of its candidate blocks `cols` of `block` rows (the
+    newest block, possibly partial, forced to +inf; blocks past it and all of a row with nv = 0: -inf)."""
+    valid = cols < N
+    if MODE == 2:
+        r = cols[:, None] * block + tl.arange(0, BL)[None, :]
+        v = tl.load(s_ptr + m * NS + r, mask=valid[:, None] & (tl.arange(0, BL)[None, :] < block) & (r < NS),
+                    other=float("-inf"))
+        v = tmax(v, axis=1)
+        last = tl.maximum((nv - 1) // block, 0)
+        v = tl.where(cols == last, float("inf"), v)
+        v = tl.where((cols > last) | (nv == 0), float("-inf"), v)
+    else:
+        v = tl.load(s_ptr + m * N + cols, mask=valid, other=float("-inf"))
+        if MODE == 1:
+            keep = tl.load(c_ptr + m * NS + cols, mask=valid & (cols < NS), other=0)
+            v = tl.where(keep != 0, v, float("-inf"))
+    return v, valid
+
+
+@device_function
+def _top_k_row(s_ptr, c_ptr, out_ptr, m, N, NS, nv, block, k, MODE: tl.constexpr, FLAGS: tl.constexpr,
+         BN: tl.constexpr, BL: tl.constexpr):
+    """Row m's k largest entries (`_values`), ties to the lower index, -inf never picked: FLAGS 0 their
+    indices ascending at out_ptr [k] (then -1), FLAGS 1 a flag per entry at out_ptr [N] (1: picked).
+    By radix selection on the float bit patterns: the k-th largest key T (the largest T with
+    count(key >= T) >= k, 4 bits at a time), then in index order every key > T and the first
+    k - count(> T) keys == T."""
+    thr = tl.zeros((1,), dtype=tl.int64)
     digits = tl.arange(0, 16).to(tl.int64)
     for shift in range(28, -1, -4):
-        cand = thr[:, None] | (digits[None, :] << shift)  # [BR, 16]
-        cnt = tl.zeros((BR, 16), dtype=tl.int64)
+        cand = thr | (digits << shift)  # [16]
+        cnt = tl.zeros((16,), dtype=tl.int64)
         for n0 in range(0, N, BN):
-            cols = n0 + tl.arange(0, BN)
-            m = rmask[:, None] & (cols[None, :] < N)
-            key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
-            cnt += tsum((m[:, :, None] & (key[:, :, None] >= cand[:, None, :])).to(tl.int64), axis=1)
-        d = tsum(((cnt >= k) & (digits[None, :] > 0)).to(tl.int64), axis=1)
+            v, valid = _values(s_ptr, c_ptr, m, n0 + tl.arange(0, BN), N, NS, nv, block, MODE, BL)
+            key = _order_key(v)
+            cnt += tsum((valid[:, None] & (key[:, None] >= cand[None, :])).to(tl.int64), axis=0)
+        d = tsum(((cnt >= k) & (digits > 0)).to(tl.int64), axis=0)
         thr = thr | (d << shift)
-    # 2. in row order: every key > T, and the first (k - count(> T)) keys == T; -inf picks become -1
-    gt = tl.zeros((BR,), dtype=tl.int64)
+    gt = tl.zeros((1,), dtype=tl.int64)
     for n0 in range(0, N, BN):
-        cols = n0 + tl.arange(0, BN)
-        m = rmask[:, None] & (cols[None, :] < N)
-        key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
-        gt += tsum((m & (key > thr[:, None])).to(tl.int64), axis=1)
+        v, valid = _values(s_ptr, c_ptr, m, n0 + tl.arange(0, BN), N, NS, nv, block, MODE, BL)
+        gt += tsum((valid & (_order_key(v) > thr)).to(tl.int64), axis=0)
     need = k - gt
     neg_inf = _order_key(tl.full((1,), float("-inf"), dtype=tl.float32))
-    eq_seen = tl.zeros((BR,), dtype=tl.int64)
-    written = tl.zeros((BR,), dtype=tl.int64)
+    eq_seen = tl.zeros((1,), dtype=tl.int64)
+    written = tl.zeros((1,), dtype=tl.int64)
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
-        m = rmask[:, None] & (cols[None, :] < N)
-        key = _order_key(tl.load(xrow[:, None] + cols[None, :], mask=m, other=0.0))
-        eq = (m & (key == thr[:, None])).to(tl.int64)
-        eq_rank = eq_seen[:, None] + tcumsum(eq, axis=1) - eq
-        sel = m & ((key > thr[:, None]) | ((eq != 0) & (eq_rank < need[:, None]))) & (key != neg_inf)
-        pos = written[:, None] + tcumsum(sel.to(tl.int64), axis=1) - 1
-        tl.store(orow[:, None] + pos, cols[None, :].to(tl.int64) + pos * 0, mask=sel)
-        eq_seen += tsum(eq, axis=1)
-        written += tsum(sel.to(tl.int64), axis=1)
-    for j0 in range(0, k, BN):
-        cols = j0 + tl.arange(0, BN)
-        m = rmask[:, None] & (cols[None, :] < k) & (cols[None, :] >= written[:, None])
-        tl.store(orow[:, None] + cols[None, :], tl.full((BR, BN), -1, dtype=tl.int64), mask=m)
+        v, valid = _values(s_ptr, c_ptr, m, cols, N, NS, nv, block, MODE, BL)
+        key = _order_key(v)
+        eq = (valid & (key == thr)).to(tl.int64)
+        eq_rank = eq_seen + tcumsum(eq, axis=0) - eq
+        sel = valid & ((key > thr) | ((eq != 0) & (eq_rank < need))) & (key != neg_inf)
+        if FLAGS:
+            tl.store(out_ptr + cols, sel.to(tl.uint8), mask=valid)
+        else:
+            pos = written + tcumsum(sel.to(tl.int64), axis=0) - 1
+            tl.store(out_ptr + pos, cols.to(tl.int64) + pos * 0, mask=sel)
+        eq_seen += tsum(eq, axis=0)
+        written += tsum(sel.to(tl.int64), axis=0)
+    if not FLAGS:
+        for j0 in range(0, k, BN):
+            cols = j0 + tl.arange(0, BN)
+            tl.store(out_ptr + cols, tl.full((BN,), -1, dtype=tl.int64), mask=(cols < k) & (cols >= written))
 
 
-def topk_ascending(x: torch.Tensor, k: int) -> torch.Tensor:
-    """float32 [R, N] -> int64 [R, k] (k <= N): the k largest (ties to the lower index), ascending, -1
-    for -inf picks. The kernel behind `fast_select`, also used by the router and the sampler."""
-    r, n = x.shape
-    out = torch.empty((r, k), dtype=torch.int64, device=x.device)
-    if r == 0 or k == 0:
-        return out
-    if INTERPRET:
-        bn = min(pow2(n), 1024)
-        br = min(pow2(r), max(1, 4096 // bn))
-    else:
-        bn, br = 1024, 1
-    _topk_kernel[(triton.cdiv(r, br),)](x, out, r, n, k, x.stride(0), BR=br, BN=bn)
-    return out
+@triton.jit
+def _select_kernel(s_ptr,     # float32 scores [M, N], contiguous
+                   c_ptr,     # bool-as-uint8 candidate mask [M, NS] (MASKED: read; SOURCE: written)
+                   keep_ptr,  # uint8 [M, NB] scratch: the kept candidate blocks (SOURCE)
+                   pos_ptr,   # int64 positions [M] (SOURCE): a query at p has (p + 1) // ratio valid rows
+                   out_ptr,   # out int64 [M, k]
+                   N, NS, k, ratio, block, top_blocks, NB,
+                   MASKED: tl.constexpr, SOURCE: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    if SOURCE:  # the candidate blocks, then the mask of their rows
+        nv = (tl.load(pos_ptr + m) + 1) // ratio
+        _top_k_row(s_ptr, c_ptr, keep_ptr + m * NB, m, NB, N, nv, block, top_blocks, 2, 1, BN, BL)
+        tl.debug_barrier()  # the kept blocks are read back below
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            kept = tl.load(keep_ptr + m * NB + cols // block, mask=cols < N, other=0)
+            tl.store(c_ptr + m * N + cols, kept, mask=cols < N)
+    _top_k_row(s_ptr, c_ptr, out_ptr + m * k, m, N, NS, 0, 1, k, 1 if MASKED else 0, 0, BN, BL)
 
 
-def fast_select(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The kernel for `select` (same signature and result)."""
+def fast_select(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1,
+                candidates: torch.Tensor | None = None, block: int = 0, top_blocks: int = 0):
+    """The kernel for `select` (same signature and result, bit for bit): one launch."""
     require_dtype(scores, "scores", (torch.float32,))
     require(scores.dim() == 2, "scores.dim()", scores.dim(), "must be 2 ([M, N])")
     require(k >= 0, "k", k, "must be >= 0")
     require_rows(scores, "scores")
-    device_of(scores)
-    return topk_ascending(scores, min(k, scores.shape[-1]))
-
-
-@triton.jit
-def _block_max_kernel(s_ptr,   # float32 scores [M, N], contiguous
-                      nv_ptr,  # int64 n_valid [M]
-                      b_ptr,   # out float32 [M, NB] block scores
-                      N, NB, block, BB: tl.constexpr, BL: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    blocks = tl.program_id(1) * BB + tl.arange(0, BB)
-    bmask = blocks < NB
-    rows = blocks[:, None] * block + tl.arange(0, BL)[None, :]
-    v = tl.load(s_ptr + m * N + rows, mask=bmask[:, None] & (tl.arange(0, BL)[None, :] < block) & (rows < N),
-                other=float("-inf"))
-    bs = tmax(v, axis=1)
-    nv = tl.load(nv_ptr + m)
-    last = tl.maximum((nv - 1) // block, 0)  # n_valid >= 0, so floor division is plain division here
-    last = tl.where(nv >= 1, last, 0)
-    bs = tl.where(blocks == last, float("inf"), bs)
-    bs = tl.where((blocks > last) | (nv == 0), float("-inf"), bs)
-    tl.store(b_ptr + m * NB + blocks, bs, mask=bmask)
-
-
-@triton.jit
-def _expand_kernel(keep_ptr,  # uint8 [M, NB]: 1 for kept blocks
-                   out_ptr,   # out bool-as-uint8 [M, N]
-                   N, NB, block, BN: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    cmask = cols < N
-    kept = tl.load(keep_ptr + m * NB + cols // block, mask=cmask, other=0)
-    tl.store(out_ptr + m * N + cols, kept, mask=cmask)
-
-
-def fast_candidate_mask(scores: torch.Tensor, n_valid: torch.Tensor, block: int, top_blocks: int) -> torch.Tensor:
-    """The kernels for `candidate_mask` (same signature and result)."""
-    require_dtype(scores, "scores", (torch.float32,))
-    require(scores.dim() == 2, "scores.dim()", scores.dim(), "must be 2 ([M, N])")
-    require(block >= 1, "block", block, "must be >= 1")
-    require(top_blocks >= 0, "top_blocks", top_blocks, "must be >= 0")
     m, n = scores.shape
-    require(tuple(n_valid.shape) == (m,), "n_valid.shape", tuple(n_valid.shape), f"must be {(m,)}")
-    dev = device_of(scores, n_valid)
-    mask = torch.empty((m, n), dtype=torch.bool, device=dev)
-    nb = triton.cdiv(n, block)
-    if m == 0 or n == 0:
-        return mask
-    scores, nv = scores.contiguous(), n_valid.to(torch.int64).contiguous()
-    bs = torch.empty((m, nb), dtype=torch.float32, device=dev)
-    bl = pow2(block)
-    bb = max(1, min(pow2(nb), (8192 if INTERPRET else 1024) // bl))
-    _block_max_kernel[(m, triton.cdiv(nb, bb))](scores, nv, bs, n, nb, block, BB=bb, BL=bl)
-    top = topk_ascending(bs, min(top_blocks, nb))
-    keep = torch.zeros((m, nb + 1), dtype=torch.uint8, device=dev)
-    keep.scatter_(1, torch.where(top < 0, nb, top), 1)  # -1 picks land in the spare column
-    bn = min(pow2(n), 4096 if INTERPRET else 1024)
-    _expand_kernel[(m, triton.cdiv(n, bn))](keep, mask.view(torch.uint8), n, nb + 1, block, BN=bn)
-    return mask
+    k = min(k, n)
+    source = block > 0
+    if source:
+        require(top_blocks >= 0, "top_blocks", top_blocks, "must be >= 0")
+        require(positions is not None and tuple(positions.shape) == (m,), "positions", None if positions is None
+                else tuple(positions.shape), f"must be given, [{m}], with block")
+        require(ratio >= 1, "ratio", ratio, "must be >= 1")
+    if candidates is not None and not source:
+        require(candidates.dim() == 2 and candidates.shape[0] == m and candidates.shape[1] >= n
+                and candidates.dtype == torch.bool, "candidates", f"{tuple(candidates.shape)} {candidates.dtype}",
+                f"must be bool [{m}, >= {n}]")
+    dev = device_of(scores, positions, candidates)
+    scores = scores.contiguous()
+    out = torch.empty((m, k), dtype=torch.int64, device=dev)
+    made = torch.empty((m, n), dtype=torch.bool, device=dev) if source else None
+    if m == 0:
+        return out, made
+    nb = triton.cdiv(n, block) if source else 1
+    keep = torch.empty((m, nb), dtype=torch.uint8, device=dev) if source else out
+    if source:
+        c = made.view(torch.uint8)
+    elif candidates is not None:
+        c = candidates.contiguous().view(torch.uint8)
+    else:
+        c = out
+    bn = min(pow2(max(n, nb)), 1024)
+    _select_kernel[(m,)](scores, c, keep, positions if source else out, out, n, c.shape[1] if candidates is not None
+                         and not source else n, k, ratio, max(block, 1), min(top_blocks, nb), nb,
+                         MASKED=candidates is not None and not source, SOURCE=source, BN=bn,
+                         BL=pow2(max(block, 1)))
+    return out, made

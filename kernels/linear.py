@@ -35,6 +35,7 @@ from ._triton import (
     INTERPRET,
     MMA_ROWS,
     bf16_value,
+    counters,
     device_function,
     device_of,
     e4m3_rne,
@@ -49,6 +50,7 @@ from ._triton import (
     tl,
     tmax,
     triton,
+    tsum,
 )
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
 
@@ -169,12 +171,18 @@ def act_tile(x_ptr, rows, row_mask, k0, k_end, stride_xm,
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     if ACT_BLOCK > 0:
-        xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
-        amax = tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4)
-        s = pow2_ceil(amax * (1.0 / 448.0))[:, :, None]
-        q = e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0))
-        x = tl.reshape(q * s, (BM, BK))
+        x = quant_tile(x, BM, BK, ACT_BLOCK)
     return x
+
+
+@device_function
+def quant_tile(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
+    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns (formats.q8_pow2), as float32."""
+    xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
+    amax = tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4)
+    s = pow2_ceil(amax * (1.0 / 448.0))[:, :, None]
+    q = e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0))
+    return tl.reshape(q * s, (BM, BK))
 
 
 @device_function
@@ -238,75 +246,199 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
     return acc
 
 
-@triton.jit
-def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride stride_xm
-            w_ptr,      # weight data (see weight_tile) [N, K], row stride stride_wn
-            s_ptr,      # E8M0 scale bytes (fp8 / fp4), row stride stride_sn; unused for dense
-            y_ptr,      # output [M, N] out_dtype, contiguous (written when SPLIT == 1)
-            part_ptr,   # float32 [SPLIT, M, N] partial sums (written when SPLIT > 1)
-            M, N, K,
-            stride_xm, stride_wn, stride_sn,
-            k_per_split,  # K columns per split, a multiple of BK
-            n_per_group,  # outputs per group (N when not grouped); a multiple of BN
-            FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
-            X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_mask = rows < M
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
-    x_base = x_ptr + ((pid_n * BN) // n_per_group) * K  # the program's group of input columns
+@device_function
+def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn, stride_sn,
+          r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
+          BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """float32 [BN, BM]: outputs offs_n of rows `rows` summed over the inputs [k_lo, k_end) of x_base, K tiles
+    in order. NORM: the rows are RMS-normalized first (`r` their reciprocal RMS, `nw_ptr` the weight) and
+    rounded to x's dtype, as the RMSNorm kernel computes them, then quantized like any input."""
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
-    k_lo = pid_s * k_per_split
-    k_end = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_end, BK):
         w = weight_tile(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
-        a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, ACT_BLOCK, BM, BK)
+        if NORM:
+            offs_k = k0 + tl.arange(0, BK)
+            km = offs_k < k_end
+            xv = tl.load(x_base + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                         mask=row_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+            a = round_out(nw[None, :] * (xv * r[:, None]), X_BF16).to(tl.float32)
+            if ACT_BLOCK > 0:
+                a = quant_tile(a, BM, BK, ACT_BLOCK)
+        else:
+            a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, ACT_BLOCK, BM, BK)
         acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
+    return acc
+
+
+@device_function
+def _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr,
+              OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BHC: tl.constexpr):
+    """Store acc [BN, BM] rounded to the output dtype, or (EXPAND) the mHC expand of that product:
+    out[m, k, n] = post[m, k] y[m, n] + sum_j comb[m, j, k] X[m, j, n] (kernels/mhc.py's float32 arithmetic,
+    the copies in order)."""
     mask = n_mask[:, None] & row_mask[None, :]
+    r64 = rows.to(tl.int64)
+    if EXPAND:
+        y = round_out(acc, OUT_BF16).to(tl.float32)  # [BN, BM]: the product in X's dtype
+        k = tl.arange(0, BHC)
+        km = row_mask[None, :] & (k[:, None] < hc)  # [BHC, BM]
+        post = tl.load(post_ptr + rows[None, :] * hc + k[:, None], mask=km, other=0.0)
+        mixed = tl.zeros((BHC, BN, BM), dtype=tl.float32)
+        for j in range(hc):
+            cj = tl.load(comb_ptr + (rows[None, :] * hc + j) * hc + k[:, None], mask=km, other=0.0)
+            xj = tl.load(X_ptr + (r64[None, :] * hc + j) * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+            mixed += cj[:, None, :] * xj[None, :, :]
+        out = post[:, None, :] * y[None, :, :] + mixed
+        tl.store(y_ptr + (r64[None, None, :] * hc + k[:, None, None]) * N + offs_n[None, :, None],
+                 round_out(out, OUT_BF16), mask=km[:, None, :] & mask[None, :, :])
+    else:
+        tl.store(y_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16), mask=mask)
+
+
+@device_function
+def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, stride_xm, stride_wn, stride_sn,
+             k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr,
+             NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+             OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             BHC: tl.constexpr):
+    """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
+    partials go to `part_ptr` [SPLIT, M, N]; the tile's last program (a counter per tile and row block) adds
+    them in split order and stores the result."""
+    tile = p // SPLIT
+    split = p % SPLIT
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_mask = rows < M
+    offs_n = tile * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    x_base = x_ptr + ((tile * BN) // n_per_group) * K  # grouped: the tile's group of input columns
+    k_lo = split * k_per_split
+    k_end = tl.minimum(K, k_lo + k_per_split)
+    acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
+                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, BM, BN, BK)
     if SPLIT == 1:
-        tl.store(y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None], round_out(acc, OUT_BF16), mask=mask)
+        _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
+                  BM, BN, BHC)
     else:
-        tl.store(part_ptr + (pid_s * M + rows[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+        mask = n_mask[:, None] & row_mask[None, :]
+        tl.store(part_ptr + (split * M + rows[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials are written before the counter's release
+        counter = cnt_ptr + tile * tl.num_programs(1) + pid_m
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(SPLIT):  # split order: the same sum however the programs were scheduled
+                acc += tl.load(part_ptr + (s * M + rows[None, :]).to(tl.int64) * N + offs_n[:, None], mask=mask,
+                               other=0.0)
+            _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16,
+                      EXPAND, BM, BN, BHC)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replays this one)
 
 
+# One launch computes up to five products of the same input (segments: each its own weight, format,
+# activation quantization, split and output). Programs [end_{i-1}, end_i) of axis 0 are segment i's (tiles
+# times splits); axis 1 is the block of 16 rows. Tile shapes (BN, BK) are the launch's, chosen from the
+# segments' (N, K) only, so a row's sums never depend on how many rows share the launch.
 @triton.jit
-def _sum_splits(part_ptr,  # float32 [SPLIT, MN] partial sums
-                y_ptr,     # output [MN] out_dtype
-                MN, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, B: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mask = offs < MN
-    acc = tl.zeros((B,), dtype=tl.float32)
-    for s in range(SPLIT):  # fixed order: the result does not depend on scheduling
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, round_out(acc, OUT_BF16), mask=mask)
+def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride stride_xm
+            nw_ptr,     # float32 [K] RMSNorm weight of the input (NORM)
+            cnt_ptr,    # int32 counters, zero between launches (split segments' last programs)
+            X_ptr, post_ptr, comb_ptr,  # the mHC expand's streams [M, hc, N0] and coefficients (EXPAND)
+            # per segment: weight data and E8M0 scale bytes (weight_tile), output [M, N] in its dtype
+            # (EXPAND: [M, hc, N0]), float32 partials [SPLIT, M, N] (split segments)
+            w0, s0, y0, p0, w1, s1, y1, p1, w2, s2, y2, p2, w3, s3, y3, p3,
+            w4, s4, y4, p4,
+            M, K, stride_xm, norm_eps, hc,
+            # per segment: outputs, weight and scale row strides, K per split, outputs per group (grouped),
+            # one past its last program, its first counter
+            N0, swn0, ssn0, kps0, npg0, end0, cnt0,
+            N1, swn1, ssn1, kps1, npg1, end1, cnt1,
+            N2, swn2, ssn2, kps2, npg2, end2, cnt2,
+            N3, swn3, ssn3, kps3, npg3, end3, cnt3,
+            N4, swn4, ssn4, kps4, npg4, end4, cnt4,
+            NSEG: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, EXPAND: tl.constexpr,
+            DOT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr,
+            BKN: tl.constexpr,
+            FMT0: tl.constexpr, BO0: tl.constexpr, BI0: tl.constexpr, ACT0: tl.constexpr,
+            XP0: tl.constexpr, SPLIT0: tl.constexpr, OUT0: tl.constexpr,
+            FMT1: tl.constexpr, BO1: tl.constexpr, BI1: tl.constexpr, ACT1: tl.constexpr,
+            XP1: tl.constexpr, SPLIT1: tl.constexpr, OUT1: tl.constexpr,
+            FMT2: tl.constexpr, BO2: tl.constexpr, BI2: tl.constexpr, ACT2: tl.constexpr,
+            XP2: tl.constexpr, SPLIT2: tl.constexpr, OUT2: tl.constexpr,
+            FMT3: tl.constexpr, BO3: tl.constexpr, BI3: tl.constexpr, ACT3: tl.constexpr,
+            XP3: tl.constexpr, SPLIT3: tl.constexpr, OUT3: tl.constexpr,
+            FMT4: tl.constexpr, BO4: tl.constexpr, BI4: tl.constexpr, ACT4: tl.constexpr,
+            XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    r = tl.zeros((BM,), dtype=tl.float32)
+    if NORM:  # the rows' reciprocal RMS over all K inputs, BKN-wide blocks added in order (RMSNorm's float32)
+        rows = pid_m * BM + tl.arange(0, BM)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, BKN):
+            offs_k = k0 + tl.arange(0, BKN)
+            xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                         mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+            ss += tsum(xv * xv, axis=1)
+        r = 1.0 / tl.sqrt_rn(ss / K + norm_eps)
+    if pid < end0:
+        _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, pid, pid_m, M, N0, K, stride_xm, swn0,
+                 ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
+                 ACT0, XP0, DOT_BF16, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+    if NSEG > 1:
+        if (pid >= end0) & (pid < end1):
+            _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, pid - end0, pid_m, M, N1, K, stride_xm, swn1,
+                     ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
+                     ACT1, XP1, DOT_BF16, SPLIT1, OUT1, False, BM, BN, BK, BHC)
+    if NSEG > 2:
+        if (pid >= end1) & (pid < end2):
+            _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, pid - end1, pid_m, M, N2, K, stride_xm, swn2,
+                     ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
+                     ACT2, XP2, DOT_BF16, SPLIT2, OUT2, False, BM, BN, BK, BHC)
+    if NSEG > 3:
+        if (pid >= end2) & (pid < end3):
+            _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, pid - end2, pid_m, M, N3, K, stride_xm, swn3,
+                     ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
+                     ACT3, XP3, DOT_BF16, SPLIT3, OUT3, False, BM, BN, BK, BHC)
+    if NSEG > 4:
+        if (pid >= end3) & (pid < end4):
+            _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, pid - end3, pid_m, M, N4, K, stride_xm, swn4,
+                     ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
+                     ACT4, XP4, DOT_BF16, SPLIT4, OUT4, False, BM, BN, BK, BHC)
 
 
-def plan(n: int, k: int, act_block: int, n_per_group: int, dev: torch.device) -> tuple[int, int, int, int, int]:
-    """Block sizes (BM, BN, BK) and split-K (k_per_split, splits), from (N, K) only: never from the number
-    of rows, so a row's summation order does not depend on how many rows are computed together."""
+def plan(segments: list[tuple[int, int, int]], k: int,
+         dev: torch.device) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
+    segments' (outputs, act_block, outputs per group) and K only: never from the number of rows, so a row's
+    summation order does not depend on how many rows are computed together."""
     bm = MMA_ROWS
+    ab = max(a for _, a, _ in segments)
+    n_max = max(n for n, _, _ in segments)
     if INTERPRET:  # few, large programs: the interpreter pays per operation, whatever its size
-        bk = max(min(pow2(k), 512), act_block, 32)
-        bn = min(pow2(n), 1024)
-        k_per_split = 512 if k > 512 else pow2(k, bk)
+        bk = max(min(pow2(k), 512), ab, 32)
+        bn = min(pow2(n_max), 1024)
     else:
-        bk = max(64, act_block)
-        bn = 64 if n <= 4096 else 128
-        programs = triton.cdiv(n, bn)
-        want = max(1, (2 * sm_count(dev)) // programs)
-        chunks = triton.cdiv(k, bk)
-        splits = max(1, min(want, chunks // 4))
-        k_per_split = triton.cdiv(chunks, splits) * bk
-    if n_per_group < n:  # grouped: a tile never straddles two groups
-        bn = max(16, min(bn, n_per_group & -n_per_group))
-    k_per_split = max(bk, triton.cdiv(k_per_split, bk) * bk)
-    return bm, bn, bk, k_per_split, triton.cdiv(k, k_per_split)
+        bk = max(64, ab)
+        bn = 64 if n_max <= 4096 else 128
+    for n, _, ng in segments:
+        if ng < n:  # grouped: a tile never straddles two groups
+            bn = max(16, min(bn, ng & -ng))
+    splits = []
+    programs = sum(triton.cdiv(n, bn) for n, _, _ in segments)
+    for _n, _, _ in segments:
+        if INTERPRET:
+            kps = 512 if k > 512 else pow2(k, bk)
+        else:
+            chunks = triton.cdiv(k, bk)
+            want = max(1, (2 * sm_count(dev)) // programs)
+            kps = triton.cdiv(chunks, max(1, min(want, chunks // 4))) * bk
+        kps = max(bk, triton.cdiv(kps, bk) * bk)
+        splits.append((kps, triton.cdiv(k, kps)))
+    return bm, bn, bk, splits
 
 
 def check_weight(weight: PackedWeight, arg: str = "weight") -> tuple[int, int]:
@@ -356,39 +488,134 @@ def check_act_block(act_block: int | None, k: int) -> int:
     return act_block
 
 
+@dataclass(frozen=True)
+class Product:
+    """One product of a shared input: y = x W^T with `weight` (official FP8 activation quantization in
+    blocks of `act_block`, or none), rounded to `out_dtype`; `groups` > 1: a grouped product (wo_a)."""
+
+    weight: PackedWeight
+    act_block: int | None
+    out_dtype: torch.dtype
+    groups: int = 1
+
+
+MAX_PRODUCTS = 5  # the kernel's segment slots
+
+
+def reference_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tensor, float] | None = None
+                    ) -> list[torch.Tensor]:
+    """Several products of one input x [..., K] (the same input columns for all; a grouped one reads its
+    groups of them); `norm` (weight, eps): of RMSNorm(x) rounded to x's dtype instead. One `reference` each."""
+    if norm is not None:
+        from .rmsnorm import reference as rmsnorm
+
+        x = rmsnorm(x, *norm)
+    return [reference(x, p.weight, p.act_block, p.out_dtype, p.groups) for p in products]
+
+
+def reference_expand(x: torch.Tensor, weight: PackedWeight, act_block: int | None, X: torch.Tensor,
+                     post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The mHC expand of a sub-block's output projection: mhc.expand(x W^T in X's dtype, X, post, comb)."""
+    from .mhc import expand
+
+    return expand(reference(x, weight, act_block, X.dtype), X, post, comb)
+
+
+def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int]:
+    """(outputs, act_block, outputs per group) of a product of x, checked; `arg` names it in errors."""
+    n, k = check_weight(p.weight)
+    g = p.groups
+    require(g >= 1 and n % g == 0, "groups", g, f"must divide {arg}'s outputs {n}")
+    require(x.shape[-1] == g * k, "x.shape[-1]", x.shape[-1], f"must equal {arg}'s input size {k} times groups {g}")
+    require(p.out_dtype in (torch.float32, torch.bfloat16), "out_dtype", p.out_dtype, "must be float32 or bfloat16")
+    ng = n // g
+    require(g == 1 or ng % 16 == 0, "weight.shape[0]", n, f"grouped: outputs per group ({ng}) must be a "
+            "multiple of 16")
+    return n, check_act_block(p.act_block, k), ng
+
+
+def _launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch.Tensor]:
+    require_dtype(x, "x", (torch.float32, torch.bfloat16))
+    require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
+    shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
+              for i, p in enumerate(products)]
+    ks = {p.weight.shape[1] for p in products}
+    require(len(ks) == 1, "products", sorted(ks), "must share the input size")
+    k = ks.pop()
+    require(len({p.weight.bf16_exact for p in products}) == 1, "products", [p.weight.name for p in products],
+            "must all be bfloat16 values or all not (one kind of dot per launch)")
+    dev = device_of(x, *(p.weight.data for p in products))
+    x2 = x.reshape(-1, x.shape[-1])
+    require_rows(x2, "x")
+    m = x2.shape[0]
+    if expand is not None:
+        X, post, comb = expand
+        hc = X.shape[1]
+        require(len(products) == 1 and X.shape == (m, hc, shapes[0][0]), "X.shape", tuple(X.shape),
+                f"must be [{m}, hc, {shapes[0][0]}] (one product)")
+        require(X.dtype == products[0].out_dtype, "X.dtype", X.dtype, "must be the product's out_dtype")
+        require_dtype(post, "post", (torch.float32,))
+        require_dtype(comb, "comb", (torch.float32,))
+        X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
+        outs = [torch.empty_like(X)]
+    else:
+        X = post = comb = x2
+        hc = 1
+        outs = [torch.empty((m, n), dtype=p.out_dtype, device=dev) for p, (n, _, _) in zip(products, shapes)]
+    if norm is not None:
+        nw, eps = norm
+        require(nw is not None and tuple(nw.shape) == (x.shape[-1],), "norm.weight", None if nw is None else
+                tuple(nw.shape), f"must be ({x.shape[-1]},)")
+        require_dtype(nw, "norm.weight", (torch.float32,))
+    else:
+        nw, eps = x2, 0.0
+    shaped = [o.view(*x.shape[:-1], *o.shape[1:]) for o in outs]
+    if m == 0 or k == 0:
+        return [o.zero_() for o in shaped] if k == 0 else shaped
+    bm, bn, bk, splits = plan(shapes, k, dev)
+    row_blocks = triton.cdiv(m, bm)
+    exact = products[0].weight.bf16_exact
+    cnt = counters(dev)
+    args, rt, cx, end, used = [], [], {}, 0, 0
+    for i in range(MAX_PRODUCTS):
+        if i < len(products):
+            p, (n, ab, ng), (kps, sp) = products[i], shapes[i], splits[i]
+            data, scale, swn, ssn, fmt, bo, bi = kernel_args(p.weight)
+            part = torch.empty((sp, m, n), dtype=torch.float32, device=dev) if sp > 1 else x2
+            end += triton.cdiv(n, bn) * sp
+            args += [data, scale, outs[i], part]
+            rt += [n, swn, ssn, kps, ng, end, used]
+            used += triton.cdiv(n, bn) * row_blocks if sp > 1 else 0
+            x_parts = 3 if exact and not ab and x.dtype == torch.float32 else 1
+            cx.update({f"FMT{i}": fmt, f"BO{i}": bo, f"BI{i}": bi, f"ACT{i}": ab, f"XP{i}": x_parts,
+                       f"SPLIT{i}": sp, f"OUT{i}": p.out_dtype == torch.bfloat16})
+        else:
+            args += [x2, x2, x2, x2]
+            rt += [0, 0, 0, 0, 1, end, 0]
+            cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
+                       f"OUT{i}": False})
+    require(used <= cnt.numel(), "x.shape[0]", m, "too many rows for the split products' counters")
+    _kernel[(end, row_blocks)](x2, nw, cnt, X, post, comb, *args, m, k, x2.stride(0), float(eps), hc, *rt,
+                               NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
+                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, BM=bm, BN=bn, BK=bk,
+                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)
+    return shaped
+
+
+def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tensor, float] | None = None
+               ) -> list[torch.Tensor]:
+    """The kernel for `reference_multi`: every product in one launch."""
+    return _launch(x, products, norm, None)
+
+
+def fast_expand(x: torch.Tensor, weight: PackedWeight, act_block: int | None, X: torch.Tensor,
+                post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The kernel for `reference_expand`: the product and the expand in one launch (the expand is each
+    output tile's epilogue)."""
+    return _launch(x, [Product(weight, act_block, X.dtype)], None, (X, post, comb))[0]
+
+
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
          groups: int = 1) -> torch.Tensor:
     """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16)."""
-    n, k = check_weight(weight)
-    require_dtype(x, "x", (torch.float32, torch.bfloat16))
-    require(groups >= 1 and n % groups == 0, "groups", groups, f"must divide the weight's outputs {n}")
-    require(x.shape[-1] == groups * k, "x.shape[-1]", x.shape[-1],
-            f"must equal the weight's input size {k} times groups {groups}")
-    require(out_dtype in (torch.float32, torch.bfloat16), "out_dtype", out_dtype, "must be float32 or bfloat16")
-    ng = n // groups
-    require(groups == 1 or ng % 16 == 0, "weight.shape[0]", n, f"grouped: outputs per group ({ng}) must be a "
-            "multiple of 16")
-    ab = check_act_block(act_block, k)
-    dev = device_of(x, weight.data)
-    x2 = x.reshape(-1, groups * k)
-    require_rows(x2, "x")
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    if m == 0 or n == 0:
-        return y.view(*x.shape[:-1], n)
-    if k == 0:
-        return y.zero_().view(*x.shape[:-1], n)
-    data, scale, swn, ssn, fmt, bo, bi = kernel_args(weight)
-    bm, bn, bk, kps, splits = plan(n, k, ab, ng, dev)
-    exact = weight.bf16_exact
-    x_parts = 3 if exact and not ab and x.dtype == torch.float32 else 1
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=dev) if splits > 1 else y
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
-    _kernel[grid](x2, data, scale, y, part, m, n, k, x2.stride(0), swn, ssn, kps, ng,
-                  FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, X_PARTS=x_parts, DOT_BF16=exact and not INTERPRET,
-                  SPLIT=splits, OUT_BF16=out_dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk)
-    if splits > 1:
-        b = 1024 if INTERPRET else 256
-        _sum_splits[(triton.cdiv(m * n, b),)](part, y, m * n, SPLIT=splits, OUT_BF16=out_dtype == torch.bfloat16,
-                                              B=b)
-    return y.view(*x.shape[:-1], n)
+    return _launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]

@@ -27,6 +27,7 @@ import torch
 from ._triton import (
     INTERPRET,
     as_int64,
+    counters,
     device_function,
     device_of,
     pow2,
@@ -313,3 +314,220 @@ def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
                                                                  OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
                                                                  BHC=pow2(hc), BD=bd)
     return out
+
+
+# --- a sub-block's input, fused ---------------------------------------------------------------------------
+
+
+def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
+        scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
+        rms_eps: float):
+    """What a sub-block reads from the streams X [M, hc, D]: the site's coefficients and its normed input.
+
+    Coefficients: `coeffs` (iters >= 1), V4's `head_pre` (iters == 0: post and comb are None), or none (fn
+    None: the final collapse of V4.1 by given weights). Input: rmsnorm(collapse(X, w)) in X.dtype, w =
+    `weights` (V4.1's staggered sites collapse by the previous site's pre) or the site's own pre.
+    Returns (x [M, D], pre [M, hc] | None, post [M, hc] | None, comb [M, hc, hc] | None)."""
+    from .rmsnorm import reference as rmsnorm
+
+    p = post = comb = None
+    if fn is not None and iters >= 1:
+        p, post, comb = coeffs(X, fn, base, scale, norm_eps, hc_eps, iters)
+    elif fn is not None:
+        p = head_pre(X, fn, base, scale, norm_eps, hc_eps)
+    x = rmsnorm(collapse(X, p if weights is None else weights), norm_weight, rms_eps)
+    return x, p, post, comb
+
+
+# One launch: programs (split s, row block b). Each computes its column chunk's projection partials for the
+# block's rows (one row at a time, as _project_kernel); the last program of a row block to finish (a
+# counter per block, reset by that program) adds the partials in split order and computes the block's
+# coefficients, then the collapse and the RMSNorm of each row. Nothing mixes rows: batch invariant.
+
+
+@device_function
+def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rmask, M, n, hc, iters,
+                 norm_eps, hc_eps, S, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
+    """The coefficients of rows `rows` from the split partials (as _coeffs_kernel), stored; returns pre."""
+    J = hc if HEAD else hc * (2 + hc)
+    i = tl.arange(0, BHC)
+    imask = i < hc
+    vm = rmask[:, None] & imask[None, :]
+    cm = rmask[:, None, None] & imask[None, :, None] & imask[None, None, :]
+    cidx = 2 * hc + i[:, None] * hc + i[None, :]
+    d_pre = tl.zeros((BM, BHC), dtype=tl.float32)
+    d_post = tl.zeros((BM, BHC), dtype=tl.float32)
+    d_comb = tl.zeros((BM, BHC, BHC), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for s in range(S):
+        row = part_ptr + (s * M + rows).to(tl.int64) * (J + 1)
+        d_pre += tl.load(row[:, None] + i[None, :], mask=vm, other=0.0)
+        if not HEAD:
+            d_post += tl.load(row[:, None] + hc + i[None, :], mask=vm, other=0.0)
+            d_comb += tl.load(row[:, None, None] + cidx[None, :, :], mask=cm, other=0.0)
+        ss += tl.load(row + J, mask=rmask, other=0.0)
+    rho = (1.0 / tl.sqrt_rn(ss / n + norm_eps))[:, None]
+    s0 = tl.load(scale_ptr)
+    b_pre = tl.load(base_ptr + i, mask=imask, other=0.0)[None, :]
+    p = _sigmoid(d_pre * rho * s0 + b_pre) + hc_eps
+    tl.store(pre_ptr + rows[:, None] * hc + i[None, :], p, mask=vm)
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        b_post = tl.load(base_ptr + hc + i, mask=imask, other=0.0)[None, :]
+        tl.store(post_ptr + rows[:, None] * hc + i[None, :], 2.0 * _sigmoid(d_post * rho * s1 + b_post), mask=vm)
+        b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0)
+        c = tl.where(cm, d_comb * rho[:, :, None] * s2 + b_comb[None, :, :], float("-inf"))
+        mx = tmax(c, axis=2)
+        e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
+        z = tsum(e, axis=2)
+        c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)
+        c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (tsum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c, mask=cm)
+    return p
+
+
+@triton.jit
+def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contiguous
+                w_ptr,      # float32 [M, hc] collapse weights (OWN == 0)
+                fn_ptr,     # float32 [J, hc*D] projection (COEFFS)
+                base_ptr, scale_ptr,
+                nw_ptr,     # float32 [D] RMSNorm weight
+                part_ptr,   # float32 [S, M, J + 1] scratch: split partials
+                cnt_ptr,    # int32 [row blocks] counters, zero between launches
+                pre_ptr, post_ptr, comb_ptr,  # float32 coefficients out (COEFFS)
+                y_ptr,      # out [M, D] in X's dtype: the normed collapse
+                M, hc, D, iters, chunk, RB,  # chunk: projection columns per split; RB: rows per block
+                norm_eps, hc_eps, rms_eps,
+                COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, OUT_BF16: tl.constexpr,
+                BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
+    pid_s = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    S = tl.num_programs(0)
+    n = hc * D
+    r_lo = pid_b * RB
+    r_hi = tl.minimum(M, r_lo + RB)
+    last = True
+    if COEFFS:
+        J = hc if HEAD else hc * (2 + hc)
+        js = tl.arange(0, BJ)
+        jmask = js < J
+        c_lo = pid_s * chunk
+        c_end = tl.minimum(n, c_lo + chunk)
+        for m in range(r_lo, r_hi):
+            dots = tl.zeros((BJ,), dtype=tl.float32)
+            ss = tl.zeros((1,), dtype=tl.float32)
+            for c0 in range(c_lo, c_end, BC):
+                cols = c0 + tl.arange(0, BC)
+                cmask = cols < c_end
+                v = tl.load(x_ptr + as_int64(m) * n + cols, mask=cmask, other=0.0).to(tl.float32)
+                f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                            other=0.0)
+                dots += tsum(f * v[None, :], axis=1)
+                ss += tsum(v * v, axis=0)
+            base = part_ptr + (pid_s * M + m).to(tl.int64) * (J + 1)
+            tl.store(base + js, dots, mask=jmask)
+            tl.store(base + J + tl.arange(0, 1), ss)
+        tl.debug_barrier()  # every thread's partials are written before the counter's release
+        last = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel") == S - 1
+    if last:
+        rows = r_lo + tl.arange(0, BM)
+        rmask = rows < r_hi
+        i = tl.arange(0, BHC)
+        vm = rmask[:, None] & (i[None, :] < hc)
+        if COEFFS:
+            p = _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rmask, M, n, hc,
+                             iters, norm_eps, hc_eps, S, HEAD, BM, BHC)
+            tl.atomic_xchg(cnt_ptr + pid_b, 0)  # ready for the next launch (a graph replays this one)
+        if OWN:
+            wts = p
+        else:
+            wts = tl.load(w_ptr + rows[:, None] * hc + i[None, :], mask=vm, other=0.0)
+        r64 = rows.to(tl.int64)
+        # collapse (float32 over the copies in order, rounded to X's dtype), then RMSNorm of the rounded row:
+        # the sum of squares first, then the collapse again for the output (no read of what was just written)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            cm = rmask[:, None] & (cols[None, :] < D)
+            acc = tl.zeros((BM, BD), dtype=tl.float32)
+            for j in range(hc):
+                wj = tsum(tl.where(i[None, :] == j, wts, 0.0), axis=1)
+                acc += wj[:, None] * tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cm,
+                                             other=0.0).to(tl.float32)
+            c = round_out(acc, OUT_BF16).to(tl.float32)
+            ss += tsum(c * c, axis=1)
+        r = 1.0 / tl.sqrt_rn(ss / D + rms_eps)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            cm = rmask[:, None] & (cols[None, :] < D)
+            acc = tl.zeros((BM, BD), dtype=tl.float32)
+            for j in range(hc):
+                wj = tsum(tl.where(i[None, :] == j, wts, 0.0), axis=1)
+                acc += wj[:, None] * tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cm,
+                                             other=0.0).to(tl.float32)
+            c = round_out(acc, OUT_BF16).to(tl.float32)
+            nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0)
+            tl.store(y_ptr + r64[:, None] * D + cols[None, :], round_out(nw[None, :] * (c * r[:, None]), OUT_BF16),
+                     mask=cm)
+
+
+def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
+             scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
+             rms_eps: float):
+    """The kernel for `pre` (same signature; results within the stated tolerances of `coeffs`, `collapse`
+    and RMSNorm): one launch."""
+    require_dtype(X, "X", (torch.float32, torch.bfloat16))
+    require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
+    m, hc, d = X.shape
+    n = hc * d
+    require(fn is not None or weights is not None, "weights", None, "must be given when there is no site (fn)")
+    require(iters >= 0, "iters", iters, "must be >= 0")
+    head = iters == 0
+    j = hc if head else hc * (2 + hc)
+    if fn is not None:
+        require(tuple(fn.shape) == (j, n), "fn.shape", tuple(fn.shape), f"must be {(j, n)}")
+        require(tuple(base.shape) == (j,), "base.shape", tuple(base.shape), f"must be {(j,)}")
+        require(scale.numel() >= (1 if head else 3), "scale.numel()", scale.numel(), "must be >= 3 (1 for the head)")
+        for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+            require_dtype(t, name, (torch.float32,))
+            require(t.is_contiguous(), f"{name}.stride", t.stride(), "must be contiguous")
+    if weights is not None:
+        require(tuple(weights.shape) == (m, hc), "weights.shape", tuple(weights.shape), f"must be {(m, hc)}")
+        require_dtype(weights, "weights", (torch.float32,))
+    require(norm_weight is not None and tuple(norm_weight.shape) == (d,), "norm_weight.shape",
+            None if norm_weight is None else tuple(norm_weight.shape), f"must be ({d},)")
+    require_dtype(norm_weight, "norm_weight", (torch.float32,))
+    dev = device_of(X, norm_weight, fn, weights)
+    X = X.contiguous()
+    y = torch.empty((m, d), dtype=X.dtype, device=dev)
+    coeff = fn is not None
+    p = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff else None
+    post = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff and not head else None
+    comb = torch.empty((m, hc, hc), dtype=torch.float32, device=dev) if coeff and not head else None
+    if m == 0:
+        return y, p, post, comb
+    if INTERPRET:
+        bc = min(pow2(n), 512)
+        chunk = max(bc, pow2(n))
+        rb, bd = min(pow2(m), 64), min(pow2(d), 4096)
+    else:  # ~2 programs per SM over the hc*D inputs (from n only); 16 rows per block (a decode step: one)
+        bc = 64
+        chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
+        rb, bd = 16, 256
+    splits = triton.cdiv(n, chunk) if coeff else 1
+    blocks = triton.cdiv(m, rb)
+    cnt = counters(dev)
+    require(blocks <= cnt.numel(), "X.shape[0]", m, f"must be <= {cnt.numel() * rb} rows")
+    part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev) if coeff else y
+    w = weights if weights is not None else y
+    _pre_kernel[(splits, blocks)](
+        X, w, fn if coeff else y, base if coeff else y, scale if coeff else y, norm_weight, part, cnt,
+        p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
+        m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
+        COEFFS=coeff, HEAD=head, OWN=weights is None, OUT_BF16=X.dtype == torch.bfloat16,
+        BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd)
+    return y, p, post, comb

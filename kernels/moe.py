@@ -39,6 +39,7 @@ from ._triton import (
     INTERPRET,
     MMA_ROWS,
     bf16_rne,
+    counters,
     device_function,
     device_of,
     pow2,
@@ -51,13 +52,28 @@ from ._triton import (
     triton,
     tsum,
 )
-from .linear import PackedWeight, act_tile, check_act_block, check_weight, kernel_args, mma_parts, weight_tile
+from .linear import (
+    PackedWeight,
+    act_tile,
+    check_act_block,
+    check_weight,
+    kernel_args,
+    mma_parts,
+    product_tile,
+    weight_tile,
+)
 
 
 def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
           route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
     """x [M, D]; gate [E, D] (dense) -> (weights float32 [M, k], indices int64 [M, k])."""
-    logits = linear.rows_matmul(x.double(), gate.dense64()).float()
+    return select(linear.reference(x, gate, None, torch.float32), bias, top_k, score_func, route_scale, norm_eps,
+                  hash_idx)
+
+
+def select(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str, route_scale: float,
+           norm_eps: float, hash_idx: torch.Tensor | None = None):
+    """Router logits float32 [M, E] -> (weights float32 [M, k], indices int64 [M, k])."""
     # the nonlinearity in float64, rounded once: torch's float32 softplus/sigmoid on the CPU take a vector or a
     # scalar path by where an element falls in the tensor, which differ in the last bit (a row's scores would
     # depend on the batch)
@@ -132,7 +148,25 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
     return y.to(x.dtype)
 
 
-# --- Triton kernels: router ------------------------------------------------------------------------------
+def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
+                  route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
+                  act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor, reduce=None):
+    """The MoE sub-block: routing (`route`), the experts (`reference`) and the mHC expand of their sum into
+    the residual streams X [M, hc, D] -> (X', weights, indices)."""
+    from .mhc import expand
+
+    w, idx = route(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx)
+    y = reference(x, w, idx, experts, shared, act_block, limit, weight_before_w2, reduce)
+    return expand(y, X, post, comb), w, idx
+
+
+# --- Triton kernels ---------------------------------------------------------------------------------------
+# Four launches: (1) the router product with, per block of 16 rows, the routing in its last program (scores,
+# top-k, weights) and, for a decode step (one block), the (row, expert) pairs sorted by expert; (2) gate and
+# up of every expert group (its leader pair walks the group's rows, 16 at a time), the shared expert one more
+# group; (3) down, likewise; (4) each row's experts added in increasing id, plus the shared expert, rounded,
+# and the mHC expand. Each selected expert's weights are read once, however many rows chose it.
 
 _SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
@@ -144,80 +178,144 @@ def _log1p(y):
     return tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
 
 
-@triton.jit
-def _route_kernel(l_ptr,     # float32 router logits [M, E], contiguous
-                  bias_ptr,  # float32 [E] selection bias (HAS_BIAS)
-                  hash_ptr,  # int64 [M, K] hash-routing table rows (HASH)
-                  w_ptr,     # out float32 [M, K] weights
-                  i_ptr,     # out int64 [M, K] expert ids (descending biased score, ties to the lower id)
-                  E, route_scale, norm_eps,
-                  SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
-                  BE: tl.constexpr, BK: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
+@device_function
+def _route_rows(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, rows, rmask, E, route_scale, norm_eps,
+                SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
+                BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """The routing of rows `rows` from their logits: scores (float32), top-k by repeated argmax over the
+    experts not yet taken (ties to the lower id; a NaN ranks lowest, so a row of NaNs still yields k distinct
+    ids in range), weights normalized; stored, and returned ([BM, BK] ids, weights)."""
     cols = tl.arange(0, BE)
     cmask = cols < E
-    lg = tl.load(l_ptr + m * E + cols, mask=cmask, other=0.0)
+    m2 = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    lg = tl.load(l_ptr + r64[:, None] * E + cols[None, :], mask=m2, other=0.0)
     if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold 20
         s = tl.sqrt_rn(tl.where(lg > 20.0, lg, _log1p(tl.exp(tl.minimum(lg, 20.0)))))
     elif SCORE == 1:
         s = 1.0 / (1.0 + tl.exp(-lg))
     else:
-        ex = tl.where(cmask, tl.exp(lg - tmax(tl.where(cmask, lg, float("-inf")), axis=0)), 0.0)
-        s = ex / tsum(ex, axis=0)
+        ex = tl.where(cmask[None, :], tl.exp(lg - tmax(tl.where(cmask[None, :], lg, float("-inf")), axis=1)[:, None]),
+                      0.0)
+        s = ex / tsum(ex, axis=1)[:, None]
     slots = tl.arange(0, BK)
-    idx = tl.zeros((BK,), dtype=tl.int64)
-    w = tl.zeros((BK,), dtype=tl.float32)
+    smask = rmask[:, None] & (slots[None, :] < K)
+    idx = tl.zeros((BM, BK), dtype=tl.int64)
+    w = tl.zeros((BM, BK), dtype=tl.float32)
     if HASH:
-        idx = tl.load(hash_ptr + m * K + slots, mask=slots < K, other=0)
+        idx = tl.load(hash_ptr + r64[:, None] * K + slots[None, :], mask=smask, other=0)
         for j in tl.static_range(K):
-            e = tsum(tl.where(slots == j, idx, 0))
-            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0)), w)
+            e = tsum(tl.where(slots[None, :] == j, idx, 0), axis=1)
+            w = tl.where(slots[None, :] == j, tsum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)[:, None], w)
     else:
         b = s
         if HAS_BIAS:
-            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
+            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
         b = tl.where(b == b, b, float("-inf"))  # a NaN ranks lowest
-        free = cmask  # experts not taken yet: at least K of them, so every pick is a real expert
+        free = tl.broadcast_to(cmask[None, :], (BM, BE))  # experts not taken: at least K, so each pick is real
         for j in tl.static_range(K):
-            best = tmax(tl.where(free, b, float("-inf")), axis=0)
-            e = tmin(tl.where(free & (b == best), cols, BE), axis=0)
-            idx = tl.where(slots == j, e.to(tl.int64), idx)
-            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0)), w)
-            free = free & (cols != e)
-    w = w / (tsum(w, axis=0) + norm_eps) * route_scale
-    tl.store(w_ptr + m * K + slots, w, mask=slots < K)
-    tl.store(i_ptr + m * K + slots, idx, mask=slots < K)
+            best = tmax(tl.where(free, b, float("-inf")), axis=1)
+            e = tmin(tl.where(free & (b == best[:, None]), cols[None, :], BE), axis=1)
+            idx = tl.where(slots[None, :] == j, e.to(tl.int64)[:, None], idx)
+            w = tl.where(slots[None, :] == j, tsum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)[:, None], w)
+            free = free & (cols[None, :] != e[:, None])
+    w = w / (tsum(w, axis=1) + norm_eps)[:, None] * route_scale
+    tl.store(w_ptr + r64[:, None] * K + slots[None, :], w, mask=smask)
+    tl.store(i_ptr + r64[:, None] * K + slots[None, :], idx, mask=smask)
+    return idx, w
 
 
-def fast_route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
-               route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
-    """The kernels for `route` (same signature; results within the stated tolerance)."""
-    require_dtype(x, "x", (torch.float32, torch.bfloat16))
-    require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
-    m, d = x.shape
-    require(gate.format == "dense", "gate.format", gate.format, "must be dense")
-    e, gd = gate.shape
-    require(gd == d, "gate.shape", gate.shape, f"must be [E, {d}]")
-    require(score_func in _SCORES, "score_func", score_func, f"must be one of {', '.join(_SCORES)}")
-    require(1 <= top_k <= min(e, 64), "top_k", top_k, f"must be in 1..{min(e, 64)}")
-    require(e <= 4096, "experts", e, "must be <= 4096")
-    if bias is not None:
-        require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
-    if hash_idx is not None:
-        require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
-    dev = device_of(x, gate.data)
-    logits = linear.fast(x, gate, None, torch.float32)
-    w = torch.empty((m, top_k), dtype=torch.float32, device=dev)
-    idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
-    if m:
-        b = logits if bias is None else bias.float().contiguous()
-        h = idx if hash_idx is None else hash_idx.to(torch.int64).contiguous()
-        _route_kernel[(m,)](logits, b, h, w, idx, e, route_scale, norm_eps, SCORE=_SCORES[score_func],
-                            HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k, BE=pow2(e), BK=pow2(top_k))
-    return w, idx
+@device_function
+def _sort_pairs(idx, w, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """The M K (row, expert) pairs of one block sorted by (expert, row): expert, row, weight, the first and
+    one past the last pair of the expert's group, per sorted pair; pos [M, K]: each row's pairs in increasing
+    expert id. The shared expert follows as one group (expert E) of the M rows in order."""
+    p = tl.arange(0, BM * BK)
+    r = p // BK
+    j = p % BK
+    valid = (r < M) & (j < K)
+    e = tl.reshape(idx, (BM * BK,))
+    wf = tl.reshape(w, (BM * BK,))
+    key = tl.where(valid, e * M + r, 2**62)
+    e_key = tl.where(valid, e, 2**62)
+    rank = tsum(((key[None, :] < key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
+    first = tsum(((e_key[None, :] < e_key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
+    end = tsum(((e_key[None, :] <= e_key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
+    in_row = tsum(((e_key[None, :] < e_key[:, None]) & (r[None, :] == r[:, None]) & valid[None, :]).to(tl.int64),
+                  axis=1)
+    tl.store(pe_ptr + rank, e, mask=valid)
+    tl.store(pr_ptr + rank, r.to(tl.int64), mask=valid)
+    tl.store(pw_ptr + rank, wf, mask=valid)
+    tl.store(pf_ptr + rank, first, mask=valid)
+    tl.store(pend_ptr + rank, end, mask=valid)
+    tl.store(pos_ptr + r * K + in_row, rank, mask=valid)
+    if HAS_SHARED:
+        rows = tl.arange(0, BM)
+        sm = rows < M
+        n = M * K
+        tl.store(pe_ptr + n + rows, tl.full((BM,), E, dtype=tl.int64), mask=sm)
+        tl.store(pr_ptr + n + rows, rows.to(tl.int64), mask=sm)
+        tl.store(pw_ptr + n + rows, tl.zeros((BM,), dtype=tl.float32), mask=sm)
+        tl.store(pf_ptr + n + rows, tl.full((BM,), n, dtype=tl.int64), mask=sm)
+        tl.store(pend_ptr + n + rows, tl.full((BM,), n + M, dtype=tl.int64), mask=sm)
 
 
-# --- Triton kernels: experts -----------------------------------------------------------------------------
+@triton.jit
+def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
+                   g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
+                   part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
+                   l_ptr,      # float32 [M, E] logits out
+                   cnt_ptr,    # int32 counters: [tiles * blocks] per tile, then [blocks] per row block
+                   bias_ptr, hash_ptr,
+                   w_ptr, i_ptr,  # out float32 / int64 [M, K] routing
+                   pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,  # out: the sorted pairs (PAIRS)
+                   M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
+                   FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                   SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
+                   PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    tiles = tl.num_programs(0) // SPLIT
+    blocks = tl.num_programs(1)
+    tile = pid // SPLIT
+    split = pid % SPLIT
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    offs_n = tile * BN + tl.arange(0, BN)
+    n_mask = offs_n < E
+    k_lo = split * k_per_split
+    k_end = tl.minimum(D, k_lo + k_per_split)
+    acc = product_tile(x_ptr, g_ptr, g_ptr, rows, rmask, offs_n, n_mask, k_lo, k_end, stride_x, stride_g, 0, 0.0,
+                       g_ptr, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, BM, BN, BK)
+    mask = n_mask[:, None] & rmask[None, :]
+    out = l_ptr + rows[None, :].to(tl.int64) * E + offs_n[:, None]
+    done = True
+    if SPLIT == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.store(part_ptr + (split * M + rows[None, :]).to(tl.int64) * E + offs_n[:, None], acc, mask=mask)
+        tl.debug_barrier()
+        counter = cnt_ptr + tile * blocks + pid_m
+        done = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+        if done:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(SPLIT):  # split order
+                acc += tl.load(part_ptr + (s * M + rows[None, :]).to(tl.int64) * E + offs_n[:, None], mask=mask,
+                               other=0.0)
+            tl.store(out, acc, mask=mask)
+            tl.atomic_xchg(counter, 0)
+    if done:  # this tile's logits are stored; the block's last tile routes its rows
+        tl.debug_barrier()
+        counter = cnt_ptr + tiles * blocks + pid_m
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tiles - 1:
+            idx, w = _route_rows(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, rows, rmask, E, route_scale, norm_eps,
+                                 SCORE, HAS_BIAS, HASH, K, BM, BE, BKK)
+            if PAIRS:
+                _sort_pairs(idx, w, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K, BM, BKK, HAS_SHARED)
+            tl.atomic_xchg(counter, 0)
+
 
 _W_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.int8,
              torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}
@@ -270,99 +368,132 @@ def expert_table(experts, key) -> ExpertTable:
     return t
 
 
+@device_function
+def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, stride_wn, stride_sn, limit,
+              FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
+              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr,
+              X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Gate and up of one expert group (its table row at `base`) for its pairs [p, end), 16 at a time."""
+    a1 = tl.load(base)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = offs_n < I
+    w1_rows = a1.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+    w3_rows = tl.load(base + 2).to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+    for r0 in range(p, end, BM):  # 16 pairs at a time, whatever the group's size
+        prs = r0 + tl.arange(0, BM)
+        pm = prs < end
+        rows = tl.load(row_ptr + prs, mask=pm, other=0)
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        if a1 != 0:
+            for k0 in range(0, D, BK):
+                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
+                wg = weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK)
+                acc_g = mma_parts(wg, a, acc_g, X_PARTS, DOT_BF16)
+                wu = weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK)
+                acc_u = mma_parts(wu, a, acc_u, X_PARTS, DOT_BF16)
+        g = round_out(acc_g, X_BF16).to(tl.float32)
+        u = round_out(acc_u, X_BF16).to(tl.float32)
+        if HAS_LIMIT:
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        if APPLY_W == 1:
+            h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[None, :] * h
+        if X_BF16:
+            h = bf16_rne(h)
+        tl.store(h_ptr + prs[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
+
+
 @triton.jit
 def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
                     tab_ptr,    # int64 [E, 6] expert weight addresses (ExpertTable)
+                    stab_ptr,   # int64 [1, 6] the shared expert's (HAS_SHARED), the group of expert id E
                     e_ptr,      # int64 [P] expert of each pair, pairs sorted by (expert, row)
                     row_ptr,    # int64 [P] row of each pair
-                    pw_ptr,     # float32 [P] routing weight of each pair (APPLY_W == 1)
+                    pw_ptr,     # float32 [P] routing weight of each pair
                     first_ptr,  # int64 [P] first pair of the pair's expert group (the group leader works)
                     end_ptr,    # int64 [P] one past the group's last pair
                     h_ptr,      # out [P, I] in x's dtype: the rounded SwiGLU activations, per pair
-                    P, PAIRS, D, I, stride_x, stride_wn, stride_sn, limit,  # PAIRS: pairs per program
+                    P, PAIRS, D, I, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: pairs per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+                    S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+                    HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
-            base = tab_ptr + tl.load(e_ptr + p) * 6
-            a1 = tl.load(base)
-            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-            n_mask = offs_n < I
-            w1_rows = a1.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
-            s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-            w3_rows = tl.load(base + 2).to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
-            s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-            for r0 in range(p, end, BM):  # 16 pairs at a time, whatever the group's size
-                prs = r0 + tl.arange(0, BM)
-                pm = prs < end
-                rows = tl.load(row_ptr + prs, mask=pm, other=0)
-                acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-                acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-                if a1 != 0:
-                    for k0 in range(0, D, BK):
-                        a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
-                        wg = weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK)
-                        acc_g = mma_parts(wg, a, acc_g, X_PARTS, DOT_BF16)
-                        wu = weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK)
-                        acc_u = mma_parts(wu, a, acc_u, X_PARTS, DOT_BF16)
-                g = round_out(acc_g, X_BF16).to(tl.float32)
-                u = round_out(acc_u, X_BF16).to(tl.float32)
-                if HAS_LIMIT:
-                    u = tl.minimum(tl.maximum(u, -limit), limit)
-                    g = tl.minimum(g, limit)
-                h = g / (1.0 + tl.exp(-g)) * u
-                if APPLY_W == 1:
-                    h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[None, :] * h
-                if X_BF16:
-                    h = bf16_rne(h)
-                tl.store(h_ptr + prs[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
+            e = tl.load(e_ptr + p)
+            if e < E:
+                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, swn, ssn, limit,
+                          FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, APPLY_W, X_BF16, BM, BN, BK)
+            elif HAS_SHARED:
+                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, s_swn, s_ssn, limit,
+                          S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, 0, X_BF16, BM, BN, BK)
+
+
+@device_function
+def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, D, stride_wn, stride_sn,
+                FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
+                X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Down of one expert group for its pairs [p, end): float32 outputs (values of x's dtype) per pair."""
+    a2 = tl.load(base + 4)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = offs_n < D
+    w2_rows = a2.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    s2_rows = tl.load(base + 5).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+    for r0 in range(p, end, BM):
+        prs = r0 + tl.arange(0, BM)
+        pm = prs < end
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if a2 != 0:
+            for k0 in range(0, I, BK):
+                a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
+                w = weight_tile(w2_rows, s2_rows, n_mask, k0, I, FMT, BI, BN, BK)
+                acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
+        o = round_out(acc, X_BF16).to(tl.float32)
+        if APPLY_W == 2:  # o * weight in x's dtype
+            pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
+            if X_BF16:
+                o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[None, :]).to(tl.float32)
+            else:
+                o = o * pw[None, :]
+        tl.store(o_ptr + prs[None, :].to(tl.int64) * D + offs_n[:, None], o, mask=n_mask[:, None] & pm[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), contiguous
-                 tab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
+                 tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
-                 P, PAIRS, I, D, stride_wn, stride_sn,  # PAIRS: pairs per program
+                 P, PAIRS, I, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+                 S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
-            base = tab_ptr + tl.load(e_ptr + p) * 6
-            a2 = tl.load(base + 4)
-            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-            n_mask = offs_n < D
-            w2_rows = a2.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
-            s2_rows = tl.load(base + 5).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-            for r0 in range(p, end, BM):
-                prs = r0 + tl.arange(0, BM)
-                pm = prs < end
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                if a2 != 0:
-                    for k0 in range(0, I, BK):
-                        a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
-                        w = weight_tile(w2_rows, s2_rows, n_mask, k0, I, FMT, BI, BN, BK)
-                        acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
-                o = round_out(acc, X_BF16).to(tl.float32)
-                if APPLY_W == 2:  # o * weight in x's dtype
-                    pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
-                    if X_BF16:
-                        o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[None, :]).to(tl.float32)
-                    else:
-                        o = o * pw[None, :]
-                tl.store(o_ptr + prs[None, :].to(tl.int64) * D + offs_n[:, None], o, mask=n_mask[:, None] & pm[None, :])
+            e = tl.load(e_ptr + p)
+            if e < E:
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, D, swn, ssn, FMT, BO, BI, WDT,
+                            ACT_BLOCK, X_PARTS, DOT_BF16, APPLY_W, X_BF16, BM, BN, BK)
+            elif HAS_SHARED:
+                _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I, D, s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT,
+                            ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16, BM, BN, BK)
 
 
 @triton.jit
-def _combine_kernel(o_ptr,       # float32 [P, D] routed outputs per pair
+def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows M K + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
-                    shared_ptr,  # float32 [M, D] shared expert output (HAS_SHARED)
-                    y_ptr,       # out [M, D] in x's dtype
-                    D, K, HAS_SHARED: tl.constexpr, X_BF16: tl.constexpr, BD: tl.constexpr):
+                    X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
+                    y_ptr,       # out [M, hc, D] in X's dtype
+                    M, D, K, hc, HAS_SHARED: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
+                    BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
@@ -370,89 +501,148 @@ def _combine_kernel(o_ptr,       # float32 [P, D] routed outputs per pair
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
     if HAS_SHARED:
-        y += tl.load(shared_ptr + m * D + cols, mask=cmask, other=0.0)
-    if X_BF16:
-        tl.store(y_ptr + m * D + cols, bf16_rne(y), mask=cmask)
-    else:
-        tl.store(y_ptr + m * D + cols, y, mask=cmask)
+        y += tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
+    y = round_out(y, X_BF16).to(tl.float32)
+    # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
+    k = tl.arange(0, BHC)
+    km = k < hc
+    post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
+    mixed = tl.zeros((BHC, BD), dtype=tl.float32)
+    for j in range(hc):
+        cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
+        xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        mixed += cj[:, None] * xj[None, :]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
+             mask=km[:, None] & cmask[None, :])
 
 
-def _experts(x, table: ExpertTable, e, rows, pw, act_block, limit, apply_w):
-    """Run the pairs (sorted by expert) through their experts -> float32 [P, D] outputs."""
-    p, dev = e.numel(), x.device
+def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
+    """The sorted pairs of `_sort_pairs` made with torch (a prefill chunk of several row blocks: no one
+    program sees every row)."""
+    m, k = idx.shape
+    dev = idx.device
+    flat_e = idx.reshape(-1)
+    rows = torch.arange(m, device=dev).repeat_interleave(k)
+    order = torch.argsort(flat_e * m + rows, stable=True)
+    e, r, pw = flat_e[order], rows[order], weights.reshape(-1)[order]
     first = torch.searchsorted(e, e)
     end = torch.searchsorted(e, e, right=True)
-    d, i = table.d, table.i
-    bm = MMA_ROWS  # 16 pairs per block of a group, whatever the number of rows: batch invariant
-    if INTERPRET:
-        bk = max(min(pow2(max(d, i)), 256), act_block, 32)
-        bn_up, bn_down = min(pow2(i), 128), min(pow2(d), 128)
-    else:
-        bk = max(64, act_block)
-        bn_up, bn_down = (64, 32) if bk == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
-    pairs = p if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
-    # (ptxas) with 4 warps the gate and up tiles and their bfloat16 parts do not fit 255 registers, nor does a
-    # 64-wide down tile
-    warps = 8
-    xb = x.dtype == torch.bfloat16
-    parts = 3 if not act_block and not xb else 1  # float32 activations: three exact bfloat16 parts
-    dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
-    h = torch.empty((p, i), dtype=x.dtype, device=dev)
-    swn, ssn, fmt, bo, bi = table.up
-    _gate_up_kernel[(triton.cdiv(p, pairs), triton.cdiv(i, bn_up))](
-        x, table.table, e, rows, pw, first, end, h, p, pairs, d, i, x.stride(0), swn, ssn, float(limit),
-        FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_up, ACT_BLOCK=act_block, X_PARTS=parts, DOT_BF16=dot_bf16,
-        HAS_LIMIT=limit > 0, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_up, BK=bk, num_warps=warps)
-    o = torch.empty((p, d), dtype=torch.float32, device=dev)
-    swn, ssn, fmt, bo, bi = table.down
-    _down_kernel[(triton.cdiv(p, pairs), triton.cdiv(d, bn_down))](
-        h, table.table, e, pw, first, end, o, p, pairs, i, d, swn, ssn, FMT=fmt, BO=bo, BI=bi, WDT=table.wdt_down,
-        ACT_BLOCK=act_block, X_PARTS=parts, DOT_BF16=dot_bf16, APPLY_W=apply_w, X_BF16=xb, BM=bm, BN=bn_down,
-        BK=bk)
-    return o
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=dev)
+    pos = inv.view(m, k).gather(1, idx.argsort(dim=-1, stable=True)).contiguous()
+    if shared:
+        n = m * k
+        e = torch.cat((e, torch.full((m,), n_experts, dtype=torch.int64, device=dev)))
+        r = torch.cat((r, torch.arange(m, device=dev)))
+        pw = torch.cat((pw, torch.zeros(m, device=dev)))
+        first = torch.cat((first, torch.full((m,), n, dtype=torch.int64, device=dev)))
+        end = torch.cat((end, torch.full((m,), n + m, dtype=torch.int64, device=dev)))
+    return e.contiguous(), r.contiguous(), pw.contiguous(), first.contiguous(), end.contiguous(), pos
 
 
-def fast(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts, shared,
-         act_block: int | None, limit: float, weight_before_w2: bool, reduce=None) -> torch.Tensor:
-    """The kernels for `reference` (same signature and result). Expert parallel (`reduce`) needs the
-    per-slot outputs and the shared expert's unrounded partial sum, which the fused kernels do not expose:
-    that case runs the reference."""
+def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
+             route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
+             act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor, reduce=None):
+    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four
+    launches. Expert parallel (`reduce`) needs the per-slot outputs and the shared expert's unrounded partial
+    sum, which the fused kernels do not expose: that case runs the reference."""
     if reduce is not None:
-        return reference(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce)
+        return reference_ffn(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared,
+                             act_block, limit, weight_before_w2, X, post, comb, reduce)
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
-    require(indices.dim() == 2 and indices.shape[0] == m, "indices.shape", tuple(indices.shape), f"must be [{m}, k]")
-    require(tuple(weights.shape) == tuple(indices.shape), "weights.shape", tuple(weights.shape),
-            f"must equal indices.shape {tuple(indices.shape)}")
-    require_dtype(weights, "weights", (torch.float32,))
-    require_dtype(indices, "indices", (torch.int64, torch.int32))
+    require(gate.format == "dense", "gate.format", gate.format, "must be dense")
+    e, gd = gate.shape
+    require(gd == d, "gate.shape", gate.shape, f"must be [E, {d}]")
+    require(score_func in _SCORES, "score_func", score_func, f"must be one of {', '.join(_SCORES)}")
+    require(1 <= top_k <= min(e, 64), "top_k", top_k, f"must be in 1..{min(e, 64)}")
+    require(e <= 4096, "experts", e, "must be <= 4096")
+    require(len(experts) == e, "experts", len(experts), f"must be one per gate row ({e})")
+    if bias is not None:
+        require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
+    if hash_idx is not None:
+        require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
+    hc = X.shape[1]
+    require(X.dim() == 3 and X.shape == (m, hc, d) and X.dtype == x.dtype, "X", f"{tuple(X.shape)} {X.dtype}",
+            f"must be [{m}, hc, {d}] {x.dtype}")
     table = expert_table(experts, experts)
     require(table.d == d, "x.shape[1]", d, f"must equal the experts' input size {table.d}")
     ab = check_act_block(act_block, d)
     if ab:
         check_act_block(ab, table.i)
-    dev = device_of(x, weights, indices, table.table)
+    st = expert_table([shared], shared) if shared is not None else None
+    if st is not None:
+        require((st.i, st.d) == (table.i, table.d), "shared", (st.i, st.d), f"must be shaped as the routed experts "
+                f"{(table.i, table.d)}")
+    dev = device_of(x, gate.data, table.table, X, post, comb)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    k = indices.shape[1]
-    y = torch.empty((m, d), dtype=x.dtype, device=dev)
+    X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
+    out = torch.empty_like(X)
+    weights = torch.empty((m, top_k), dtype=torch.float32, device=dev)
+    idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     if m == 0:
-        return y
-    flat_e = indices.reshape(-1).to(torch.int64)
-    rows = torch.arange(m, device=dev).repeat_interleave(k)
-    order = torch.argsort(flat_e * m + rows, stable=True)
-    e, r, pw = flat_e[order].contiguous(), rows[order].contiguous(), weights.reshape(-1)[order].contiguous()
-    routed = _experts(x, table, e, r, pw, ab, limit, 1 if weight_before_w2 else 2)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=dev)
-    pos = inv.view(m, k).gather(1, indices.to(torch.int64).argsort(dim=-1, stable=True)).contiguous()
-    out_shared = routed
-    if shared is not None:
-        st = expert_table([shared], shared)
-        zeros = torch.zeros(m, dtype=torch.int64, device=dev)
-        out_shared = _experts(x, st, zeros, torch.arange(m, device=dev), pw, ab, limit, 0)
+        return out, weights, idx
+    # (1) router and routing
+    bm, bn, bk, ((kps, splits),) = linear.plan([(e, 0, e)], d, dev)
+    tiles = triton.cdiv(e, bn)
+    blocks = triton.cdiv(m, bm)
+    n_pairs = m * top_k + (m if shared is not None else 0)
+    pairs_in_kernel = blocks == 1
+    pair = [torch.empty(n_pairs, dtype=dt, device=dev) for dt in (torch.int64, torch.int64, torch.float32,
+                                                                     torch.int64, torch.int64)]
+    pos = torch.empty((m, top_k), dtype=torch.int64, device=dev)
+    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
+    part = torch.empty((splits, m, e), dtype=torch.float32, device=dev) if splits > 1 else logits
+    cnt = counters(dev)
+    require(tiles * blocks + blocks <= cnt.numel(), "x.shape[0]", m, "too many rows for the router's counters")
+    gdata = gate.data
+    exact = gate.bf16_exact
+    _router_kernel[(tiles * splits, blocks)](
+        x, gdata, part, logits, cnt, bias.float().contiguous() if bias is not None else logits,
+        hash_idx.to(torch.int64).contiguous() if hash_idx is not None else idx, weights, idx, *pair, pos,
+        m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps),
+        FMT=0, X_PARTS=3 if exact and x.dtype == torch.float32 else 1, DOT_BF16=exact and not INTERPRET,
+        SPLIT=splits, SCORE=_SCORES[score_func], HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k,
+        PAIRS=pairs_in_kernel, HAS_SHARED=shared is not None, BM=bm, BN=bn, BK=bk, BE=pow2(e),
+        BKK=pow2(top_k))
+    if not pairs_in_kernel:
+        *pair, pos = _pairs_on_host_order(idx, weights, e, shared is not None)
+    # (2, 3) the experts
+    pe, pr, pw, first, end = pair
+    i = table.i
+    if INTERPRET:
+        bk2 = max(min(pow2(max(d, i)), 256), ab, 32)
+        bn_up, bn_down = min(pow2(i), 128), min(pow2(d), 128)
+    else:
+        bk2 = max(64, ab)
+        bn_up, bn_down = (64, 32) if bk2 == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
+    per_program = n_pairs if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
+    xb = x.dtype == torch.bfloat16
+    parts = 3 if not ab and not xb else 1  # float32 activations: three exact bfloat16 parts
+    dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
+    s_up = st.up if st is not None else table.up
+    s_down = st.down if st is not None else table.down
+    common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, X_BF16=xb, HAS_SHARED=shared is not None, BM=MMA_ROWS,
+                  BK=bk2, num_warps=8)
+    h = torch.empty((n_pairs, i), dtype=x.dtype, device=dev)
+    stab = st.table if st is not None else table.table
+    _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(i, bn_up))](
+        x, table.table, stab, pe, pr, pw, first, end, h, n_pairs, per_program, d, i, e, x.stride(0), *table.up[:2],
+        *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
+        S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
+        HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
+    o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
+    _down_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(d, bn_down))](
+        h, table.table, stab, pe, pw, first, end, o, n_pairs, per_program, i, d, e, *table.down[:2], *s_down[:2],
+        FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
+        S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
+        APPLY_W=1 if weight_before_w2 else 2, BN=bn_down, **common)
+    # (4) the sum in expert order, the shared expert, the expand
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
-    _combine_kernel[(m, triton.cdiv(d, bd))](routed, pos, out_shared, y, d, k, HAS_SHARED=shared is not None,
-                                            X_BF16=x.dtype == torch.bfloat16, BD=bd)
-    return y
+    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, top_k, hc,
+                                             HAS_SHARED=shared is not None, X_BF16=xb, BHC=pow2(hc), BD=bd)
+    return out, weights, idx

@@ -10,25 +10,29 @@ run here at all, resolve("fast") raises with the reason; it never falls back to 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from . import _triton, attention, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from . import _triton, attention, attn_inputs, compress, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
 
 
 @dataclass(frozen=True)
 class Ops:
     path: str
     linear: Callable
+    linear_multi: Callable
+    linear_expand: Callable
     rmsnorm: Callable
     rope: Callable
     hc_coeffs: Callable
     hc_head_pre: Callable
     hc_collapse: Callable
     hc_expand: Callable
+    hc_pre: Callable
     attention: Callable
+    attn_inputs: Callable
+    attend: Callable
+    compress: Callable
     index_scores: Callable
     index_select: Callable
-    candidate_mask: Callable
-    moe_route: Callable
-    moe: Callable
+    ffn: Callable
     engram_rows: Callable
     sample: Callable
     accept: Callable
@@ -53,18 +57,22 @@ class Ops:
 REFERENCE = Ops(
     path="reference",
     linear=linear.reference,
+    linear_multi=linear.reference_multi,
+    linear_expand=linear.reference_expand,
     rmsnorm=rmsnorm.reference,
     rope=rope.reference,
     hc_coeffs=mhc.coeffs,
     hc_head_pre=mhc.head_pre,
     hc_collapse=mhc.collapse,
     hc_expand=mhc.expand,
+    hc_pre=mhc.pre,
     attention=attention.reference,
+    attn_inputs=attn_inputs.reference,
+    attend=attention.attend_reference,
+    compress=compress.reference,
     index_scores=indexer.scores,
     index_select=indexer.select,
-    candidate_mask=indexer.candidate_mask,
-    moe_route=moe.route,
-    moe=moe.reference,
+    ffn=moe.reference_ffn,
     engram_rows=engram.reference,
     sample=sampling.sample,
     accept=sampling.accept,
@@ -73,18 +81,22 @@ REFERENCE = Ops(
 FAST = Ops(
     path="fast",
     linear=linear.fast,
+    linear_multi=linear.fast_multi,
+    linear_expand=linear.fast_expand,
     rmsnorm=rmsnorm.fast,
     rope=rope.fast,
     hc_coeffs=mhc.fast_coeffs,
     hc_head_pre=mhc.fast_head_pre,
     hc_collapse=mhc.fast_collapse,
     hc_expand=mhc.fast_expand,
+    hc_pre=mhc.fast_pre,
     attention=attention.fast,
+    attn_inputs=attn_inputs.fast,
+    attend=attention.fast_attend,
+    compress=compress.fast,
     index_scores=indexer.fast_scores,
     index_select=indexer.fast_select,
-    candidate_mask=indexer.fast_candidate_mask,
-    moe_route=moe.fast_route,
-    moe=moe.fast,
+    ffn=moe.fast_ffn,
     engram_rows=engram.fast,
     sample=sampling.fast_sample,
     accept=sampling.fast_accept,

@@ -13,6 +13,13 @@ import torch
 from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
 
 
+def table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions int64 [...], freqs float32 [r/2] -> cos, sin float32 [..., r/2] of fl32(position * f_i), as
+    the official code builds them (the fused kernels compute the same angles themselves)."""
+    phi = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
+    return torch.cos(phi), torch.sin(phi)
+
+
 def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [..., d]; cos, sin broadcastable to x[..., :r/2] -> [..., d] in x.dtype (nope dims untouched).
 

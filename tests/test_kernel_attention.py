@@ -1,5 +1,6 @@
-"""The sparse decode attention kernels (window keys listed by position + gathered compressed rows, one shared
-KV head, sink, split over keys) against the reference.
+"""The sparse decode attention kernel (window keys listed by position + gathered compressed rows, one shared
+KV head, sink, one launch) against the reference; and V4.1's form of it, whose window is read by position
+from the ring and the call's keys, with the inverse RoPE of the output.
 
 Tolerance (relative to the largest output, kernels/attention.py): float32 q: 2^-18 (float32 logits, exp and
 sums); bfloat16 q: one bfloat16 rounding of o plus a bfloat16 ulp of a P term at a rounding boundary, 2^-7."""
@@ -38,7 +39,7 @@ def check(m, h, d, nw, nc, k, dt, p_dtype, device=DEVICE, empty_row=True):
                                                    f"p_dtype={p_dtype})")
 
 
-# (M, H, d, Nw, Nc, K, dtype, p_dtype); 100 + 150 keys take the split path (128 keys per split here)
+# (M, H, d, Nw, Nc, K, dtype, p_dtype); 100 + 150 keys: several key blocks (128 per block here)
 @pytest.mark.parametrize("case", [
     (3, 4, 64, 20, 30, 7, torch.float32, None),
     (2, 5, 72, 19, 0, 0, torch.float32, None),
@@ -71,13 +72,48 @@ def test_a_query_does_not_depend_on_the_other_queries_or_on_how_its_keys_are_sto
 
     assert_rows_invariant("o", lambda sl: attend(win, wrows, idx, sl), context=ctx)
     base = attend(win, wrows, idx)
-    longer = torch.cat((idx, torch.full((m, 300), -1, device=DEVICE)), dim=1)  # 16 + 309 keys: 3 splits of 128
+    longer = torch.cat((idx, torch.full((m, 300), -1, device=DEVICE)), dim=1)  # 16 + 309 keys: 3 blocks of 128
     assert torch.equal(bits(attend(win, wrows, longer)), bits(base)), f"a longer reach changed the output {ctx}"
     perm = torch.randperm(nw, device=DEVICE)
     moved = torch.empty_like(win)
     moved[perm] = win  # row r now lives at perm[r]
     wmoved = torch.where(wrows >= 0, perm[wrows.clamp(min=0)], -1)
     assert torch.equal(bits(attend(moved, wmoved, idx)), bits(base)), f"moving the window keys changed the output {ctx}"
+
+
+def by_position(t, start, h, d, size, window, nc, k, dt, device=DEVICE):
+    q = torch.randn(t, h, d, device=device).to(dt)
+    ring = torch.randn(size, d, device=device).to(dt)
+    keys = torch.randn(t, d, device=device).to(dt)
+    positions = torch.arange(start, start + t, device=device)
+    comp = torch.randn(nc, d, device=device).to(dt)
+    idx = torch.randint(-1, nc, (t, k), device=device)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float32, device=device) / 16))
+    return q, ring, keys, positions, window, comp, idx, torch.randn(h, device=device), d**-0.5, \
+        torch.bfloat16 if dt == torch.bfloat16 else None, freqs
+
+
+@pytest.mark.parametrize("t,start,dt", [(1, 40, torch.float32), (5, 3, torch.bfloat16), (4, 100, torch.bfloat16)])
+def test_attention_by_position_with_the_inverse_rope_matches_the_reference(t, start, dt):
+    s = seed()
+    args = by_position(t, start, 4, 64, 20, 16, 30, 7, dt)
+    want = attention.attend_reference(*args)
+    got = run(attention.fast_attend, *args)
+    assert_close("o", want, got, TOL[dt], context=f"(seed {s}, T={t} at {start}, {dt})")
+
+
+def test_a_query_by_position_reads_a_key_alike_from_the_ring_or_from_its_call():
+    """A verify block finds its own keys among the call's keys; single steps find the earlier ones in the
+    ring (written by the steps before): the same outputs bit for bit."""
+    s = seed()
+    q, ring, keys, positions, *rest = by_position(6, 30, 4, 64, 32, 16, 30, 7, torch.bfloat16)
+    block = attention.fast_attend(q, ring, keys, positions, *rest)
+    ring = ring.clone()
+    for i in range(6):
+        ring[positions[i] % 32] = keys[i]
+        one = attention.fast_attend(q[i:i + 1], ring, keys[i:i + 1], positions[i:i + 1], rest[0], rest[1],
+                                    rest[2][i:i + 1], *rest[3:])
+        assert torch.equal(bits(one), bits(block[i:i + 1])), f"row {i} (seed {s})"
 
 
 def test_attention_kernel_refuses_a_window_index_for_other_rows():

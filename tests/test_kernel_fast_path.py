@@ -40,6 +40,8 @@ pytestmark = [
 PLAIN_TOL = 2.0**-16    # relative to the row's largest |logit|: the float32 kernels against the float64 reference
 OFFICIAL_TOL = 2.0**-3  # one e4m3 code step: flips of the official quantization (README "Numerics")
 PROMPT = 32          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
+PROMPTS = 3          # fresh prompts a tolerance test may take to compare MIN_ROWS rows
+MIN_ROWS = 4         # rows before the paths' first differing choice that one prompt must reach
 GENERATE = 4         # greedy tokens per cycle test (the interpreter: ~6 s per forward of a tiny model)
 DRAFTS = {"deepseek_v41": ("dspark", "adaptive"), "deepseek_v4": ("mtp",), "deepseek_v4_0731": ("dspark",)}
 
@@ -54,11 +56,36 @@ def _choices(lm, probe: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("numerics, tol", [("plain", PLAIN_TOL), ("official", OFFICIAL_TOL)])
 @pytest.mark.parametrize("name", ["deepseek_v41", "deepseek_v4", "deepseek_v4_0731", "fixture"])
 def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(name, numerics, tol, tiny_dirs):
-    seed = random.randrange(1 << 30)
+    """Every prompt's rows before its first differing choice are checked; a prompt whose choices part
+    within MIN_ROWS rows (a near tie early on: about one prompt in twenty on the V4 models) is followed by a
+    fresh one, so that at least one prompt compares MIN_ROWS rows (the test never passes on nothing)."""
     model_dir = FIXTURE if name == "fixture" else tiny_dirs[name]
+    models = {path: load(model_dir, path=path, numerics=numerics) for path in ("reference", "fast")}
+    compared = []
+    for _ in range(PROMPTS):
+        seed = random.randrange(1 << 30)
+        ctx = f"{name} --numerics {numerics} (seed {seed})"
+        want, got = _teacher_forced_until_the_choices_part(models, seed)
+        compared.append(want.shape[0])
+        err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+        print(f"{ctx}: worst |delta logit| / row max {err.max().item():.3g} (tolerance {tol:.3g}) over "
+              f"{want.shape[0]} rows")
+        assert (err <= tol).all(), f"{ctx}: rows over the tolerance: {(err > tol).nonzero().flatten().tolist()}"
+        top2 = want.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol * want.abs().amax(-1)
+        same = want.argmax(-1) == got.argmax(-1)
+        assert (same | ~clear).all(), f"{ctx}: greedy token differs at {(~same & clear).nonzero().tolist()}"
+        if want.shape[0] >= MIN_ROWS:
+            return
+    pytest.fail(f"{name} --numerics {numerics}: the paths' discrete choices parted within {MIN_ROWS} rows on "
+                f"{PROMPTS} fresh prompts (rows compared: {compared})")
+
+
+def _teacher_forced_until_the_choices_part(models: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's and the fast path's teacher-forced logits of one random prompt, for the rows before
+    the first row where the two paths' discrete choices differ."""
     out, picks = {}, {}
-    for path in ("reference", "fast"):
-        lm = load(model_dir, path=path, numerics=numerics)
+    for path, lm in models.items():
         tokens = torch.randint(0, lm.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
         probe = {}
         for layer in lm.model.layers:
@@ -68,17 +95,8 @@ def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(
     same = torch.ones(PROMPT, dtype=torch.bool)
     for k, v in picks["reference"].items():
         same &= (v == picks["fast"][k]).flatten(1).all(-1)
-    rows = int(same.long().cumprod(0).sum())  # the rows before the first differing choice
-    ctx = f"{name} --numerics {numerics} (seed {seed})"
-    assert rows >= 4, f"{ctx}: the paths' discrete choices differ from row {rows}"
-    want, got = out["reference"][:rows], out["fast"][:rows]
-    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
-    print(f"{ctx}: worst |delta logit| / row max {err.max().item():.3g} (tolerance {tol:.3g}) over {rows} rows")
-    assert (err <= tol).all(), f"{ctx}: rows over the tolerance: {(err > tol).nonzero().flatten().tolist()}"
-    top2 = want.topk(2, -1).values
-    clear = top2[:, 0] - top2[:, 1] > 2 * tol * want.abs().amax(-1)
-    same = want.argmax(-1) == got.argmax(-1)
-    assert (same | ~clear).all(), f"{ctx}: greedy token differs at {(~same & clear).nonzero().tolist()}"
+    rows = int(same.long().cumprod(0).sum())
+    return out["reference"][:rows], out["fast"][:rows]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The lightning-indexer kernels: scores (with the official bf16 roundings), top-k selection with the
-reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks.
+reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks and the selection inside
+them.
 
 Tolerance (kernels/indexer.py): float32 operands, no rounding: 2^-22 of the largest score (float32 sums);
 with a round_dtype: one rounding of it (relative to the largest score). Selections and masks: equal. Batch
@@ -25,14 +26,14 @@ def inputs(m, nh, di, n, dt, device, quantized):
     w = (torch.randn(m, nh, device=device) * 2.0**-6).to(dt)
     nv = torch.randint(0, n + 1, (m,), device=device)
     nv[0] = n
-    return q.to(dt), w, keys.to(dt), nv
+    return q.to(dt), w, keys.to(dt), nv - 1  # positions: ratio 1, a query at p sees p + 1 rows
 
 
 def check_scores(m, nh, di, n, dt, rd, quantized, device=DEVICE):
     s = seed()
-    q, w, keys, nv = inputs(m, nh, di, n, dt, device, quantized)
-    want = indexer.scores(q, w, keys, nv, rd)
-    got = run(indexer.fast_scores, q, w, keys, nv, rd)
+    q, w, keys, pos = inputs(m, nh, di, n, dt, device, quantized)
+    want = indexer.scores(q, w, keys, pos, 1, rd)
+    got = run(indexer.fast_scores, q, w, keys, pos, 1, rd)
     ctx = f"(seed {s}, M={m} nh={nh} dI={di} N={n} {dt} round={rd} quantized={quantized})"
     assert_close("scores", want, got, TOL[rd], context=ctx)
     return want
@@ -50,16 +51,18 @@ def test_index_scores_kernel_matches_the_reference(m, nh, di, n, dt, rd, quantiz
 @pytest.mark.parametrize("dt,rd,quantized", [(torch.float32, None, False), (torch.bfloat16, torch.bfloat16, True)])
 def test_index_scores_do_not_depend_on_the_other_rows_or_on_the_reach(dt, rd, quantized):
     s = seed()
-    q, w, keys, nv = inputs(6, 4, 32, 300, dt, DEVICE, quantized)
-    nv = nv.clamp(max=200)
+    q, w, keys, pos = inputs(6, 4, 32, 300, dt, DEVICE, quantized)
+    pos = pos.clamp(max=199)
     ctx = f"(seed {s}, {dt} round={rd})"
-    assert_rows_invariant("scores", lambda sl: run(indexer.fast_scores, q[sl], w[sl], keys[:200], nv[sl], rd),
+    assert_rows_invariant("scores", lambda sl: run(indexer.fast_scores, q[sl], w[sl], keys[:200], pos[sl], 1, rd),
                           context=ctx)
-    short = run(indexer.fast_scores, q, w, keys[:200], nv, rd)
-    long = run(indexer.fast_scores, q, w, keys, nv, rd)[:, :200]
+    short = run(indexer.fast_scores, q, w, keys[:200], pos, 1, rd)
+    long = run(indexer.fast_scores, q, w, keys, pos, 1, rd)[:, :200]
     assert torch.equal(bits(short), bits(long)), f"more keys changed the scores of the first ones {ctx}"
     sc = torch.where(torch.rand_like(short) < 0.3, 0.0, short)  # ties
-    assert_rows_invariant("select", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37), context=ctx)
+    assert_rows_invariant("select", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37)[0], context=ctx)
+    assert_rows_invariant("select with candidates", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37,
+                                                                   pos[sl], 1, None, 4, 9)[0], context=ctx)
 
 
 def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_rows():
@@ -71,26 +74,34 @@ def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_r
     sc[3] = float("-inf")
     sc[4] = 1.0  # all tied
     for k in (0, 1, 7, 33, 90, 200):
-        assert_equal(f"select k={k}", indexer.select(sc, k), run(indexer.fast_select, sc, k), f"(seed {s})")
+        assert_equal(f"select k={k}", indexer.select(sc, k)[0], run(indexer.fast_select, sc, k)[0], f"(seed {s})")
 
 
-def test_candidate_blocks_match_the_reference():
+def test_candidate_blocks_and_the_selection_inside_them_match_the_reference():
+    """The source layer's candidate mask and top-k, and a later layer's top-k inside that mask."""
     s = seed()
     n = 61
     nv = torch.tensor([0, 5, 61, 33, 1], device=DEVICE)
     sc = torch.randn(5, n, device=DEVICE)
     sc[:, ::4] = 0.0
     sc = sc.masked_fill(torch.arange(n, device=DEVICE)[None] >= nv[:, None], float("-inf"))
+    later = torch.randn(5, n, device=DEVICE).masked_fill(torch.arange(n, device=DEVICE)[None] >= nv[:, None],
+                                                        float("-inf"))
     for block, top in ((4, 3), (8, 100), (1, 5)):
-        assert_equal(f"mask block={block} top={top}", indexer.candidate_mask(sc, nv, block, top),
-                     run(indexer.fast_candidate_mask, sc, nv, block, top), f"(seed {s})")
+        ctx = f"(seed {s}, block={block} top={top})"
+        want, mask = indexer.select(sc, 7, nv - 1, 1, None, block, top)
+        got, fast_mask = run(indexer.fast_select, sc, 7, nv - 1, 1, None, block, top)
+        assert_equal("mask", mask, fast_mask, ctx)
+        assert_equal("select at the source", want, got, ctx)
+        assert_equal("select inside", indexer.select(later, 7, candidates=mask)[0],
+                     run(indexer.fast_select, later, 7, candidates=mask)[0], ctx)
 
 
 def test_index_scores_kernel_refuses_keys_of_another_width():
     q = torch.zeros(1, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match=r"keys.shape=\(5, 16\): must be \[N, 32\]"):
         indexer.fast_scores(q, torch.zeros(1, 2, device=DEVICE), torch.zeros(5, 16, device=DEVICE),
-                            torch.ones(1, dtype=torch.int64, device=DEVICE), None)
+                            torch.ones(1, dtype=torch.int64, device=DEVICE), 1, None)
 
 
 @requires_cuda
@@ -99,7 +110,9 @@ class TestIndexerAtV41ShapesOnCuda:
     def test_indexer_kernels_match_the_references_at_v41_shapes(self, m):
         dev = torch.device("cuda")
         sc = check_scores(m, 32, 128, 40000, torch.bfloat16, torch.bfloat16, True, dev)
-        nv = torch.full((m,), 40000, device=dev)
-        assert_equal("select", indexer.select(sc, 512), run(indexer.fast_select, sc, 512))
-        assert_equal("candidates", indexer.candidate_mask(sc, nv, 8, 2048),
-                     run(indexer.fast_candidate_mask, sc, nv, 8, 2048))
+        pos = torch.full((m,), 39999, device=dev)
+        assert_equal("select", indexer.select(sc, 512)[0], run(indexer.fast_select, sc, 512)[0])
+        want, mask = indexer.select(sc, 512, pos, 1, None, 8, 2048)
+        got, fast_mask = run(indexer.fast_select, sc, 512, pos, 1, None, 8, 2048)
+        assert_equal("candidates", mask, fast_mask)
+        assert_equal("select at the source", want, got)

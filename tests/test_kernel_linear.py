@@ -8,12 +8,12 @@ invariance: M = 1..6 rows computed together equal the same rows computed one at 
 import pytest
 import torch
 
-from kernels import linear
+from kernels import linear, rmsnorm
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
 from kernels.formats import q8_pow2
 from kernels.linear import PackedWeight
 
-from .kernel_check import DEVICE, assert_rows_invariant, assert_within, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_close, assert_rows_invariant, assert_within, requires_cuda, run, seed
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -91,6 +91,47 @@ def test_a_row_does_not_depend_on_how_many_rows_are_computed_together(fmt, k, ac
     x = (torch.randn(6, groups * k, device=DEVICE) * 2).to(dt)
     assert_rows_invariant("y", lambda sl: run(linear.fast, x[sl], w, act_block, F32, groups=groups),
                           context=f"(seed {s}, {fmt} K={k} act_block={act_block} {dt} groups={groups})")
+
+
+def _products(k, device=DEVICE):
+    """The products of one input that a V4.1 attention launches together, at odd sizes: FP8 with the
+    activation quantization (wq_a, wkv), dense float32 outputs (the compressor's), a dense product rounded
+    to bfloat16 (the index head weights), FP8 with a split K."""
+    return [linear.Product(fp8_weight(45, k, (32, 32), device), 32, BF16),
+            linear.Product(fp8_weight(19, k, (32, 32), device), 32, BF16),
+            linear.Product(dense_weight(33, k, torch.bfloat16, device), None, F32),
+            linear.Product(dense_weight(7, k, torch.bfloat16, device), None, BF16),
+            linear.Product(fp8_weight(70, k, (32, 32), device), 32, F32)]
+
+
+@pytest.mark.parametrize("k,norm", [(96, False), (640, True)], ids=["K96", "K640-splitK-norm"])
+def test_several_products_of_one_input_in_one_launch_match_their_references(k, norm):
+    s = seed()
+    products = _products(k)
+    x = (torch.randn(5, k, device=DEVICE) * 3).to(BF16)
+    nw = (1 + 0.1 * torch.randn(k, device=DEVICE), 1e-6) if norm else None
+    want = linear.reference_multi(x, products, nw)
+    got = run(linear.fast_multi, x, products, nw)
+    xin = x if nw is None else rmsnorm.reference(x, *nw)
+    for i, (p, w, g) in enumerate(zip(products, want, got)):
+        assert_within(f"y{i}", w, g, bound(xin, p.weight, p.act_block, p.out_dtype, w), f"(seed {s}, K={k})")
+    assert_rows_invariant("products", lambda sl: torch.cat([y.float() for y in linear.fast_multi(x[sl], products, nw)],
+                                                            -1), context=f"(seed {s}, K={k})")
+
+
+def test_a_product_and_the_mhc_expand_in_one_launch_match_the_two_references():
+    s = seed()
+    k, n, hc = 640, 40, 4
+    w = fp8_weight(n, k, (32, 32), DEVICE)
+    x = torch.randn(6, k, device=DEVICE).to(BF16)
+    X = torch.randn(6, hc, n, device=DEVICE).to(BF16)
+    post, comb = torch.rand(6, hc, device=DEVICE) * 2, torch.rand(6, hc, hc, device=DEVICE)
+    want = linear.reference_expand(x, w, 32, X, post, comb)
+    got = run(linear.fast_expand, x, w, 32, X, post, comb)
+    ctx = f"(seed {s})"
+    assert_close("expand", want, got, 2.0**-7, context=ctx)
+    assert_rows_invariant("expand", lambda sl: linear.fast_expand(x[sl], w, 32, X[sl], post[sl], comb[sl]),
+                          context=ctx)
 
 
 def test_linear_kernel_refuses_bad_arguments_naming_them():

@@ -76,3 +76,39 @@ class TestMhcAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
     def test_mhc_kernels_match_the_references_at_v41_shapes(self, m):
         check(m, 4, 5120, torch.bfloat16, torch.device("cuda"))
+
+
+PRE_CASES = [(1, 4, 48, torch.float32, "site"), (7, 4, 100, torch.bfloat16, "staggered"),
+             (3, 3, 37, torch.float32, "head"), (5, 4, 64, torch.bfloat16, "none")]
+
+
+def pre_args(m, hc, d, dt, kind, device=DEVICE):
+    X = (torch.randn(m, hc, d, device=device) * 2).to(dt)
+    fn, base, scale = params(hc, d, device, head=kind == "head") if kind != "none" else (None, None, None)
+    weights = torch.rand(m, hc, device=device) if kind in ("staggered", "none") else None
+    norm = 1 + 0.1 * torch.randn(d, device=device)
+    return X, weights, fn, base, scale, 1e-20, 1e-6, 0 if kind == "head" else 20, norm, 1e-6
+
+
+@pytest.mark.parametrize("m,hc,d,dt,kind", PRE_CASES)
+def test_a_sub_blocks_input_in_one_launch_matches_the_reference(m, hc, d, dt, kind):
+    s = seed()
+    ctx = f"(seed {s}, M={m} hc={hc} D={d} {dt} {kind})"
+    args = pre_args(m, hc, d, dt, kind)
+    want = mhc.pre(*args)
+    got = run(mhc.fast_pre, *args)
+    assert_close("x", want[0], got[0], TOL[dt], context=ctx)
+    for name, w, g in zip(("pre", "post", "comb"), want[1:], got[1:]):
+        assert (w is None) == (g is None), f"{name} {ctx}"
+        if w is not None:
+            assert_close(name, w, g, COEFF_TOL, context=ctx)
+
+
+@pytest.mark.parametrize("kind", ["site", "staggered", "head"])
+def test_a_sub_blocks_input_does_not_depend_on_the_other_rows(kind):
+    s = seed()
+    ctx = f"(seed {s}, {kind})"
+    X, weights, *rest = pre_args(6, 4, 40, torch.bfloat16, kind)
+    for i, name in enumerate(("x", "pre") + (("post", "comb") if kind != "head" else ())):
+        assert_rows_invariant(name, lambda sl, i=i: run(mhc.fast_pre, X[sl], None if weights is None else weights[sl],
+                                                        *rest)[i], context=ctx)

@@ -1,6 +1,6 @@
-"""The few-token MoE kernels: the router (sqrt-softplus / sigmoid / softmax scores, bias, top-k, normalized
-and scaled weights, hash routing) and the grouped experts (SwiGLU with clamps, weight before or after w2,
-plus the shared expert), against the references.
+"""The MoE sub-block's kernels: the router (sqrt-softplus / sigmoid / softmax scores, bias, top-k, normalized
+and scaled weights, hash routing), the grouped experts (SwiGLU with clamps, weight before or after w2, plus
+the shared expert) and the mHC expand of their sum, against the references.
 
 Tolerance (kernels/moe.py): router weights within 2^-20 relative (float32 score functions), indices equal;
 expert outputs within 2^-12 of the largest output for float32 and 2^-6 for bfloat16 (a float32 GEMM sum can
@@ -12,7 +12,6 @@ import torch
 
 from kernels import moe
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
-from kernels.linear import PackedWeight
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
 
@@ -26,32 +25,6 @@ def by_expert(w, idx):
     return w.gather(-1, order), idx.gather(-1, order)
 
 
-@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
-def test_router_kernel_matches_the_reference(score_func):
-    s = seed()
-    m, d, e, k = 5, 96, 23, 4
-    gate = dense_weight(e, d, torch.bfloat16, DEVICE)
-    bias = torch.randn(e, device=DEVICE) * 0.1
-    x = torch.randn(m, d, device=DEVICE)
-    want = by_expert(*moe.route(x, gate, bias, k, score_func, 1.5, 1e-20))
-    got = by_expert(*run(moe.fast_route, x, gate, bias, k, score_func, 1.5, 1e-20))
-    ctx = f"(seed {s}, {score_func})"
-    assert_equal("indices", want[1], got[1], ctx)
-    assert_close("weights", want[0], got[0], W_TOL, context=ctx)
-
-
-def test_router_kernel_follows_the_hash_table_rows():
-    s = seed()
-    m, d, e, k = 4, 64, 9, 3
-    gate = PackedWeight("gate", (e, d), "dense", torch.randn(e, d, device=DEVICE))  # float32: not bf16 values
-    hidx = torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(m)])
-    x = torch.randn(m, d, device=DEVICE)
-    want = moe.route(x, gate, None, k, "sqrtsoftplus", 1.5, 0.0, hidx)
-    got = run(moe.fast_route, x, gate, None, k, "sqrtsoftplus", 1.5, 0.0, hidx)
-    assert_equal("indices", want[1], got[1], f"(seed {s})")
-    assert_close("weights", want[0], got[0], W_TOL, context=f"(seed {s})")
-
-
 def experts_for(n_experts, d, inter, fmt, device, held=None):
     def one():
         if fmt == "fp4":
@@ -63,78 +36,90 @@ def experts_for(n_experts, d, inter, fmt, device, held=None):
     return [one() if held is None or e in held else None for e in range(n_experts)]
 
 
-def check_experts(m, d, inter, n_experts, k, fmt, dt, weight_before_w2, with_shared, limit, device=DEVICE):
-    s = seed()
-    idx = torch.stack([torch.randperm(n_experts, device=device)[:k] for _ in range(m)])
-    idx[-1] = idx[0]  # two rows choose the same experts: each expert's weights serve both
-    experts = experts_for(n_experts, d, inter, fmt, device, set(idx.flatten().tolist()))
+def ffn_args(m, d, inter, n_experts, k, fmt, dt, before, with_shared, limit, score_func="sqrtsoftplus",
+             gate_dtype=torch.bfloat16, hashed=False, device=DEVICE):
+    gate = dense_weight(n_experts, d, gate_dtype, device)
+    bias = None if hashed else torch.randn(n_experts, device=device) * 0.1
+    hidx = torch.stack([torch.randperm(n_experts, device=device)[:k] for _ in range(m)]) if hashed else None
+    experts = experts_for(n_experts, d, inter, fmt, device)
     shared = experts_for(1, d, inter, "fp8", device)[0] if with_shared else None
     x = torch.randn(m, d, device=device).to(dt)
-    w = torch.rand(m, k, device=device) + 0.1
-    want = moe.reference(x, w, idx, experts, shared, 32, limit, weight_before_w2)
-    got = run(moe.fast, x, w, idx, experts, shared, 32, limit, weight_before_w2)
-    assert_close("y", want, got, TOL[dt], context=f"(seed {s}, M={m} D={d} I={inter} E={n_experts} k={k} {fmt} "
-                                                  f"{dt} before_w2={weight_before_w2} shared={with_shared})")
+    x[-1] = x[0]  # two rows route alike: each chosen expert's weights serve both
+    X = torch.randn(m, 4, d, device=device).to(dt)
+    post, comb = torch.rand(m, 4, device=device) * 2, torch.rand(m, 4, 4, device=device)
+    return (x, gate, bias, k, score_func, 1.5, 1e-20, hidx, experts, shared, 32, limit, before, X, post, comb)
+
+
+def check_ffn(*case, **kw):
+    s = seed()
+    args = ffn_args(*case, **kw)
+    ctx = f"(seed {s}, {case} {kw})"
+    want = moe.reference_ffn(*args)
+    got = run(moe.fast_ffn, *args)
+    ww, wi = by_expert(want[1], want[2])
+    gw, gi = by_expert(got[1], got[2])
+    assert_equal("indices", wi, gi, ctx)
+    assert_close("weights", ww, gw, W_TOL, context=ctx)
+    assert_close("streams", want[0], got[0], TOL[args[0].dtype], context=ctx)
 
 
 @pytest.mark.parametrize("m,d,inter,e,k,fmt,dt,before,shared,limit", [
     (5, 96, 64, 7, 2, "fp4", torch.float32, True, True, 10.0),
     (3, 64, 96, 5, 3, "fp8", torch.bfloat16, False, True, 0.0),
     (1, 128, 32, 9, 2, "fp4", torch.bfloat16, True, False, 2.0),
+    (20, 64, 64, 6, 2, "fp4", torch.bfloat16, True, True, 10.0),  # two blocks of rows: pairs sorted by torch
 ])
-def test_moe_kernels_match_the_reference(m, d, inter, e, k, fmt, dt, before, shared, limit):
-    check_experts(m, d, inter, e, k, fmt, dt, before, shared, limit)
+def test_the_moe_sub_block_matches_the_reference(m, d, inter, e, k, fmt, dt, before, shared, limit):
+    check_ffn(m, d, inter, e, k, fmt, dt, before, shared, limit)
 
 
-def test_moe_rows_do_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_the_routing_of_each_score_function_matches_the_reference(score_func):
+    check_ffn(4, 64, 32, 11, 3, "fp4", torch.float32, True, True, 10.0, score_func=score_func)
+
+
+def test_hash_routing_follows_the_table_rows():
+    check_ffn(4, 64, 32, 9, 3, "fp8", torch.float32, False, False, 10.0, gate_dtype=torch.float32, hashed=True)
+
+
+def test_the_moe_sub_block_of_a_row_does_not_depend_on_the_other_rows():
     s = seed()
-    e, k, d, inter = 6, 2, 64, 64
-    gate = dense_weight(e, d, torch.bfloat16, DEVICE)
-    bias = torch.randn(e, device=DEVICE) * 0.1
-    x = torch.randn(6, d, device=DEVICE)
+    args = list(ffn_args(6, 64, 64, 6, 2, "fp4", torch.bfloat16, True, True, 10.0))
+    x, X, post, comb = args[0], args[13], args[14], args[15]
     ctx = f"(seed {s})"
-    for i, name in enumerate(("route weights", "route indices")):
-        assert_rows_invariant(name, lambda sl, i=i: run(moe.fast_route, x[sl], gate, bias, k, "sqrtsoftplus", 1.5,
-                                                        1e-20)[i], context=ctx)
-    idx = torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(6)])
-    idx[3] = idx[1]  # rows sharing experts
-    experts = experts_for(e, d, inter, "fp4", DEVICE)
-    shared = experts_for(1, d, inter, "fp8", DEVICE)[0]
-    w = torch.rand(6, k, device=DEVICE) + 0.1
-    for dt in (torch.float32, torch.bfloat16):
-        xd = x.to(dt)
-        assert_rows_invariant(f"experts {dt}", lambda sl, xd=xd: run(moe.fast, xd[sl], w[sl], idx[sl], experts, shared,
-                                                                     32, 10.0, True), context=ctx)
+
+    def call(sl, i):
+        a = list(args)
+        a[0], a[13], a[14], a[15] = x[sl], X[sl], post[sl], comb[sl]
+        out = run(moe.fast_ffn, *a)
+        return out[i] if i == 0 else by_expert(out[1], out[2])[i - 1]
+
+    for i, name in enumerate(("streams", "route weights", "route indices")):
+        assert_rows_invariant(name, lambda sl, i=i: call(sl, i), context=ctx)
 
 
 def test_a_router_row_of_nans_selects_distinct_experts_in_range():
-    gate = dense_weight(23, 64, torch.bfloat16, DEVICE)
-    x = torch.randn(3, 64, device=DEVICE)
-    x[1] = float("nan")
     for score_func in ("sqrtsoftplus", "sigmoid", "softmax"):
-        for bias in (None, torch.randn(23, device=DEVICE)):
-            _, idx = run(moe.fast_route, x, gate, bias, 6, score_func, 1.5, 1e-20)
+        for hashed_bias in (False, True):
+            args = list(ffn_args(3, 64, 32, 23, 6, "fp4", torch.float32, True, False, 10.0, score_func=score_func))
+            args[0] = args[0].clone()
+            args[0][1] = float("nan")
+            if hashed_bias:
+                args[2] = None
+            idx = run(moe.fast_ffn, *args)[2]
             assert ((idx >= 0) & (idx < 23)).all(), f"{score_func}: expert ids out of range: {idx.tolist()}"
             assert all(len(set(r)) == 6 for r in idx.tolist()), f"{score_func}: repeated expert ids: {idx.tolist()}"
 
 
-def test_moe_kernel_refuses_weights_that_do_not_match_the_indices():
-    experts = experts_for(3, 64, 32, "fp4", DEVICE)
-    with pytest.raises(ValueError, match=r"weights.shape=\(2, 3\): must equal indices.shape \(2, 2\)"):
-        moe.fast(torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 3, device=DEVICE),
-                 torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), experts, None, 32, 10.0, True)
+def test_the_moe_sub_block_refuses_a_gate_for_other_experts():
+    args = list(ffn_args(2, 64, 32, 5, 2, "fp4", torch.float32, True, False, 10.0))
+    args[8] = args[8][:4]
+    with pytest.raises(ValueError, match=r"experts=4: must be one per gate row \(5\)"):
+        moe.fast_ffn(*args)
 
 
 @requires_cuda
 class TestMoeAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
-    def test_moe_kernels_match_the_reference_at_v41_shapes(self, m):
-        dev = torch.device("cuda")
-        check_experts(m, 5120, 2304, 384, 6, "fp4", torch.bfloat16, True, True, 10.0, dev)
-        gate = dense_weight(384, 5120, torch.bfloat16, dev)
-        bias = torch.randn(384, device=dev) * 0.1
-        x = torch.randn(m, 5120, device=dev).to(torch.bfloat16)
-        want = by_expert(*moe.route(x, gate, bias, 6, "sqrtsoftplus", 1.5, 1e-20))
-        got = by_expert(*run(moe.fast_route, x, gate, bias, 6, "sqrtsoftplus", 1.5, 1e-20))
-        assert_equal("indices", want[1], got[1])
-        assert_close("weights", want[0], got[0], W_TOL)
+    def test_the_moe_sub_block_matches_the_reference_at_v41_shapes(self, m):
+        check_ffn(m, 5120, 2304, 384, 6, "fp4", torch.bfloat16, True, True, 10.0, device=torch.device("cuda"))

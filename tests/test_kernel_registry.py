@@ -24,7 +24,7 @@ def test_describe_names_each_op_and_the_function_that_serves_it():
     text = registry.resolve("fast").describe()
     for name in registry.FAST.names():
         assert f"  {name} " in text
-    assert "moe             kernel    kernels.moe.fast" in text
+    assert "ffn             kernel    kernels.moe.fast_ffn" in text
     assert "linear          reference kernels.linear.reference" in registry.resolve("reference").describe()
 
 

@@ -90,29 +90,41 @@ class DeclaredReads:
         ops = self.rt.ops
         import dataclasses
 
-        self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention), moe=self._moe(ops.moe),
+        self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
+                                          attend=self._attend(ops.attend), ffn=self._ffn(ops.ffn),
                                           engram_rows=self._engram(ops.engram_rows))
         try:
             yield
         finally:
             self.rt.ops = ops
 
-    def _attention(self, attention):
+    @contextmanager
+    def _rows_read(self, comp_kv, comp_index):
+        """Inside, a launch reads the compressed-row cache at the distinct rows `comp_index` selects."""
         rec = self.rec
+        if comp_kv is None or comp_index is None or comp_index.numel() == 0:
+            yield
+            return
+        with rec.pause():
+            rows = min(comp_kv.shape[0], comp_index.numel()) if self.meta else \
+                int(comp_index[comp_index >= 0].unique().numel())
+        row_bytes = comp_kv.shape[-1] * comp_kv.element_size()
+        if rec.recording:
+            self.rows_read[rec.block] += rows * row_bytes
+        with rec.gather(comp_kv, rows * row_bytes):
+            yield
 
+    def _attention(self, attention):
         def call(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype=None):
-            if comp_kv is None or comp_index is None or comp_index.numel() == 0:
+            with self._rows_read(comp_kv, comp_index):
                 return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
-            with rec.pause():
-                if self.meta:
-                    rows = min(comp_kv.shape[0], comp_index.numel())
-                else:
-                    rows = int(comp_index[comp_index >= 0].unique().numel())
-            row_bytes = comp_kv.shape[-1] * comp_kv.element_size()
-            if rec.recording:
-                self.rows_read[rec.block] += rows * row_bytes
-            with rec.gather(comp_kv, rows * row_bytes):
-                return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
+
+        return call
+
+    def _attend(self, attend):
+        def call(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, freqs):
+            with self._rows_read(comp_kv, comp_index):
+                return attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, freqs)
 
         return call
 
@@ -128,38 +140,42 @@ class DeclaredReads:
 
         return call
 
-    def _moe(self, moe):
+    def _ffn(self, ffn):
         rec = self.rec
 
-        def call(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce=None):
+        def call(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block, limit,
+                 weight_before_w2, X, post, comb, reduce=None):
             held = [e for e in experts if e is not None]
             per_expert = sum(w.nbytes for w in held[0]) if held else 0
-            with rec.pause():
-                if self.meta:
-                    distinct = expected_distinct(len(experts), indices.shape[1], indices.shape[0])
-                    n = distinct * len(held) / len(experts)
-                else:
-                    n = sum(1 for e in indices.unique().tolist() if experts[e] is not None)
-            routed = int(n * per_expert)
-            if rec.recording:
-                self.routed[rec.block] += routed
             first = len(rec.launches)
+            args = (x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block,
+                    limit, weight_before_w2, X, post, comb)
             if self.meta and reduce is not None:
                 self.modeled.add("expert-parallel MoE: the fused kernels over the rank's experts + one all-reduce "
                                  "(the code runs the reference form, issue 14)")
-                y = moe(x, weights, indices, experts, shared, act_block, limit, weight_before_w2)
-                m, k = indices.shape
+                out = ffn(*args)
+                m, k = x.shape[0], top_k
                 with rec.pause():
                     slots = torch.empty((m, k, x.shape[-1]), dtype=torch.float32, device=x.device)
                     part = None if shared is None else torch.empty((m, x.shape[-1]), dtype=torch.float64,
                                                                    device=x.device)
                 reduce(slots, part)
             else:
-                y = moe(x, weights, indices, experts, shared, act_block, limit, weight_before_w2, reduce=reduce)
-            fused = [la for la in rec.launches[first:] if la.kind == "triton"]
+                out = ffn(*args, reduce=reduce)
+            indices = out[2]
+            with rec.pause():
+                if self.meta:
+                    distinct = expected_distinct(len(experts), top_k, x.shape[0])
+                    n = distinct * len(held) / len(experts)
+                else:
+                    n = sum(1 for e in indices.unique().tolist() if experts[e] is not None)
+            routed = int(n * per_expert)
+            if rec.recording:
+                self.routed[rec.block] += routed
+            fused = [la for la in rec.launches[first:] if la.kind == "triton" and "gate_up" in la.name]
             if fused and rec.recording:  # the kernels read the experts through their address table
                 fused[0].bytes_read += routed
-            return y
+            return out
 
         return call
 

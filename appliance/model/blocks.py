@@ -76,6 +76,12 @@ class HyperSite:
     def coeffs(self, X: torch.Tensor):
         return self.rt.ops.hc_coeffs(X, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
+    def pre(self, X: torch.Tensor, weights: torch.Tensor | None, norm: "RMSNorm"):
+        """The site's coefficients and its sub-block's input norm(collapse(X, weights)), `weights` None: by
+        the site's own pre -> (x, pre, post, comb), one launch on the fast path."""
+        return self.rt.ops.hc_pre(X, weights, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters,
+                                  norm.weight, norm.eps)
+
 
 class MoE:
     """Routed experts (FP4 or FP8) + shared expert, score routing (sqrt-softplus + bias) or hash routing."""
@@ -105,17 +111,17 @@ class MoE:
         self.reduce = None  # expert parallel: sums the slots and shared partials over ranks (appliance/sharding.py)
         self.routing_log: list | None = None  # when a list, each call appends its selected experts (measurement)
 
-    def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
+    def expand(self, x: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The sub-block: route x [T, D] (hash routing by `tokens`), the experts, and the mHC expand of their
+        sum into the streams X [T, hc, D] -> X' (four launches on the fast path)."""
         hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
-        return self.rt.ops.moe_route(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
-                                     self.route_eps, hash_idx)
-
-    def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        weights, indices = self.route(x, tokens)
+        X, _, indices = self.rt.ops.ffn(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
+                                        self.route_eps, hash_idx, self.experts, self.shared, self.act_block, self.limit,
+                                        self.rt.num.official, X, post, comb, reduce=self.reduce)
         if self.routing_log is not None:
             self.routing_log.append(indices.cpu())
-        return self.rt.ops.moe(x, weights, indices, self.experts, self.shared, self.act_block, self.limit,
-                               self.rt.num.official, reduce=self.reduce)
+        return X
 
 
 def window_gather(ring: PositionRing, start, keys: torch.Tensor, positions: torch.Tensor,
@@ -149,11 +155,17 @@ class GroupedOutput:
         self.wo_b = Linear.load(rt, ckpt, f"{prefix}.wo_b.weight", cfg.dim, g * r, cfg.weight_block, act_block)
         self.rt = rt
 
-    def __call__(self, o: torch.Tensor) -> torch.Tensor:
-        """o [T, H, d] -> [T, D]."""
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, H, d] -> the grouped projection u [T, G r]."""
         t = o.shape[0]
-        u = self.rt.ops.linear(o.reshape(t, -1), self.wo_a, None, self.rt.dtype, groups=self.groups)  # [T, G r]
-        return self.wo_b(u)
+        return self.rt.ops.linear(o.reshape(t, -1), self.wo_a, None, self.rt.dtype, groups=self.groups)
+
+    def expand(self, u: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """wo_b(u) [T, D] added to the residual streams X [T, hc, D] by the mHC expand: one launch on the fast
+        path (the expand is the product's epilogue), unless wo_b's sum is split over ranks."""
+        if isinstance(self.wo_b, Linear):
+            return self.rt.ops.linear_expand(u, self.wo_b.weight, self.wo_b.act_block, X, post, comb)
+        return self.rt.ops.hc_expand(self.wo_b(u), X, post, comb)
 
 
 def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
@@ -212,11 +224,15 @@ class AttentionProjections:
         ring.write(step.positions, k)
         return kv, index
 
+    @property
+    def p_dtype(self) -> torch.dtype | None:
+        """How the official kernel rounds the attention's unnormalized probabilities (None: not at all)."""
+        return self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
+
     def attend(self, q, kv, window_index, comp_kv, index, cos, sin) -> torch.Tensor:
         """Attention over window keys `kv` (`window_index`: the rows each query sees, by position) and
         compressed rows `comp_kv` (`index`: the rows each query reads, ascending; -1 = none), the sink,
-        inverse RoPE on the output, the grouped output projection."""
+        inverse RoPE on the output, the grouped projection (the block's `out.expand` finishes it)."""
         ops = self.rt.ops
-        p_dtype = self.rt.dtype if self.rt.num.official and self.rt.dtype != torch.float32 else None
-        o = ops.attention(q, kv, window_index, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, p_dtype)
-        return self.out(ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True))
+        o = ops.attention(q, kv, window_index, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, self.p_dtype)
+        return self.out.project(ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True))

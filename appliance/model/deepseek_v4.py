@@ -148,9 +148,9 @@ class V4Attention(AttentionProjections):
         else:
             w = self.weights_proj(x, torch.float32) * scale
         keys = step.state.rows[f"index_keys.{L}"].visible(step.bound)
-        n_valid = (step.positions + 1) // self.ratio
-        scores = ops.index_scores(qi, w, keys, n_valid, dt if self.rt.num.official else None, self.index_reduce)
-        topk = ops.index_select(scores, c.index_topk)
+        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if self.rt.num.official else None,
+                                  self.index_reduce)
+        topk, _ = ops.index_select(scores, c.index_topk)
         if step.probe is not None:
             step.probe[f"index_topk.{L}"] = topk
         return topk
@@ -170,13 +170,12 @@ class PlainBlock:
                                 c.hc_sinkhorn_iters)
 
     def __call__(self, X: torch.Tensor, step) -> torch.Tensor:
-        ops = self.rt.ops
         if self.captured:
             step.captures.append(X.double().mean(1).to(X.dtype))
-        pre, post, comb = self.hc_attn.coeffs(X)
-        X = ops.hc_expand(self.attn(self.attn_norm(ops.hc_collapse(X, pre)), step), X, post, comb)
-        pre, post, comb = self.hc_ffn.coeffs(X)
-        X = ops.hc_expand(self.ffn(self.ffn_norm(ops.hc_collapse(X, pre)), step.tokens), X, post, comb)
+        x, _, post, comb = self.hc_attn.pre(X, None, self.attn_norm)
+        X = self.attn.out.expand(self.attn(x, step), X, post, comb)
+        x, _, post, comb = self.hc_ffn.pre(X, None, self.ffn_norm)
+        X = self.ffn.expand(x, X, post, comb, step.tokens)
         return X
 
 
@@ -200,6 +199,12 @@ class HyperHead:
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
         pre = self.rt.ops.hc_head_pre(X, self.fn, self.base, self.scale, self.cfg.norm_eps, self.cfg.hc_eps)
         return self.rt.ops.hc_collapse(X, pre)
+
+    def normed(self, X: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm(self(X)), one launch on the fast path."""
+        c = self.cfg
+        return self.rt.ops.hc_pre(X, None, self.fn, self.base, self.scale, c.norm_eps, c.hc_eps, 0, norm.weight,
+                                  norm.eps)[0]
 
 
 class V4Model:
@@ -234,8 +239,7 @@ class V4Model:
         return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def final(self, X: torch.Tensor) -> torch.Tensor:
-        z = self.norm(self.hc_head(X))
-        return self.head(z, torch.float32)
+        return self.head(self.hc_head.normed(X, self.norm), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
                 probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None,

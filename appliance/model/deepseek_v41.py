@@ -19,7 +19,7 @@ each query sees its own window, its own visible compressed rows and its own top-
 
 import torch
 
-from kernels.formats import q4_e4m3, q4_e8m0, q8_pow2
+from kernels.linear import Product
 
 from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
@@ -68,49 +68,75 @@ class V41Attention(AttentionProjections):
             state.row_cache(f"kv.{L}", self.ratio, c.head_dim, dt)
             state.row_cache(f"index_keys.{L}", self.ratio, c.index_head_dim, dt)
 
-    # --- numerics ------------------------------------------------------------------------------------
-
-    def kv_quant(self, k):
-        return q8_pow2(k, 32).to(k.dtype) if self.rt.num.official else k
-
-    def _row_quant(self, row):
-        return q4_e4m3(row, 16).to(row.dtype) if self.rt.num.official else row
-
-    def _index_quant(self, x):
-        return q4_e8m0(x, 32).to(x.dtype) if self.rt.num.official else x
-
     # --- forward -------------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        L = self.layer
-        cos, sin = self.rope(step.positions)
-        c_q, q = self.queries(x, cos, sin)
-        win_kv, win_index = self.window(step, self.window_keys(x, cos, sin), f"window.{L}")
+        """x [T, D] -> the grouped output projection u [T, G r] (the block's `out.expand` finishes it).
 
+        On the fast path four launches before the indexer and one after: the products of x (queries' LoRA,
+        window key, compressor, index head weights), the products of q_norm(c_q) (queries, index queries),
+        the row work (RoPE, norms, fake quantization, ring writes), the compressor; the attention."""
+        c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
+        T = x.shape[0]
+        official = self.rt.num.official
+        index = self.index_source == L
+        gate = self.compressor is not None and self.compressor.wgate is not None
+        products = [Product(self.wq_a.weight, self.wq_a.act_block, dt),
+                    Product(self.wkv.weight, self.wkv.act_block, dt)]
         if self.compressor is not None:
-            self._compress(x, step)
+            products.append(Product(self.compressor.wkv.weight, None, torch.float32))
+            if gate:
+                products.append(Product(self.compressor.wgate.weight, None, torch.float32))
+        if index:
+            products.append(Product(self.weights_proj.weight, None, dt))
+        ys = ops.linear_multi(x, products)
+        qs = [Product(self.wq_b.weight, self.wq_b.act_block, dt)]
+        if index:
+            qs.append(Product(self.iq.weight, self.iq.act_block, dt))
+        qs = ops.linear_multi(ys[0], qs, (self.q_norm.weight, self.q_norm.eps))
+        state, positions = step.state, step.positions
+        ring = state.rings[f"window.{L}"]
+        # a call of at most `spare` positions writes the ring before attending: the slots it overwrites hold
+        # positions no query of the call reads (state.py); a longer one (prefill) writes after attending
+        now = T <= state.spare
+        if now:
+            ring.record(positions)
+        scale = c.index_head_dim**-0.5 * c.index_n_heads**-0.5
+        q, k, qi, w = ops.attn_inputs(qs[0].view(T, self.heads, c.head_dim), ys[1], positions, self.rope.freqs,
+                                      self.kv_norm.weight, self.kv_norm.eps, ring.data, now, official,
+                                      qs[1].view(T, self.index_heads, c.index_head_dim) if index else None,
+                                      ys[-1] if index else None, scale)
+        if self.compressor is not None:
+            self._compress(ys[2], ys[3] if gate else None, step, now)
         if self.ratio == 0:
             topk, comp_kv = None, None
         else:
-            topk = self._index(x, c_q, step) if self.index_source == L else step.topk[self.index_source]
+            topk = self._index(qi, w, step) if index else step.topk[self.index_source]
             comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
-        return self.attend(q, win_kv, win_index, comp_kv, topk, cos, sin)
+        o = ops.attend(q, ring.data, k, positions, c.window_size, comp_kv, topk, self.sink, c.head_dim**-0.5,
+                       self.p_dtype, self.rope.freqs)
+        if not now:
+            ring.write(positions, k)
+        return self.out.project(o)
 
-    def _compress(self, x: torch.Tensor, step: Step) -> None:
-        """KV source: pool completed groups, then write their index key and their compressed row."""
-        L, ops = self.layer, self.rt.ops
-        ring = step.state.rings[f"compressor.{L}"]
-        proj = self.compressor.project(x, step.positions)
-        latent, complete = self.compressor.pool(ring, step.start, proj, step.positions)
-        ring.write(step.positions, proj)
-        row = step.positions // self.ratio
-        cos, sin = self.rope(row * self.ratio)  # a row's RoPE position is its group's first token
-        kv_rows = step.state.rows[f"kv.{L}"]
-        row_index = torch.where(complete, row, torch.full_like(row, kv_rows.trash))
-        keys = self.k_norm(self.wk(latent, self.rt.dtype))
-        keys = self._index_quant(ops.rope(keys, cos, sin))
-        step.state.rows[f"index_keys.{L}"].write(row_index, keys, step.positions)
-        kv_rows.write(row_index, self._row_quant(ops.rope(latent, cos, sin)), step.positions)
+    def _compress(self, kappa: torch.Tensor, zeta: torch.Tensor | None, step: Step, now: bool) -> None:
+        """KV source: pool completed groups, write their compressed rows and index keys (and the ring)."""
+        L, state, positions = self.layer, step.state, step.positions
+        ring = state.rings[f"compressor.{L}"]
+        kv_rows, keys = state.rows[f"kv.{L}"], state.rows[f"index_keys.{L}"]
+        if state.journal.recording:
+            row = positions // self.ratio
+            index = torch.where((positions + 1) % self.ratio == 0, row, torch.full_like(row, kv_rows.trash))
+            if now:
+                ring.record(positions)
+            keys.record(index, positions)
+            kv_rows.record(index, positions)
+        comp = self.compressor
+        self.rt.ops.compress(kappa, zeta, positions, ring.data, self.ratio, comp.norm.weight, comp.norm.eps,
+                             self.wk.weight, self.k_norm.weight, self.rope.freqs, kv_rows.data, keys.data, now,
+                             self.rt.num.official, self.rt.dtype)
+        if not now:
+            ring.write(positions, torch.cat((kappa, torch.zeros_like(kappa) if zeta is None else zeta), dim=-1))
 
     def _keys_owner(self, step: Step) -> int:
         """Whose index keys this indexer scores. `own`: its KV source's. `reference`: on single-token
@@ -132,23 +158,21 @@ class V41Attention(AttentionProjections):
         previous = [s for s in c.kv_source_layers if emits(s, p - 1)]
         return previous[-1] if previous else self.kv_source
 
-    def _index(self, x: torch.Tensor, c_q: torch.Tensor, step: Step) -> torch.Tensor:
+    def _index(self, qi: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
+        """The compressed rows each query reads: the top-k of its index scores (qi [T, heads, dI] and the
+        head weights w [T, heads] as attn_inputs made them)."""
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
-        T = x.shape[0]
-        cos, sin = self.rope(step.positions)
-        qi = self.iq(c_q).view(T, self.index_heads, c.index_head_dim)
-        qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
-        scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
-        w = (self.weights_proj(x, dt).float() * scale).to(dt)
         keys = step.state.rows[f"index_keys.{self._keys_owner(step)}"].visible(step.bound)
-        n_valid = (step.positions + 1) // self.ratio
         official = self.rt.num.official
-        scores = ops.index_scores(qi, w, keys, n_valid, dt if official else None, self.index_reduce)
-        if L == c.candidate_source_layer:
-            step.candidates = ops.candidate_mask(scores, n_valid, c.candidate_block_size, c.candidate_topk_blocks)
-        elif 0 <= c.candidate_source_layer < L:  # level two: only inside the source's candidate blocks
-            scores = scores.masked_fill(~step.candidates[:, : scores.shape[1]], float("-inf"))
-        topk = ops.index_select(scores, c.index_topk)
+        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if official else None,
+                                  self.index_reduce)
+        source = L == c.candidate_source_layer
+        inside = 0 <= c.candidate_source_layer < L  # level two: only inside the source's candidate blocks
+        topk, made = ops.index_select(scores, c.index_topk, step.positions, self.ratio,
+                                      step.candidates if inside else None,
+                                      c.candidate_block_size if source else 0, c.candidate_topk_blocks)
+        if source:
+            step.candidates = made
         step.topk[L] = topk
         if step.probe is not None:
             step.probe[f"index_topk.{L}"] = topk
@@ -172,17 +196,14 @@ class StaggeredBlock:
     def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_ids=None):
         """X [T, hc, D] entering the layer (before Engram), `pre` the collapse weights the previous
         sub-block produced -> (X, pre for the next layer)."""
-        ops = self.rt.ops
         if self.engram is not None:
             X = self.engram(X, engram_ids)
         if self.captured:  # DSpark reads the stream entering this layer, averaged over the copies
             step.captures.append(X.double().mean(1).to(X.dtype))
-        a_pre, a_post, a_comb = self.hc_attn.coeffs(X)
-        a = self.attn(self.attn_norm(ops.hc_collapse(X, pre)), step)
-        X = ops.hc_expand(a, X, a_post, a_comb)
-        f_pre, f_post, f_comb = self.hc_ffn.coeffs(X)
-        f = self.ffn(self.ffn_norm(ops.hc_collapse(X, a_pre)))
-        X = ops.hc_expand(f, X, f_post, f_comb)
+        xa, a_pre, a_post, a_comb = self.hc_attn.pre(X, pre, self.attn_norm)
+        X = self.attn.out.expand(self.attn(xa, step), X, a_post, a_comb)
+        xf, f_pre, f_post, f_comb = self.hc_ffn.pre(X, a_pre, self.ffn_norm)
+        X = self.ffn.expand(xf, X, f_post, f_comb)
         return X, f_pre
 
 
@@ -245,7 +266,8 @@ class V41Model:
         return X, pre
 
     def final(self, X, pre, rows: slice = slice(None)) -> torch.Tensor:
-        z = self.norm(self.rt.ops.hc_collapse(X[rows], pre[rows]))
+        n = self.norm
+        z = self.rt.ops.hc_pre(X[rows], pre[rows], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
         return self.head(z.float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",

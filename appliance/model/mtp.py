@@ -70,7 +70,7 @@ class MTP:
         ids, logits = [], []
         for i in range(k):
             Y = self._forward(state, streams, token, q + i)
-            li = self.head(self.norm(self.hc_head(Y)).float(), torch.float32)
+            li = self.head(self.hc_head.normed(Y, self.norm).float(), torch.float32)
             token = self.rt.ops.sample(li, params, key)
             ids.append(token)
             logits.append(li)

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from kernels.rope import table
+
 
 def frequencies(rope_dim: int, theta: float, factor: float = 1.0, original_seq_len: int = 65536,
                 beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
@@ -46,8 +48,7 @@ class RopeTable:
         return cos, sin
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        phi = positions.to(torch.float32).unsqueeze(-1) * self.freqs.to(positions.device)
-        cos, sin = torch.cos(phi), torch.sin(phi)
+        cos, sin = table(positions, self.freqs)
         if self.round_to is not None:
             cos, sin = cos.to(self.round_to).float(), sin.to(self.round_to).float()
         return cos, sin

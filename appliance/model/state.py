@@ -17,6 +17,8 @@ the only buffers that forget, so copying them in, keeping the rows and ids below
 prefill (`live_buffers`); only the spare slots of a ring, which no reader reaches, may differ.
 """
 
+from contextlib import contextmanager
+
 import torch
 
 from appliance.errors import StateError
@@ -35,8 +37,25 @@ class Journal:
         # (buffer, written indices, overwritten values, their positions, the newest position as an int)
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.transaction: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.paused = False
+
+    @property
+    def recording(self) -> bool:
+        return not self.paused
+
+    @contextmanager
+    def off(self):
+        """Writes inside are not journaled: a plain decode cycle, which keeps everything it writes (its
+        writes cost no copy of what they overwrite; the positions it wrote cannot be undone from the journal)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.paused:
+            return
         if self.transaction is not None:
             self.transaction.append((data, index, data[index].clone(), positions))
             return
@@ -106,6 +125,13 @@ class PositionRing:
         self.journal.record(self.data, slots, positions)
         self.data[slots] = values.to(self.data.dtype)
 
+    def record(self, positions: torch.Tensor) -> None:
+        """Journal the slots of `positions` before an op writes them itself (a fused kernel)."""
+        if self.journal.recording:
+            if positions.numel() > self.size:
+                positions = positions[-self.size:]
+            self.journal.record(self.data, positions % self.size, positions)
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
@@ -129,6 +155,10 @@ class RowCache:
         """Write rows `row_index` (the trash row for positions that complete no group)."""
         self.journal.record(self.data, row_index, positions)
         self.data[row_index] = values.to(self.data.dtype)
+
+    def record(self, row_index: torch.Tensor, positions: torch.Tensor) -> None:
+        """Journal rows `row_index` before an op writes them itself (a fused kernel)."""
+        self.journal.record(self.data, row_index, positions)
 
     def visible(self, bound: int) -> torch.Tensor:
         """Rows a query at position <= `bound` may see: [0, (bound + 1) // ratio)."""

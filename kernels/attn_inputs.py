@@ -1,0 +1,236 @@
+"""What a V4.1 attention does to its projections, row by row, before it attends (one launch on the fast path):
+
+- queries: RoPE on the last r dims of each head, by the row's position;
+- the window key: RMSNorm (kv_norm), RoPE, the official FP8 fake quantization (power-of-two scales per 32,
+  all dims), written to the window ring at slot position mod size (the last `size` rows of a call only)
+  when `write` (a caller that attends to ring slots this call would overwrite writes after attending);
+- the indexer's queries (index-source layers): RoPE, FP4 fake quantization (E8M0 scales per 32), and its
+  head weights scaled: (w * dI^-1/2 nh^-1/2) in the activation dtype.
+RoPE angles are fl32(position * f_i) (`rope.table`); `quant` False skips the fake quantizations (plain
+numerics). Reference: the torch ops the model ran before this fusion, in the same order (rope, rmsnorm and
+formats references).
+
+Kernel (`fast`): programs (row, part): part 0 the window key and head weights, parts 1.. blocks of query heads
+(rotated in place: the nope dims of a query are not touched, so the query buffer is the projection's) and of
+index heads. float32 throughout; everything is per row: batch invariant. Tolerance against the reference
+(relative to a row's largest |value|): one rounding of the activation dtype per RoPE and RMSNorm output
+(bfloat16: 2^-8), the float32 RMSNorm sum, and where a value sits at a rounding boundary of the fake
+quantization, one code step of that element (e4m3: 2^-3 of it; e2m1: up to half its block's scale).
+"""
+
+import torch
+
+from . import rmsnorm
+from . import rope as rope_op
+from ._triton import (
+    INTERPRET,
+    device_function,
+    device_of,
+    e4m3_rne,
+    pow2,
+    pow2_ceil,
+    require,
+    require_dtype,
+    require_rows,
+    round_out,
+    tl,
+    tmax,
+    triton,
+    tsum,
+)
+from .formats import q4_e8m0, q8_pow2
+
+
+def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+              kv_norm: torch.Tensor, eps: float, ring: torch.Tensor, write: bool, quant: bool,
+              qi: torch.Tensor | None = None, iw: torch.Tensor | None = None, iw_scale: float = 1.0):
+    """q [T, H, hd] (the query projection), kv [T, hd] (the window key projection), positions [T] int64,
+    freqs [r/2] float32, kv_norm [hd]; ring [S, hd] (written in place when `write`); qi [T, nh, dI] and iw
+    [T, nh] (index-source layers) -> (q, k [T, hd], qi, iw) in the activation dtype (qi, iw None when not
+    given)."""
+    cos, sin = rope_op.table(positions, freqs)
+    q = rope_op.reference(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    k = rope_op.reference(rmsnorm.reference(kv, kv_norm, eps), cos, sin)
+    if quant:
+        k = q8_pow2(k, 32).to(k.dtype)
+    if write:
+        size = ring.shape[0]
+        p, v = (positions, k) if positions.numel() <= size else (positions[-size:], k[-size:])
+        ring[p % size] = v.to(ring.dtype)
+    if qi is not None:
+        qi = rope_op.reference(qi, cos.unsqueeze(1), sin.unsqueeze(1))
+        if quant:
+            qi = q4_e8m0(qi, 32).to(qi.dtype)
+        iw = (iw.float() * torch.tensor(iw_scale, dtype=torch.float32)).to(iw.dtype)
+    return q, k, qi, iw
+
+
+# --- Triton kernel ---------------------------------------------------------------------------------------
+
+
+@device_function
+def _rotate(x_ptr, row, n_heads, hd, heads, cols, pos, freq_ptr, HALF: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Load heads `heads` of row `row` of x [T, n_heads, hd] with RoPE applied to their last 2 HALF dims
+    (interleaved pairs), as float32 [BH, BC] over columns `cols` of a head (values rounded to x's dtype)."""
+    hmask = heads < n_heads
+    m = hmask[:, None] & (cols[None, :] < hd)
+    base = x_ptr + (row * n_heads + heads[:, None].to(tl.int64)) * hd
+    v = tl.load(base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    nope = hd - 2 * HALF
+    j = cols - nope  # position inside the rotated part
+    rot = (j >= 0) & (cols < hd)
+    pair = tl.where(rot, j // 2, 0)
+    f = tl.load(freq_ptr + pair, mask=rot, other=0.0)
+    phi = pos.to(tl.float32) * f
+    c = tl.cos(phi)
+    s = tl.sin(phi)
+    partner = tl.load(base + tl.where(rot, cols ^ 1, cols)[None, :], mask=m & rot[None, :], other=0.0).to(tl.float32)
+    even = (j % 2) == 0
+    # (a, b) -> (a c - b s, a s + b c): an even column is a, its partner b; an odd column is b, its partner a
+    out = tl.where(even[None, :], v * c[None, :] - partner * s[None, :], partner * s[None, :] + v * c[None, :])
+    return tl.where(rot[None, :], round_out(out, OUT_BF16).to(tl.float32), v)
+
+
+@device_function
+def _q8_pow2(x, BR: tl.constexpr, BC: tl.constexpr):
+    """formats.q8_pow2(x, 32) of a float32 [BR, BC] tile (BC a multiple of 32)."""
+    xb = tl.reshape(x, (BR, BC // 32, 32))
+    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))[:, :, None]
+    return tl.reshape(e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0)) * s, (BR, BC))
+
+
+@device_function
+def e2m1_rne(x):
+    """formats.round_e2m1: the nearest e2m1 value (ties to the even code), clamped to [-6, 6], the sign of
+    x kept (as copysign keeps it, -0 included)."""
+    mag = tl.minimum(tl.abs(x), 6.0)
+    v = tl.where(mag > 0.25, 0.5, 0.0)
+    v = tl.where(mag >= 0.75, 1.0, v)
+    v = tl.where(mag > 1.25, 1.5, v)
+    v = tl.where(mag >= 1.75, 2.0, v)
+    v = tl.where(mag > 2.5, 3.0, v)
+    v = tl.where(mag >= 3.5, 4.0, v)
+    v = tl.where(mag > 5.0, 6.0, v)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@device_function
+def q4_e8m0_tile(x, BR: tl.constexpr, BC: tl.constexpr):
+    """formats.q4_e8m0(x, 32) of a float32 [BR, BC] tile (BC a multiple of 32)."""
+    xb = tl.reshape(x, (BR, BC // 32, 32))
+    amax = tl.maximum(tmax(tl.abs(xb), axis=2), 6.0 * 2.0**-126)
+    s = pow2_ceil(amax * (1.0 / 6.0))[:, :, None]
+    return tl.reshape(e2m1_rne(xb / s) * s, (BR, BC))
+
+
+@triton.jit
+def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
+            kv_ptr,     # [T, hd] window key projection
+            pos_ptr,    # int64 [T]
+            freq_ptr,   # float32 [HALF]
+            nw_ptr,     # float32 [hd] kv_norm weight
+            ring_ptr,   # [S, hd] window ring (WRITE)
+            k_ptr,      # out [T, hd] window keys
+            qi_ptr,     # [T, nh, dI] index queries (INDEX), read
+            qo_ptr,     # out [T, nh, dI] index queries (INDEX)
+            iw_ptr,     # [T, nh] index head weights, read (INDEX)
+            wo_ptr,     # out [T, nh] (INDEX)
+            T, H, hd, S, nh, dI, eps, iw_scale, q_blocks,
+            WRITE: tl.constexpr, QUANT: tl.constexpr, INDEX: tl.constexpr, OUT_BF16: tl.constexpr,
+            HALF: tl.constexpr, BHD: tl.constexpr, BQH: tl.constexpr, BIH: tl.constexpr, BDI: tl.constexpr,
+            BNH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    if part == 0:  # the window key (and the index head weights)
+        cols = tl.arange(0, BHD)
+        cm = cols < hd
+        x = tl.load(kv_ptr + t * hd + cols, mask=cm, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tsum(x * x, axis=0) / hd + eps)
+        w = tl.load(nw_ptr + cols, mask=cm, other=0.0)
+        tl.store(k_ptr + t * hd + cols, round_out(w * (x * r), OUT_BF16), mask=cm)
+        tl.debug_barrier()  # the normed key is re-read below by the rotation's partner loads
+        k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, freq_ptr, HALF, OUT_BF16)  # [1, BHD]
+        tl.debug_barrier()
+        if QUANT:
+            k = _q8_pow2(k, 1, BHD)
+        k = round_out(k, OUT_BF16)
+        tl.store(k_ptr + t * hd + cols[None, :], k, mask=cm[None, :])
+        if WRITE:
+            if t >= T - S:  # only the last S rows of a call survive in the ring
+                tl.store(ring_ptr + (pos % S) * hd + cols[None, :], k, mask=cm[None, :])
+        if INDEX:
+            heads = tl.arange(0, BNH)
+            hm = heads < nh
+            iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
+            tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
+    elif part <= q_blocks:  # a block of query heads: rotate the rope dims in place
+        heads = (part - 1) * BQH + tl.arange(0, BQH)
+        cols = hd - 2 * HALF + tl.arange(0, 2 * HALF)
+        v = _rotate(q_ptr, t, H, hd, heads, cols, pos, freq_ptr, HALF, OUT_BF16)
+        tl.debug_barrier()  # every partner was read before any element is overwritten
+        tl.store(q_ptr + (t * H + heads[:, None].to(tl.int64)) * hd + cols[None, :], round_out(v, OUT_BF16),
+                 mask=(heads[:, None] < H))
+    else:  # a block of index heads: rotate, quantize
+        heads = (part - 1 - q_blocks) * BIH + tl.arange(0, BIH)
+        cols = tl.arange(0, BDI)
+        v = _rotate(qi_ptr, t, nh, dI, heads, cols, pos, freq_ptr, HALF, OUT_BF16)
+        if QUANT:
+            v = q4_e8m0_tile(v, BIH, BDI)
+        tl.store(qo_ptr + (t * nh + heads[:, None].to(tl.int64)) * dI + cols[None, :], round_out(v, OUT_BF16),
+                 mask=(heads[:, None] < nh) & (cols[None, :] < dI))
+
+
+def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+         kv_norm: torch.Tensor, eps: float, ring: torch.Tensor, write: bool, quant: bool,
+         qi: torch.Tensor | None = None, iw: torch.Tensor | None = None, iw_scale: float = 1.0):
+    """The kernel for `reference` (same signature; results within the stated tolerance). The queries are
+    rotated in place (the returned q is `q`)."""
+    require_dtype(q, "q", (torch.float32, torch.bfloat16))
+    require(q.dim() == 3 and q.is_contiguous(), "q.shape", tuple(q.shape), "must be a contiguous [T, H, hd]")
+    t, h, hd = q.shape
+    require(tuple(kv.shape) == (t, hd) and kv.dtype == q.dtype, "kv", f"{tuple(kv.shape)} {kv.dtype}",
+            f"must be [{t}, {hd}] {q.dtype}")
+    require(tuple(positions.shape) == (t,) and positions.dtype == torch.int64, "positions",
+            f"{tuple(positions.shape)} {positions.dtype}", f"must be [{t}] int64")
+    half = freqs.shape[0]
+    require_dtype(freqs, "freqs", (torch.float32,))
+    require(2 * half <= hd and half & (half - 1) == 0, "freqs.shape[0]", half,
+            f"must be a power of two <= hd / 2 = {hd // 2}")
+    require(tuple(kv_norm.shape) == (hd,), "kv_norm.shape", tuple(kv_norm.shape), f"must be ({hd},)")
+    require_dtype(kv_norm, "kv_norm", (torch.float32,))
+    require(ring.dim() == 2 and ring.shape[1] == hd, "ring.shape", tuple(ring.shape), f"must be [S, {hd}]")
+    require(ring.dtype == q.dtype, "ring.dtype", ring.dtype, f"must be the activation dtype {q.dtype}")
+    require(not quant or hd % 32 == 0, "hd", hd, "must be a multiple of 32 (the FP8 blocks)")
+    index = qi is not None
+    if index:
+        require(qi.dim() == 3 and qi.shape[0] == t and qi.dtype == q.dtype, "qi.shape", tuple(qi.shape),
+                f"must be [{t}, nh, dI] {q.dtype}")
+        nh, di = qi.shape[1:]
+        require(2 * half <= di and (not quant or di % 32 == 0), "qi.shape[2]", di,
+                "must hold the rope dims and be a multiple of 32")
+        require(tuple(iw.shape) == (t, nh), "iw.shape", tuple(iw.shape), f"must be {(t, nh)}")
+        require_rows(qi, "qi")
+        qi, iw = qi.contiguous(), iw.contiguous()
+    else:
+        nh, di = 1, 32
+    dev = device_of(q, kv, positions, freqs, kv_norm, ring)
+    require_rows(kv, "kv")
+    require(ring.is_contiguous(), "ring.stride", ring.stride(), "must be contiguous")
+    kv = kv.contiguous()
+    k = torch.empty((t, hd), dtype=q.dtype, device=dev)
+    qo = torch.empty_like(qi) if index else None
+    wo = torch.empty_like(iw) if index else None
+    if t == 0:
+        return q, k, qo, wo
+    bqh = max(1, min(pow2(h), (8192 if INTERPRET else 512) // (2 * half)))
+    bih = max(1, min(pow2(nh), (8192 if INTERPRET else 1024) // pow2(di)))
+    q_blocks = triton.cdiv(h, bqh)
+    parts = 1 + q_blocks + (triton.cdiv(nh, bih) if index else 0)
+    _kernel[(t, parts)](q, kv, positions, freqs, kv_norm, ring, k, qi if index else k, qo if index else k,
+                        iw if index else k, wo if index else k, t, h, hd, ring.shape[0], nh, di, float(eps),
+                        float(iw_scale), q_blocks, WRITE=write, QUANT=quant, INDEX=index,
+                        OUT_BF16=q.dtype == torch.bfloat16, HALF=half, BHD=pow2(hd), BQH=bqh, BIH=bih,
+                        BDI=pow2(di), BNH=pow2(nh))
+    return q, k, qo, wo
