@@ -321,22 +321,24 @@ def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
 
 def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
         scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-        rms_eps: float):
+        rms_eps: float, capture: bool = False):
     """What a sub-block reads from the streams X [M, hc, D]: the site's coefficients and its normed input.
 
     Coefficients: `coeffs` (iters >= 1), V4's `head_pre` (iters == 0: post and comb are None), or none (fn
     None: the final collapse of V4.1 by given weights). Input: rmsnorm(collapse(X, w)) in X.dtype, w =
-    `weights` (V4.1's staggered sites collapse by the previous site's pre) or the site's own pre.
-    Returns (x [M, D], pre [M, hc] | None, post [M, hc] | None, comb [M, hc, hc] | None)."""
+    `weights` (V4.1's staggered sites collapse by the previous site's pre) or the site's own pre. `capture`:
+    also the streams' mean over the copies (a DSpark input: float64, rounded once to X.dtype).
+    Returns (x [M, D], pre [M, hc] | None, post [M, hc] | None, comb [M, hc, hc] | None, mean [M, D] | None)."""
     from .rmsnorm import reference as rmsnorm
 
+    mean = X.double().mean(1).to(X.dtype) if capture else None
     p = post = comb = None
     if fn is not None and iters >= 1:
         p, post, comb = coeffs(X, fn, base, scale, norm_eps, hc_eps, iters)
     elif fn is not None:
         p = head_pre(X, fn, base, scale, norm_eps, hc_eps)
     x = rmsnorm(collapse(X, p if weights is None else weights), norm_weight, rms_eps)
-    return x, p, post, comb
+    return x, p, post, comb, mean
 
 
 # One launch: programs (split s, row block b). Each computes its column chunk's projection partials for the
@@ -400,9 +402,11 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
                 cnt_ptr,    # int32 [row blocks] counters, zero between launches
                 pre_ptr, post_ptr, comb_ptr,  # float32 coefficients out (COEFFS)
                 y_ptr,      # out [M, D] in X's dtype: the normed collapse
+                mean_ptr,   # out [M, D] in X's dtype: the mean over the copies (MEAN)
                 M, hc, D, iters, chunk, RB,  # chunk: projection columns per split; RB: rows per block
                 norm_eps, hc_eps, rms_eps,
-                COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, OUT_BF16: tl.constexpr,
+                COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
+                OUT_BF16: tl.constexpr,
                 BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
     pid_s = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -465,10 +469,15 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
             cols = d0 + tl.arange(0, BD)
             cm = rmask[:, None] & (cols[None, :] < D)
             acc = tl.zeros((BM, BD), dtype=tl.float32)
+            total = tl.zeros((BM, BD), dtype=tl.float32)
             for j in range(hc):
                 wj = tsum(tl.where(i[None, :] == j, wts, 0.0), axis=1)
-                acc += wj[:, None] * tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cm,
-                                             other=0.0).to(tl.float32)
+                xj = tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cm, other=0.0).to(tl.float32)
+                acc += wj[:, None] * xj
+                total += xj
+            if MEAN:  # the copies' sum in order, one correctly rounded division
+                tl.store(mean_ptr + r64[:, None] * D + cols[None, :], round_out(tl.math.div_rn(total, hc * 1.0),
+                                                                               OUT_BF16), mask=cm)
             c = round_out(acc, OUT_BF16).to(tl.float32)
             nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0)
             tl.store(y_ptr + r64[:, None] * D + cols[None, :], round_out(nw[None, :] * (c * r[:, None]), OUT_BF16),
@@ -477,7 +486,7 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
 
 def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
              scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-             rms_eps: float):
+             rms_eps: float, capture: bool = False):
     """The kernel for `pre` (same signature; results within the stated tolerances of `coeffs`, `collapse`
     and RMSNorm): one launch."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
@@ -508,8 +517,9 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
     p = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff else None
     post = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff and not head else None
     comb = torch.empty((m, hc, hc), dtype=torch.float32, device=dev) if coeff and not head else None
+    mean = torch.empty((m, d), dtype=X.dtype, device=dev) if capture else None
     if m == 0:
-        return y, p, post, comb
+        return y, p, post, comb, mean
     if INTERPRET:
         bc = min(pow2(n), 512)
         chunk = max(bc, pow2(n))
@@ -527,7 +537,7 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
     _pre_kernel[(splits, blocks)](
         X, w, fn if coeff else y, base if coeff else y, scale if coeff else y, norm_weight, part, cnt,
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
-        m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
-        COEFFS=coeff, HEAD=head, OWN=weights is None, OUT_BF16=X.dtype == torch.bfloat16,
+        mean if capture else y, m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
+        COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd)
-    return y, p, post, comb
+    return y, p, post, comb, mean

@@ -33,7 +33,8 @@ class Ops:
     index_scores: Callable
     index_select: Callable
     ffn: Callable
-    engram_rows: Callable
+    engram: Callable
+    engram_ids: Callable
     sample: Callable
     accept: Callable
 
@@ -73,7 +74,8 @@ REFERENCE = Ops(
     index_scores=indexer.scores,
     index_select=indexer.select,
     ffn=moe.reference_ffn,
-    engram_rows=engram.reference,
+    engram=engram.layer_reference,
+    engram_ids=engram.ids_reference,
     sample=sampling.sample,
     accept=sampling.accept,
 )
@@ -97,7 +99,8 @@ FAST = Ops(
     index_scores=indexer.fast_scores,
     index_select=indexer.fast_select,
     ffn=moe.fast_ffn,
-    engram_rows=engram.fast,
+    engram=engram.fast_layer,
+    engram_ids=engram.fast_ids,
     sample=sampling.fast_sample,
     accept=sampling.fast_accept,
 )

@@ -92,7 +92,7 @@ class DeclaredReads:
 
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
                                           attend=self._attend(ops.attend), ffn=self._ffn(ops.ffn),
-                                          engram_rows=self._engram(ops.engram_rows))
+                                          engram=self._engram(ops.engram))
         try:
             yield
         finally:
@@ -128,15 +128,15 @@ class DeclaredReads:
 
         return call
 
-    def _engram(self, engram_rows):
-        """The gather reads the rows of `ids` from the table (~100 GB in host memory), not the table."""
+    def _engram(self, engram):
+        """The layer reads the rows of `ids` from the table (~100 GB in host memory), not the table."""
         rec = self.rec
 
-        def call(table, scale, ids, out_dtype):
+        def call(X, table, scale, ids, wkv, act_block, omega, eps):
             rows = ids.numel()
             with rec.gather(table, rows * table.shape[-1] * table.element_size()), \
                     rec.gather(scale, rows * scale.shape[-1] * scale.element_size()):
-                return engram_rows(table, scale, ids, out_dtype)
+                return engram(X, table, scale, ids, wkv, act_block, omega, eps)
 
         return call
 

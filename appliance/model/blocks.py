@@ -76,11 +76,12 @@ class HyperSite:
     def coeffs(self, X: torch.Tensor):
         return self.rt.ops.hc_coeffs(X, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
-    def pre(self, X: torch.Tensor, weights: torch.Tensor | None, norm: "RMSNorm"):
+    def pre(self, X: torch.Tensor, weights: torch.Tensor | None, norm: "RMSNorm", capture: bool = False):
         """The site's coefficients and its sub-block's input norm(collapse(X, weights)), `weights` None: by
-        the site's own pre -> (x, pre, post, comb), one launch on the fast path."""
+        the site's own pre -> (x, pre, post, comb, the copies' mean if `capture`), one launch on the fast
+        path."""
         return self.rt.ops.hc_pre(X, weights, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters,
-                                  norm.weight, norm.eps)
+                                  norm.weight, norm.eps, capture)
 
 
 class MoE:

@@ -170,11 +170,11 @@ class PlainBlock:
                                 c.hc_sinkhorn_iters)
 
     def __call__(self, X: torch.Tensor, step) -> torch.Tensor:
-        if self.captured:
-            step.captures.append(X.double().mean(1).to(X.dtype))
-        x, _, post, comb = self.hc_attn.pre(X, None, self.attn_norm)
+        x, _, post, comb, mean = self.hc_attn.pre(X, None, self.attn_norm, self.captured)
+        if self.captured:  # DSpark (0731) reads the stream entering this layer, averaged over the copies
+            step.captures.append(mean)
         X = self.attn.out.expand(self.attn(x, step), X, post, comb)
-        x, _, post, comb = self.hc_ffn.pre(X, None, self.ffn_norm)
+        x, _, post, comb, _ = self.hc_ffn.pre(X, None, self.ffn_norm)
         X = self.ffn.expand(x, X, post, comb, step.tokens)
         return X
 

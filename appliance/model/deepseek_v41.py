@@ -198,11 +198,12 @@ class StaggeredBlock:
         sub-block produced -> (X, pre for the next layer)."""
         if self.engram is not None:
             X = self.engram(X, engram_ids)
-        if self.captured:  # DSpark reads the stream entering this layer, averaged over the copies
-            step.captures.append(X.double().mean(1).to(X.dtype))
-        xa, a_pre, a_post, a_comb = self.hc_attn.pre(X, pre, self.attn_norm)
+        # DSpark reads the stream entering a captured layer, averaged over the copies
+        xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
+        if self.captured:
+            step.captures.append(mean)
         X = self.attn.out.expand(self.attn(xa, step), X, a_post, a_comb)
-        xf, f_pre, f_post, f_comb = self.hc_ffn.pre(X, a_pre, self.ffn_norm)
+        xf, f_pre, f_post, f_comb, _ = self.hc_ffn.pre(X, a_pre, self.ffn_norm)
         X = self.ffn.expand(xf, X, f_post, f_comb)
         return X, f_pre
 
@@ -255,10 +256,10 @@ class V41Model:
     def engram_ids(self, step: Step) -> dict[int, torch.Tensor]:
         if self.engram_hash is None:
             return {}
-        ids = {L: self.engram_hash.ids_at(step.state.tokens, step.positions, L) for L in self.cfg.engram.layer_ids}
+        every = self.engram_hash.ids_at(self.rt.ops, step.state.tokens, step.positions)  # [layers, T, cols]
         if step.probe is not None:
-            step.probe["engram_ids"] = torch.stack([ids[L] for L in self.cfg.engram.layer_ids], dim=1)
-        return ids
+            step.probe["engram_ids"] = every.transpose(0, 1)
+        return dict(zip(self.cfg.engram.layer_ids, every))
 
     def run_layers(self, X, pre, step: Step, first: int, last: int, engram_ids: dict):
         for L in range(first, last):

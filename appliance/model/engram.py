@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from appliance.errors import ModelLoadError
+from kernels.engram import hash_ids
 
 from .blocks import Linear
 from .runtime import Runtime
@@ -98,20 +99,21 @@ def primes(layer_ids, max_ngram: int, n_heads: int, bucket_base: int) -> dict[in
 
 
 class EngramHash:
-    """Table row ids for every position, from the compressed token history."""
+    """Table row ids for every position and Engram layer, from the compressed token history."""
 
     def __init__(self, token_map: torch.Tensor, cfg):
         e = cfg.engram
         self.token_map = token_map
         self.pad = int(token_map[e.pad_token_id])
         self.max_ngram, self.n_heads = e.max_ngram, e.n_heads
-        self.mult = {layer: torch.tensor(multipliers(layer, e.compressed_vocab_size, e.max_ngram))
-                     for layer in e.layer_ids}
         pr = primes(e.layer_ids, e.max_ngram, e.n_heads, e.bucket_base)
-        self.primes = {layer: torch.tensor(p) for layer, p in pr.items()}
-        self.offsets = {layer: torch.cumsum(torch.tensor([0] + p[:-1]), 0) for layer, p in pr.items()}
-        for layer, rows in zip(e.layer_ids, e.num_embeddings):
-            total = int(self.offsets[layer][-1] + self.primes[layer][-1])
+        # per layer (rows in the config's order): multipliers [L, n], each column's prime and table offset
+        self.mult = torch.tensor([multipliers(layer, e.compressed_vocab_size, e.max_ngram) for layer in e.layer_ids])
+        self.primes = torch.tensor([pr[layer] for layer in e.layer_ids])
+        self.offsets = torch.cumsum(torch.cat((torch.zeros(len(e.layer_ids), 1, dtype=torch.long),
+                                               self.primes[:, :-1]), dim=1), dim=1)
+        for i, (layer, rows) in enumerate(zip(e.layer_ids, e.num_embeddings)):
+            total = int(self.offsets[i, -1] + self.primes[i, -1])
             if total != rows:
                 raise ModelLoadError(f"{cfg.source}: Engram layer {layer}: the primes give {total} table rows, "
                                      f"engram_num_embeddings says {rows}", field="engram_num_embeddings", value=rows)
@@ -119,36 +121,18 @@ class EngramHash:
     def compressed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_map[tokens.clamp(max=len(self.token_map) - 1)]
 
-    def ids(self, history: torch.Tensor, start: int, count: int, layer: int) -> torch.Tensor:
-        """history: compressed ids of positions [0, start + count) (int64) -> row ids [count, n_cols]."""
+    def ids(self, history: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """history: compressed ids of positions [0, start + count) (int64) -> row ids [layers, count, n_cols]."""
         positions = torch.arange(start, start + count)
-        taus = []
-        for i in range(self.max_ngram):
-            q = positions - i
-            taus.append(torch.where(q >= 0, history[q.clamp(min=0)], -1))
-        return self._hash(taus, layer)
+        taus = torch.stack([torch.where(positions - i >= 0, history[(positions - i).clamp(min=0)], -1)
+                            for i in range(self.max_ngram)], dim=-1)
+        return hash_ids(taus, self.pad, self.mult.cpu(), self.primes.cpu(), self.offsets.cpu(), self.n_heads)
 
-    def ids_at(self, tokens: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
-        """Row ids for `positions` from the raw token history buffer (no host reads: capturable)."""
-        comp = self.token_map
-        taus = []
-        for i in range(self.max_ngram):
-            q = positions - i
-            c = comp[tokens[q.clamp(min=0)].clamp(max=len(comp) - 1)]
-            taus.append(torch.where(q >= 0, c, -1))
-        return self._hash(taus, layer)
-
-    def _hash(self, taus: list[torch.Tensor], layer: int) -> torch.Tensor:
-        """taus[i] = c_{p-i}, -1 before the start of the sequence (hashed as the pad id)."""
-        taus = [torch.where(t >= 0, t, torch.full_like(t, self.pad)) for t in taus]
-        m = self.mult[layer]
-        r = taus[0] * m[0]
-        cols = []
-        for k in range(2, self.max_ngram + 1):
-            r = torch.bitwise_xor(r, taus[k - 1] * m[k - 1])
-            cols.append(r)
-        hashed = torch.stack(cols, dim=-1).repeat_interleave(self.n_heads, dim=-1)  # [count, n_cols]
-        return hashed % self.primes[layer] + self.offsets[layer]
+    def ids_at(self, ops, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row ids [layers, T, n_cols] for `positions` from the raw token history buffer (one launch on the
+        fast path, no host reads: capturable)."""
+        return ops.engram_ids(tokens, positions, self.token_map, self.pad, self.mult, self.primes, self.offsets,
+                              self.n_heads)
 
 
 class Engram:
@@ -170,18 +154,8 @@ class Engram:
         kw = ckpt.tensor(f"{prefix}.k_weight", (cfg.hc_mult, cfg.dim))
         self.omega = None if qw is None or kw is None else (qw.float() * kw.float())
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Gather and dequantize table rows: ids [T, n_cols] -> [T, n_cols * head_dim] (exact), wherever the
-        table lives (kernels/engram.py: on the fast path a host table is read in place by the device)."""
-        return self.rt.ops.engram_rows(self.table, self.table_scale, ids, self.rt.dtype)
-
     def __call__(self, X: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """X [T, hc, D] -> X + gate * value."""
-        kv = self.wkv(self.rows(ids)).double()  # [T, (hc+1) D]
-        keys = kv[:, : self.hc * self.dim].view(-1, self.hc, self.dim)
-        value = kv[:, self.hc * self.dim:]
-        x = X.double()
-        rho = torch.rsqrt(x.square().mean(-1) + self.norm_eps) * torch.rsqrt(keys.square().mean(-1) + self.norm_eps)
-        delta = (x * self.omega.double() * keys).sum(-1) * rho * self.dim**-0.5  # [T, hc]
-        gate = torch.sigmoid(torch.sign(delta) * delta.abs().clamp(min=1e-6).sqrt())
-        return (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(X.dtype)
+        """X [T, hc, D] -> X + gate * value, the rows of `ids` [T, n_cols] gathered wherever the table lives
+        (kernels/engram.py: one launch on the fast path, a host table read in place by the device)."""
+        return self.rt.ops.engram(X, self.table, self.table_scale, ids, self.wkv.weight, self.wkv.act_block,
+                                  self.omega, self.norm_eps)
