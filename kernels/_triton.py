@@ -70,13 +70,16 @@ else:
 _COUNTERS: dict = {}
 
 
-def counters(dev: torch.device, n: int = 1 << 16) -> torch.Tensor:
-    """int32 [n] zeros, one buffer per device, for the fused kernels' last-program pattern (the programs of a
-    split reduction count themselves in; the last one adds the partials in a fixed order and resets the
-    count): zero between launches, so a captured graph replays with it as it was at capture."""
-    key = (dev.type, dev.index)
+def counters(dev: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least `n`, for the fused kernels' last-program pattern (the programs of a split
+    reduction count themselves in; the last one adds the partials in a fixed order and resets the count):
+    zero between launches, so a captured graph replays with them as they were at capture. One buffer per
+    device and power-of-two size, kept for the process (a graph may hold its address): a decode step's
+    launches use the smallest, a long prefill chunk a larger one."""
+    size = max(256, 1 << max(0, n - 1).bit_length())
+    key = (dev.type, dev.index, size)
     if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=dev)
+        _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=dev)
     return _COUNTERS[key]
 
 

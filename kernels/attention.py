@@ -44,6 +44,7 @@ from ._triton import (
     triton,
     tsum,
 )
+from .attn_inputs import check_rope
 
 
 def window_mask(window_index: torch.Tensor, n_window: int) -> torch.Tensor:
@@ -86,19 +87,19 @@ def reference(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tens
 
 def attend_reference(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,
                      comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
-                     p_dtype: torch.dtype | None, freqs: torch.Tensor) -> torch.Tensor:
+                     p_dtype: torch.dtype | None, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """A V4.1 attention over its window by position, then the inverse RoPE of the output.
 
     q [T, H, d] at `positions` (consecutive); the window keys of the query at p are the positions
     p - window + 1 .. p: this call's `keys` [T, d] for positions from positions[0] on, the window ring
-    [S, d] (slot position mod S) before; comp_kv/comp_index as for `reference`; freqs [r/2] the RoPE whose
-    inverse rotates each head's last r dims of the output."""
+    [S, d] (slot position mod S) before; comp_kv/comp_index as for `reference`; rope (cos, sin) tables
+    [P, r/2] of the RoPE whose inverse rotates each head's last r dims of the output."""
     start = positions[0]
     kv = torch.cat((ring.to(keys.dtype), keys), dim=0)
     t = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)
     row = torch.where(t >= start, ring.shape[0] + (t - start), torch.remainder(t, ring.shape[0]))
     o = reference(q, kv, torch.where(t >= 0, row, -1), comp_kv, comp_index, sink, scale, p_dtype)
-    cos, sin = rope_op.table(positions, freqs)
+    cos, sin = rope[0][positions], rope[1][positions]
     return rope_op.reference(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
 
 
@@ -153,7 +154,7 @@ def _dot(a, b, acc, DOT_BF16: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT", "Nw", "Nc"])  # key counts vary with the reach: one compile
 def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
             win_ptr,    # the window ring [S, d] (BY_POSITION) or window_kv [Nw, d], row stride stride_w
             chunk_ptr,  # this call's keys [M, d] (BY_POSITION), row stride stride_k
@@ -161,7 +162,7 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
             wi_ptr,     # int64 window_index [M, W], row stride stride_wi (not BY_POSITION)
             ci_ptr,     # int64 comp_index [M, K], row stride stride_ci
             pos_ptr,    # int64 positions [M] (BY_POSITION)
-            freq_ptr,   # float32 [HALF] (ROPE)
+            cos_ptr, sin_ptr,  # float32 [P, HALF] RoPE tables (ROPE)
             sink_ptr,   # float32 [H]
             l_ptr,      # scratch float32 [M, H, NT] logits
             o_ptr,      # out [M, H, d] in q's dtype
@@ -218,10 +219,9 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
             o = round_out(o, OUT_BF16).to(tl.float32)
             j = dcols - (d - 2 * HALF)
             rot = (j >= 0) & (dcols < d)
-            f = tl.load(freq_ptr + tl.where(rot, j // 2, 0), mask=rot, other=0.0)
-            phi = pos.to(tl.float32) * f
-            c = tl.cos(phi)[None, :]
-            sn = tl.sin(phi)[None, :]
+            pair = pos * HALF + tl.where(rot, j // 2, 0)
+            c = tl.load(cos_ptr + pair, mask=rot, other=1.0)[None, :]
+            sn = tl.load(sin_ptr + pair, mask=rot, other=0.0)[None, :]
             a, b = tl.split(tl.reshape(o, (BH, BDV // 2, 2)))
             partner = tl.reshape(tl.join(b, a), (BH, BDV))
             even = ((j % 2) == 0)[None, :]
@@ -240,7 +240,7 @@ def blocks(h: int, qk_bf16: bool) -> tuple[int, int, int, int]:
     if INTERPRET:
         return pow2(h), 128, 64, 64
     if qk_bf16:
-        return min(16, pow2(h, 16)), 64, 64, 64
+        return min(16, pow2(h, 16)), 32, 64, 32
     return min(16, pow2(h, 16)), 32, 16, 32
 
 
@@ -258,7 +258,7 @@ def _check_comp(q, comp_kv, comp_index, d, m):
     return comp_kv, comp_index
 
 
-def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, freqs, sink, scale, p_dtype, w,
+def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, rope, sink, scale, p_dtype, w,
             by_position):
     m, h, d = q.shape
     require(tuple(sink.shape) == (h,), "sink.shape", tuple(sink.shape), f"must be {(h,)}")
@@ -272,17 +272,17 @@ def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, freqs, 
     comp = win if comp_kv is None else comp_kv
     qk_bf16 = q.dtype == win.dtype == comp.dtype == torch.bfloat16
     bh, bn, bd, bdv = blocks(h, qk_bf16)
-    if freqs is not None:
-        require(bdv % 2 == 0 and (d - 2 * freqs.shape[0]) % 2 == 0, "freqs", tuple(freqs.shape),
+    if rope is not None:
+        require(bdv % 2 == 0 and (d - 2 * rope[0].shape[1]) % 2 == 0, "rope", tuple(rope[0].shape),
                 "must rotate whole pairs")
     logits = torch.empty((m, h, nt), dtype=torch.float32, device=q.device)
     wi = window_index if window_index is not None else comp_index
     pos = positions if positions is not None else comp_index
     _kernel[(m, triton.cdiv(h, bh))](
-        q, win, chunk, comp, wi, comp_index, pos, freqs if freqs is not None else sink, sink, logits, o,
+        q, win, chunk, comp, wi, comp_index, pos, *(rope if rope is not None else (sink, sink)), sink, logits, o,
         h, d, w, nt, win.shape[0], comp.shape[0], win.shape[0], win.stride(0), chunk.stride(0), comp.stride(0),
-        wi.stride(0), comp_index.stride(0), float(scale), BY_POSITION=by_position, ROPE=freqs is not None,
-        HALF=freqs.shape[0] if freqs is not None else 1, P_ROUND=_P_ROUND[p_dtype],
+        wi.stride(0), comp_index.stride(0), float(scale), BY_POSITION=by_position, ROPE=rope is not None,
+        HALF=rope[0].shape[1] if rope is not None else 1, P_ROUND=_P_ROUND[p_dtype],
         QK_BF16=qk_bf16 and not INTERPRET,
         PV_BF16=p_dtype == torch.bfloat16 and win.dtype == comp.dtype == torch.bfloat16 and not INTERPRET,
         OUT_BF16=q.dtype == torch.bfloat16, BH=bh, BN=bn, BD=bd, BDV=bdv)
@@ -312,7 +312,7 @@ def fast(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
 
 def fast_attend(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,
                 comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
-                p_dtype: torch.dtype | None, freqs: torch.Tensor) -> torch.Tensor:
+                p_dtype: torch.dtype | None, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The kernel for `attend_reference` (same signature; results within the stated tolerance of `fast`
     plus one rounding of the rotation): one launch, the window keys read where they are (ring or this
     call's keys), nothing concatenated."""
@@ -326,10 +326,9 @@ def fast_attend(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positio
     require(tuple(positions.shape) == (m,) and positions.dtype == torch.int64, "positions",
             f"{tuple(positions.shape)} {positions.dtype}", f"must be [{m}] int64")
     require(window >= 1, "window", window, "must be >= 1")
-    require_dtype(freqs, "freqs", (torch.float32,))
-    require(2 * freqs.shape[0] <= d, "freqs.shape[0]", freqs.shape[0], f"must be <= d / 2 = {d // 2}")
+    check_rope(rope, d)
     for name, t in (("ring", ring), ("keys", keys)):
         require_rows(t, name)
     comp_kv, comp_index = _check_comp(q, comp_kv, comp_index, d, m)
-    device_of(q, ring, keys, positions, comp_kv, comp_index, sink, freqs)
-    return _launch(q, ring, keys, comp_kv, None, comp_index, positions, freqs, sink, scale, p_dtype, window, True)
+    device_of(q, ring, keys, positions, comp_kv, comp_index, sink, *rope)
+    return _launch(q, ring, keys, comp_kv, None, comp_index, positions, rope, sink, scale, p_dtype, window, True)

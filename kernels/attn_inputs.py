@@ -6,9 +6,10 @@
   when `write` (a caller that attends to ring slots this call would overwrite writes after attending);
 - the indexer's queries (index-source layers): RoPE, FP4 fake quantization (E8M0 scales per 32), and its
   head weights scaled: (w * dI^-1/2 nh^-1/2) in the activation dtype.
-RoPE angles are fl32(position * f_i) (`rope.table`); `quant` False skips the fake quantizations (plain
-numerics). Reference: the torch ops the model ran before this fusion, in the same order (rope, rmsnorm and
-formats references).
+RoPE's cos and sin come from tables by position (`rope` = (cos, sin) [P, r/2] float32, rope.table's values:
+fl32(position * f_i), as the official code precomputes them; no transcendental function in a kernel);
+`quant` False skips the fake quantizations (plain numerics). Reference: the torch ops the model ran before
+this fusion, in the same order (rope, rmsnorm and formats references).
 
 Kernel (`fast`): programs (row, part): part 0 the window key and head weights, parts 1.. blocks of query heads
 (rotated in place: the nope dims of a query are not touched, so the query buffer is the projection's) and of
@@ -41,14 +42,14 @@ from ._triton import (
 from .formats import q4_e8m0, q8_pow2
 
 
-def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               kv_norm: torch.Tensor, eps: float, ring: torch.Tensor, write: bool, quant: bool,
               qi: torch.Tensor | None = None, iw: torch.Tensor | None = None, iw_scale: float = 1.0):
     """q [T, H, hd] (the query projection), kv [T, hd] (the window key projection), positions [T] int64,
-    freqs [r/2] float32, kv_norm [hd]; ring [S, hd] (written in place when `write`); qi [T, nh, dI] and iw
-    [T, nh] (index-source layers) -> (q, k [T, hd], qi, iw) in the activation dtype (qi, iw None when not
-    given)."""
-    cos, sin = rope_op.table(positions, freqs)
+    rope (cos, sin) tables [P, r/2] float32, kv_norm [hd]; ring [S, hd] (written in place when `write`); qi
+    [T, nh, dI] and iw [T, nh] (index-source layers) -> (q, k [T, hd], qi, iw) in the activation dtype (qi,
+    iw None when not given)."""
+    cos, sin = rope[0][positions], rope[1][positions]
     q = rope_op.reference(q, cos.unsqueeze(1), sin.unsqueeze(1))
     k = rope_op.reference(rmsnorm.reference(kv, kv_norm, eps), cos, sin)
     if quant:
@@ -69,7 +70,7 @@ def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs:
 
 
 @device_function
-def _rotate(x_ptr, row, n_heads, hd, heads, cols, pos, freq_ptr, HALF: tl.constexpr, OUT_BF16: tl.constexpr):
+def _rotate(x_ptr, row, n_heads, hd, heads, cols, pos, cos_ptr, sin_ptr, HALF: tl.constexpr, OUT_BF16: tl.constexpr):
     """Load heads `heads` of row `row` of x [T, n_heads, hd] with RoPE applied to their last 2 HALF dims
     (interleaved pairs), as float32 [BH, BC] over columns `cols` of a head (values rounded to x's dtype)."""
     hmask = heads < n_heads
@@ -79,16 +80,27 @@ def _rotate(x_ptr, row, n_heads, hd, heads, cols, pos, freq_ptr, HALF: tl.conste
     nope = hd - 2 * HALF
     j = cols - nope  # position inside the rotated part
     rot = (j >= 0) & (cols < hd)
-    pair = tl.where(rot, j // 2, 0)
-    f = tl.load(freq_ptr + pair, mask=rot, other=0.0)
-    phi = pos.to(tl.float32) * f
-    c = tl.cos(phi)
-    s = tl.sin(phi)
+    pair = pos * HALF + tl.where(rot, j // 2, 0)
+    c = tl.load(cos_ptr + pair, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pair, mask=rot, other=0.0)
     partner = tl.load(base + tl.where(rot, cols ^ 1, cols)[None, :], mask=m & rot[None, :], other=0.0).to(tl.float32)
     even = (j % 2) == 0
     # (a, b) -> (a c - b s, a s + b c): an even column is a, its partner b; an odd column is b, its partner a
     out = tl.where(even[None, :], v * c[None, :] - partner * s[None, :], partner * s[None, :] + v * c[None, :])
     return tl.where(rot[None, :], round_out(out, OUT_BF16).to(tl.float32), v)
+
+
+def check_rope(rope: tuple[torch.Tensor, torch.Tensor], width: int) -> int:
+    """The half width of RoPE tables (cos, sin) [P, r/2] float32 for rows `width` wide, checked."""
+    cos_t, sin_t = rope
+    require(cos_t.dim() == 2 and cos_t.shape == sin_t.shape and cos_t.dtype == sin_t.dtype == torch.float32,
+            "rope", f"{tuple(cos_t.shape)} {cos_t.dtype} / {tuple(sin_t.shape)} {sin_t.dtype}",
+            "must be two float32 tables [P, r/2]")
+    require(cos_t.is_contiguous() and sin_t.is_contiguous(), "rope", "strided", "the tables must be contiguous")
+    half = cos_t.shape[1]
+    require(2 * half <= width and half & (half - 1) == 0, "rope.shape[1]", half,
+            f"must be a power of two <= {width // 2}")
+    return half
 
 
 @device_function
@@ -124,11 +136,11 @@ def q4_e8m0_tile(x, BR: tl.constexpr, BC: tl.constexpr):
     return tl.reshape(e2m1_rne(xb / s) * s, (BR, BC))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
             kv_ptr,     # [T, hd] window key projection
             pos_ptr,    # int64 [T]
-            freq_ptr,   # float32 [HALF]
+            cos_ptr, sin_ptr,  # float32 [P, HALF] RoPE tables
             nw_ptr,     # float32 [hd] kv_norm weight
             ring_ptr,   # [S, hd] window ring (WRITE)
             k_ptr,      # out [T, hd] window keys
@@ -151,7 +163,7 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
         w = tl.load(nw_ptr + cols, mask=cm, other=0.0)
         tl.store(k_ptr + t * hd + cols, round_out(w * (x * r), OUT_BF16), mask=cm)
         tl.debug_barrier()  # the normed key is re-read below by the rotation's partner loads
-        k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, freq_ptr, HALF, OUT_BF16)  # [1, BHD]
+        k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)  # [1, BHD]
         tl.debug_barrier()
         if QUANT:
             k = _q8_pow2(k, 1, BHD)
@@ -166,23 +178,23 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
             iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
             tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
     elif part <= q_blocks:  # a block of query heads: rotate the rope dims in place
-        heads = (part - 1) * BQH + tl.arange(0, BQH)
-        cols = hd - 2 * HALF + tl.arange(0, 2 * HALF)
-        v = _rotate(q_ptr, t, H, hd, heads, cols, pos, freq_ptr, HALF, OUT_BF16)
+        qheads = (part - 1) * BQH + tl.arange(0, BQH)
+        rcols = hd - 2 * HALF + tl.arange(0, 2 * HALF)
+        qv = _rotate(q_ptr, t, H, hd, qheads, rcols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)
         tl.debug_barrier()  # every partner was read before any element is overwritten
-        tl.store(q_ptr + (t * H + heads[:, None].to(tl.int64)) * hd + cols[None, :], round_out(v, OUT_BF16),
-                 mask=(heads[:, None] < H))
+        tl.store(q_ptr + (t * H + qheads[:, None].to(tl.int64)) * hd + rcols[None, :], round_out(qv, OUT_BF16),
+                 mask=(qheads[:, None] < H))
     else:  # a block of index heads: rotate, quantize
-        heads = (part - 1 - q_blocks) * BIH + tl.arange(0, BIH)
-        cols = tl.arange(0, BDI)
-        v = _rotate(qi_ptr, t, nh, dI, heads, cols, pos, freq_ptr, HALF, OUT_BF16)
+        iheads = (part - 1 - q_blocks) * BIH + tl.arange(0, BIH)
+        icols = tl.arange(0, BDI)
+        iv = _rotate(qi_ptr, t, nh, dI, iheads, icols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)
         if QUANT:
-            v = q4_e8m0_tile(v, BIH, BDI)
-        tl.store(qo_ptr + (t * nh + heads[:, None].to(tl.int64)) * dI + cols[None, :], round_out(v, OUT_BF16),
-                 mask=(heads[:, None] < nh) & (cols[None, :] < dI))
+            iv = q4_e8m0_tile(iv, BIH, BDI)
+        tl.store(qo_ptr + (t * nh + iheads[:, None].to(tl.int64)) * dI + icols[None, :], round_out(iv, OUT_BF16),
+                 mask=(iheads[:, None] < nh) & (icols[None, :] < dI))
 
 
-def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
          kv_norm: torch.Tensor, eps: float, ring: torch.Tensor, write: bool, quant: bool,
          qi: torch.Tensor | None = None, iw: torch.Tensor | None = None, iw_scale: float = 1.0):
     """The kernel for `reference` (same signature; results within the stated tolerance). The queries are
@@ -194,10 +206,8 @@ def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torc
             f"must be [{t}, {hd}] {q.dtype}")
     require(tuple(positions.shape) == (t,) and positions.dtype == torch.int64, "positions",
             f"{tuple(positions.shape)} {positions.dtype}", f"must be [{t}] int64")
-    half = freqs.shape[0]
-    require_dtype(freqs, "freqs", (torch.float32,))
-    require(2 * half <= hd and half & (half - 1) == 0, "freqs.shape[0]", half,
-            f"must be a power of two <= hd / 2 = {hd // 2}")
+    cos_t, sin_t = rope
+    half = check_rope(rope, hd)
     require(tuple(kv_norm.shape) == (hd,), "kv_norm.shape", tuple(kv_norm.shape), f"must be ({hd},)")
     require_dtype(kv_norm, "kv_norm", (torch.float32,))
     require(ring.dim() == 2 and ring.shape[1] == hd, "ring.shape", tuple(ring.shape), f"must be [S, {hd}]")
@@ -215,7 +225,7 @@ def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torc
         qi, iw = qi.contiguous(), iw.contiguous()
     else:
         nh, di = 1, 32
-    dev = device_of(q, kv, positions, freqs, kv_norm, ring)
+    dev = device_of(q, kv, positions, cos_t, sin_t, kv_norm, ring)
     require_rows(kv, "kv")
     require(ring.is_contiguous(), "ring.stride", ring.stride(), "must be contiguous")
     kv = kv.contiguous()
@@ -225,10 +235,10 @@ def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torc
     if t == 0:
         return q, k, qo, wo
     bqh = max(1, min(pow2(h), (8192 if INTERPRET else 512) // (2 * half)))
-    bih = max(1, min(pow2(nh), (8192 if INTERPRET else 1024) // pow2(di)))
+    bih = max(1, min(pow2(nh), (8192 if INTERPRET else 512) // pow2(di)))
     q_blocks = triton.cdiv(h, bqh)
     parts = 1 + q_blocks + (triton.cdiv(nh, bih) if index else 0)
-    _kernel[(t, parts)](q, kv, positions, freqs, kv_norm, ring, k, qi if index else k, qo if index else k,
+    _kernel[(t, parts)](q, kv, positions, cos_t, sin_t, kv_norm, ring, k, qi if index else k, qo if index else k,
                         iw if index else k, wo if index else k, t, h, hd, ring.shape[0], nh, di, float(eps),
                         float(iw_scale), q_blocks, WRITE=write, QUANT=quant, INDEX=index,
                         OUT_BF16=q.dtype == torch.bfloat16, HALF=half, BHD=pow2(hd), BQH=bqh, BIH=bih,

@@ -36,15 +36,16 @@ from ._triton import (
     triton,
     tsum,
 )
-from .attn_inputs import e2m1_rne, q4_e8m0_tile
+from .attn_inputs import check_rope, e2m1_rne, q4_e8m0_tile
 from .formats import q4_e4m3, q4_e8m0
 
 
 def reference(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.Tensor, ring: torch.Tensor,
               ratio: int, norm: torch.Tensor, eps: float, wk: linear.PackedWeight, k_norm: torch.Tensor,
-              freqs: torch.Tensor, kv_rows: torch.Tensor, key_rows: torch.Tensor, write: bool, quant: bool,
-              dtype: torch.dtype) -> torch.Tensor:
+              rope: tuple[torch.Tensor, torch.Tensor], kv_rows: torch.Tensor, key_rows: torch.Tensor, write: bool,
+              quant: bool, dtype: torch.dtype) -> torch.Tensor:
     """kappa, zeta [T, w] float32 (zeta None: no gate), positions [T] (consecutive), ring [S, 2w] float32,
+    rope (cos, sin) tables [P, r/2] of the compressed layers,
     kv_rows [R + 1, w] and key_rows [R + 1, dI] (row R: the trash row) written in place -> the row index
     each position wrote [T] (R where it completes no group)."""
     proj = torch.cat((kappa, torch.zeros_like(kappa) if zeta is None else zeta), dim=-1)
@@ -59,7 +60,7 @@ def reference(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.T
         p, v = (positions, proj) if positions.numel() <= size else (positions[-size:], proj[-size:])
         ring[p % size] = v
     row = positions // ratio
-    cos, sin = rope_op.table(row * ratio, freqs)
+    cos, sin = rope[0][row * ratio], rope[1][row * ratio]
     index = torch.where((positions + 1) % ratio == 0, row, torch.full_like(row, trash))
     keys = rope_op.reference(rmsnorm.reference(linear.reference(latent, wk, None, dtype), k_norm, eps), cos, sin)
     key_rows[index] = (q4_e8m0(keys, 32).to(keys.dtype) if quant else keys).to(key_rows.dtype)
@@ -72,15 +73,14 @@ def reference(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.T
 
 
 @device_function
-def _rope_vec(v, cols, n, pos, freq_ptr, HALF: tl.constexpr, OUT_BF16: tl.constexpr):
+def _rope_vec(v, cols, n, pos, cos_ptr, sin_ptr, HALF: tl.constexpr, OUT_BF16: tl.constexpr):
     """RoPE of a float32 vector v [BC] (values at `cols`, n valid) on its last 2 HALF dims, rounded."""
     nope = n - 2 * HALF
     j = cols - nope
     rot = (j >= 0) & (cols < n)
-    f = tl.load(freq_ptr + tl.where(rot, j // 2, 0), mask=rot, other=0.0)
-    phi = pos.to(tl.float32) * f
-    c = tl.cos(phi)
-    s = tl.sin(phi)
+    pair = pos * HALF + tl.where(rot, j // 2, 0)
+    c = tl.load(cos_ptr + pair, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pair, mask=rot, other=0.0)
     # the partner of each element: its pair's other half (the vector is in registers: swap by a reshape)
     pairs = tl.reshape(v, (v.shape[0] // 2, 2))
     a, b = tl.split(pairs)
@@ -90,14 +90,14 @@ def _rope_vec(v, cols, n, pos, freq_ptr, HALF: tl.constexpr, OUT_BF16: tl.conste
     return tl.where(rot, round_out(out, OUT_BF16).to(tl.float32), v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _kernel(kappa_ptr, zeta_ptr,  # float32 [T, w] projections of this call (zeta: GATE)
             pos_ptr,              # int64 [T]
             ring_ptr,             # float32 [S, 2w] the compressor's ring
             nw_ptr,               # float32 [w] the compressor's norm
             wk_ptr,               # bfloat16 / float32 [dI, w] the index key projection
             knw_ptr,              # float32 [dI] k_norm
-            freq_ptr,             # float32 [HALF] the compressed layers' RoPE
+            cos_ptr, sin_ptr,     # float32 [P, HALF] the compressed layers' RoPE tables
             lat_ptr,              # scratch [T, w] float32: the normed latents (read back in column chunks)
             kv_ptr,               # [R + 1, w] compressed rows
             key_ptr,              # [R + 1, dI] index keys
@@ -160,12 +160,12 @@ def _kernel(kappa_ptr, zeta_ptr,  # float32 [T, w] projections of this call (zet
     key = round_out(acc, OUT_BF16).to(tl.float32)
     knw = tl.load(knw_ptr + ks, mask=km, other=0.0)
     key = round_out(knw * (key * (1.0 / tl.sqrt_rn(tsum(key * key, axis=0) / dI + eps))), OUT_BF16).to(tl.float32)
-    key = _rope_vec(key, ks, dI, rpos, freq_ptr, HALF, OUT_BF16)
+    key = _rope_vec(key, ks, dI, rpos, cos_ptr, sin_ptr, HALF, OUT_BF16)
     if QUANT:
         key = tl.reshape(q4_e8m0_tile(tl.reshape(key, (1, BDI)), 1, BDI), (BDI,))
     tl.store(key_ptr + index * dI + ks, round_out(key, OUT_BF16), mask=km)
     # the compressed row: RoPE, FP4 with e4m3 scales per 16
-    r = _rope_vec(lat, cols, w, rpos, freq_ptr, HALF, OUT_BF16)
+    r = _rope_vec(lat, cols, w, rpos, cos_ptr, sin_ptr, HALF, OUT_BF16)
     if QUANT:
         rb = tl.reshape(r, (BW // 16, 16))
         amax = tl.maximum(tmax(tl.abs(rb), axis=1), 6.0 * 2.0**-9)
@@ -176,8 +176,8 @@ def _kernel(kappa_ptr, zeta_ptr,  # float32 [T, w] projections of this call (zet
 
 def fast(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.Tensor, ring: torch.Tensor,
          ratio: int, norm: torch.Tensor, eps: float, wk: linear.PackedWeight, k_norm: torch.Tensor,
-         freqs: torch.Tensor, kv_rows: torch.Tensor, key_rows: torch.Tensor, write: bool, quant: bool,
-         dtype: torch.dtype) -> torch.Tensor:
+         rope: tuple[torch.Tensor, torch.Tensor], kv_rows: torch.Tensor, key_rows: torch.Tensor, write: bool,
+         quant: bool, dtype: torch.dtype) -> torch.Tensor:
     """The kernel for `reference` (same signature; results within the stated tolerance)."""
     require_dtype(kappa, "kappa", (torch.float32,))
     require(kappa.dim() == 2 and kappa.is_contiguous(), "kappa.shape", tuple(kappa.shape),
@@ -193,20 +193,18 @@ def fast(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.Tensor
     require(ring.shape[0] >= ratio, "ring.shape[0]", ring.shape[0], f"must hold a group ({ratio})")
     require(wk.format == "dense" and wk.shape[1] == w, "wk", f"{wk.format} {wk.shape}", f"must be dense [dI, {w}]")
     di = wk.shape[0]
-    half = freqs.shape[0]
-    require(2 * half <= min(w, di) and half & (half - 1) == 0, "freqs.shape[0]", half, "must be a power of two "
-            "whose rope dims fit the row and the key")
+    half = check_rope(rope, min(w, di))
     require(not quant or (w % 16 == 0 and di % 32 == 0), "w, dI", (w, di), "must be multiples of 16 and 32")
     for name, rows, width in (("kv_rows", kv_rows, w), ("key_rows", key_rows, di)):
         require(rows.dim() == 2 and rows.shape[1] == width and rows.is_contiguous() and rows.dtype == dtype, name,
                 f"{tuple(rows.shape)} {rows.dtype}", f"must be a contiguous [R + 1, {width}] {dtype}")
     require(kv_rows.shape[0] == key_rows.shape[0], "key_rows.shape[0]", key_rows.shape[0],
             f"must equal kv_rows.shape[0] {kv_rows.shape[0]}")
-    dev = device_of(kappa, positions, ring, norm, wk.data, k_norm, freqs, kv_rows, key_rows)
+    dev = device_of(kappa, positions, ring, norm, wk.data, k_norm, *rope, kv_rows, key_rows)
     index = torch.empty(t, dtype=torch.int64, device=dev)
     if t:
         lat = torch.empty((t, w), dtype=torch.float32, device=dev)
-        _kernel[(t,)](kappa, kappa if zeta is None else zeta, positions, ring, norm, wk.data, k_norm, freqs, lat,
+        _kernel[(t,)](kappa, kappa if zeta is None else zeta, positions, ring, norm, wk.data, k_norm, *rope, lat,
                       kv_rows, key_rows, index, t, w, ring.shape[0], ratio, di, kv_rows.shape[0] - 1, float(eps),
                       GATE=zeta is not None, WRITE=write, QUANT=quant, OUT_BF16=dtype == torch.bfloat16, HALF=half,
                       BW=pow2(w, 16), BM=pow2(ratio), BDI=pow2(di, 32), BC=min(pow2(w, 16), 64))

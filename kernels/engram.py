@@ -86,7 +86,7 @@ def _gathered_tile(table_ptr, scale_ptr, ids_ptr, rows, row_mask, k0, K, C, HD,
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _layer_kernel(table_ptr,  # e4m3 [rows, HD] (host memory registered with the device, or any tensor on CPU)
                   scale_ptr,  # E8M0 bytes [rows, HD / 32]
                   ids_ptr,    # int64 [T, C] the table rows of each position
@@ -184,7 +184,7 @@ def fast_layer(X: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids: t
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
     bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev)
     blocks = triton.cdiv(t, bm)
-    cnt = counters(dev)
+    cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
         table, scale.view(torch.uint8), ids, data, sc, kv, X, omega, out, cnt, t, ids.shape[1], hd, hc, d, swn, ssn,
@@ -227,7 +227,7 @@ def ids_reference(tokens: torch.Tensor, positions: torch.Tensor, token_map: torc
     return hash_ids(torch.stack(taus, dim=-1), pad, mult, primes, offsets, n_heads)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _ids_kernel(tok_ptr,    # int64 token history
                 pos_ptr,    # int64 [T]
                 map_ptr,    # int64 [V] compressed id of each token

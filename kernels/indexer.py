@@ -129,7 +129,7 @@ def _round_to(v, RD: tl.constexpr):
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    w_ptr,   # head weights [M, nh] (float32 / bfloat16), contiguous
                    k_ptr,   # keys [N, dI], row stride stride_k
@@ -344,7 +344,7 @@ def fast_select(scores: torch.Tensor, k: int, positions: torch.Tensor | None = N
         c = candidates.contiguous().view(torch.uint8)
     else:
         c = out
-    bn = min(pow2(max(n, nb)), 1024)
+    bn = min(pow2(max(n, nb)), 1024 if INTERPRET else 128)  # [BN, 16] digit counts in registers
     _select_kernel[(m,)](scores, c, keep, positions if source else out, out, n, c.shape[1] if candidates is not None
                          and not source else n, k, ratio, max(block, 1), min(top_blocks, nb), nb,
                          MASKED=candidates is not None and not source, SOURCE=source, BN=bn,

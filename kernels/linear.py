@@ -342,7 +342,7 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
 # activation quantization, split and output). Programs [end_{i-1}, end_i) of axis 0 are segment i's (tiles
 # times splits); axis 1 is the block of 16 rows. Tile shapes (BN, BK) are the launch's, chosen from the
 # segments' (N, K) only, so a row's sums never depend on how many rows share the launch.
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride stride_xm
             nw_ptr,     # float32 [K] RMSNorm weight of the input (NORM)
             cnt_ptr,    # int32 counters, zero between launches (split segments' last programs)
@@ -513,14 +513,6 @@ def reference_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.
     return [reference(x, p.weight, p.act_block, p.out_dtype, p.groups) for p in products]
 
 
-def reference_expand(x: torch.Tensor, weight: PackedWeight, act_block: int | None, X: torch.Tensor,
-                     post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The mHC expand of a sub-block's output projection: mhc.expand(x W^T in X's dtype, X, post, comb)."""
-    from .mhc import expand
-
-    return expand(reference(x, weight, act_block, X.dtype), X, post, comb)
-
-
 def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int]:
     """(outputs, act_block, outputs per group) of a product of x, checked; `arg` names it in errors."""
     n, k = check_weight(p.weight)
@@ -534,7 +526,9 @@ def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int
     return n, check_act_block(p.act_block, k), ng
 
 
-def _launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch.Tensor]:
+def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch.Tensor]:
+    """One launch of the products (`fast_multi`); `expand` (X, post, comb): one product, stored as the mHC
+    expand of it (kernels/mhc.py's `fast_product_expand`)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
     shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
@@ -575,7 +569,6 @@ def _launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torc
     bm, bn, bk, splits = plan(shapes, k, dev)
     row_blocks = triton.cdiv(m, bm)
     exact = products[0].weight.bf16_exact
-    cnt = counters(dev)
     args, rt, cx, end, used = [], [], {}, 0, 0
     for i in range(MAX_PRODUCTS):
         if i < len(products):
@@ -594,8 +587,8 @@ def _launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torc
             rt += [0, 0, 0, 0, 1, end, 0]
             cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
                        f"OUT{i}": False})
-    require(used <= cnt.numel(), "x.shape[0]", m, "too many rows for the split products' counters")
-    _kernel[(end, row_blocks)](x2, nw, cnt, X, post, comb, *args, m, k, x2.stride(0), float(eps), hc, *rt,
+    _kernel[(end, row_blocks)](x2, nw, counters(dev, used), X, post, comb, *args, m, k, x2.stride(0), float(eps), hc,
+                               *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
                                EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, BM=bm, BN=bn, BK=bk,
                                BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)
@@ -605,17 +598,10 @@ def _launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torc
 def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tensor, float] | None = None
                ) -> list[torch.Tensor]:
     """The kernel for `reference_multi`: every product in one launch."""
-    return _launch(x, products, norm, None)
-
-
-def fast_expand(x: torch.Tensor, weight: PackedWeight, act_block: int | None, X: torch.Tensor,
-                post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The kernel for `reference_expand`: the product and the expand in one launch (the expand is each
-    output tile's epilogue)."""
-    return _launch(x, [Product(weight, act_block, X.dtype)], None, (X, post, comb))[0]
+    return launch(x, products, norm, None)
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
          groups: int = 1) -> torch.Tensor:
     """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16)."""
-    return _launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]
+    return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]

@@ -24,6 +24,7 @@ All batch invariant: no reduction mixes rows.
 
 import torch
 
+from . import linear
 from ._triton import (
     INTERPRET,
     as_int64,
@@ -316,6 +317,19 @@ def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     return out
 
 
+def product_expand(x: torch.Tensor, weight, act_block: int | None, X: torch.Tensor, post: torch.Tensor,
+                   comb: torch.Tensor) -> torch.Tensor:
+    """A sub-block's output projection added to the streams: expand(x W^T in X's dtype, X, post, comb)."""
+    return expand(linear.reference(x, weight, act_block, X.dtype), X, post, comb)
+
+
+def fast_product_expand(x: torch.Tensor, weight, act_block: int | None, X: torch.Tensor, post: torch.Tensor,
+                        comb: torch.Tensor) -> torch.Tensor:
+    """The kernel for `product_expand`: one launch of the linear kernel, the expand its output tiles'
+    epilogue."""
+    return linear.launch(x, [linear.Product(weight, act_block, X.dtype)], None, (X, post, comb))[0]
+
+
 # --- a sub-block's input, fused ---------------------------------------------------------------------------
 
 
@@ -392,7 +406,7 @@ def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, row
     return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contiguous
                 w_ptr,      # float32 [M, hc] collapse weights (OWN == 0)
                 fn_ptr,     # float32 [J, hc*D] projection (COEFFS)
@@ -527,11 +541,10 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
     else:  # ~2 programs per SM over the hc*D inputs (from n only); 16 rows per block (a decode step: one)
         bc = 64
         chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
-        rb, bd = 16, 256
+        rb, bd = 16, 128
     splits = triton.cdiv(n, chunk) if coeff else 1
     blocks = triton.cdiv(m, rb)
-    cnt = counters(dev)
-    require(blocks <= cnt.numel(), "X.shape[0]", m, f"must be <= {cnt.numel() * rb} rows")
+    cnt = counters(dev, blocks)
     part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev) if coeff else y
     w = weights if weights is not None else y
     _pre_kernel[(splits, blocks)](

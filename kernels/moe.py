@@ -179,71 +179,75 @@ def _log1p(y):
 
 
 @device_function
-def _route_rows(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, rows, rmask, E, route_scale, norm_eps,
-                SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
-                BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """The routing of rows `rows` from their logits: scores (float32), top-k by repeated argmax over the
-    experts not yet taken (ties to the lower id; a NaN ranks lowest, so a row of NaNs still yields k distinct
-    ids in range), weights normalized; stored, and returned ([BM, BK] ids, weights)."""
+def _route_row(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, row, E, route_scale, norm_eps, SCORE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """The routing of one row from its logits: scores (float32), top-k by repeated argmax over the experts not
+    yet taken (ties to the lower id; a NaN ranks lowest, so a row of NaNs still yields k distinct ids in
+    range), weights normalized; stored as the row's K ids and weights. One row at a time: a [BE] vector of
+    each kind stays in registers (a block of rows at once, [BM, 512] of several kinds, spills)."""
     cols = tl.arange(0, BE)
     cmask = cols < E
-    m2 = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
-    lg = tl.load(l_ptr + r64[:, None] * E + cols[None, :], mask=m2, other=0.0)
+    r64 = row + tl.zeros((), dtype=tl.int64)  # (an int under the interpreter)
+    lg = tl.load(l_ptr + r64 * E + cols, mask=cmask, other=0.0)
     if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold 20
         s = tl.sqrt_rn(tl.where(lg > 20.0, lg, _log1p(tl.exp(tl.minimum(lg, 20.0)))))
     elif SCORE == 1:
         s = 1.0 / (1.0 + tl.exp(-lg))
     else:
-        ex = tl.where(cmask[None, :], tl.exp(lg - tmax(tl.where(cmask[None, :], lg, float("-inf")), axis=1)[:, None]),
-                      0.0)
-        s = ex / tsum(ex, axis=1)[:, None]
+        ex = tl.where(cmask, tl.exp(lg - tmax(tl.where(cmask, lg, float("-inf")), axis=0)), 0.0)
+        s = ex / tsum(ex, axis=0)
     slots = tl.arange(0, BK)
-    smask = rmask[:, None] & (slots[None, :] < K)
-    idx = tl.zeros((BM, BK), dtype=tl.int64)
-    w = tl.zeros((BM, BK), dtype=tl.float32)
+    smask = slots < K
+    idx = tl.zeros((BK,), dtype=tl.int64)
+    w = tl.zeros((BK,), dtype=tl.float32)
     if HASH:
-        idx = tl.load(hash_ptr + r64[:, None] * K + slots[None, :], mask=smask, other=0)
+        idx = tl.load(hash_ptr + r64 * K + slots, mask=smask, other=0)
         for j in tl.static_range(K):
-            e = tsum(tl.where(slots[None, :] == j, idx, 0), axis=1)
-            w = tl.where(slots[None, :] == j, tsum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)[:, None], w)
+            e = tsum(tl.where(slots == j, idx, 0), axis=0)
+            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0), axis=0), w)
     else:
         b = s
         if HAS_BIAS:
-            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
         b = tl.where(b == b, b, float("-inf"))  # a NaN ranks lowest
-        free = tl.broadcast_to(cmask[None, :], (BM, BE))  # experts not taken: at least K, so each pick is real
+        free = cmask  # experts not taken: at least K, so each pick is real
         for j in tl.static_range(K):
-            best = tmax(tl.where(free, b, float("-inf")), axis=1)
-            e = tmin(tl.where(free & (b == best[:, None]), cols[None, :], BE), axis=1)
-            idx = tl.where(slots[None, :] == j, e.to(tl.int64)[:, None], idx)
-            w = tl.where(slots[None, :] == j, tsum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)[:, None], w)
-            free = free & (cols[None, :] != e[:, None])
-    w = w / (tsum(w, axis=1) + norm_eps)[:, None] * route_scale
-    tl.store(w_ptr + r64[:, None] * K + slots[None, :], w, mask=smask)
-    tl.store(i_ptr + r64[:, None] * K + slots[None, :], idx, mask=smask)
-    return idx, w
+            best = tmax(tl.where(free, b, float("-inf")), axis=0)
+            e = tmin(tl.where(free & (b == best), cols, BE), axis=0)
+            idx = tl.where(slots == j, e.to(tl.int64), idx)
+            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0), axis=0), w)
+            free = free & (cols != e)
+    w = w / (tsum(w, axis=0) + norm_eps) * route_scale
+    tl.store(w_ptr + r64 * K + slots, w, mask=smask)
+    tl.store(i_ptr + r64 * K + slots, idx, mask=smask)
 
 
 @device_function
-def _sort_pairs(idx, w, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K: tl.constexpr,
+def _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """The M K (row, expert) pairs of one block sorted by (expert, row): expert, row, weight, the first and
-    one past the last pair of the expert's group, per sorted pair; pos [M, K]: each row's pairs in increasing
-    expert id. The shared expert follows as one group (expert E) of the M rows in order."""
+    """The M K (row, expert) pairs of rows [0, M) (their routing as stored) sorted by (expert, row): expert,
+    row, weight, the first and one past the last pair of the expert's group, per sorted pair; pos [M, K]:
+    each row's pairs in increasing expert id. The shared expert follows as one group (expert E) of the M
+    rows in order. Each pair's rank counts the pairs before it, one other pair per step (comparing all
+    pairs at once is a [BM BK, BM BK] tile)."""
     p = tl.arange(0, BM * BK)
     r = p // BK
     j = p % BK
     valid = (r < M) & (j < K)
-    e = tl.reshape(idx, (BM * BK,))
-    wf = tl.reshape(w, (BM * BK,))
-    key = tl.where(valid, e * M + r, 2**62)
-    e_key = tl.where(valid, e, 2**62)
-    rank = tsum(((key[None, :] < key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
-    first = tsum(((e_key[None, :] < e_key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
-    end = tsum(((e_key[None, :] <= e_key[:, None]) & valid[None, :]).to(tl.int64), axis=1)
-    in_row = tsum(((e_key[None, :] < e_key[:, None]) & (r[None, :] == r[:, None]) & valid[None, :]).to(tl.int64),
-                  axis=1)
+    e = tl.load(i_ptr + r * K + j, mask=valid, other=0)
+    wf = tl.load(w_ptr + r * K + j, mask=valid, other=0.0)
+    key = e * M + r
+    rank = tl.zeros((BM * BK,), dtype=tl.int64)
+    first = tl.zeros((BM * BK,), dtype=tl.int64)
+    end = tl.zeros((BM * BK,), dtype=tl.int64)
+    in_row = tl.zeros((BM * BK,), dtype=tl.int64)
+    for rq in range(0, M):
+        for jq in tl.static_range(K):
+            eq = tl.load(i_ptr + rq * K + jq)
+            rank += (eq * M + rq < key).to(tl.int64)
+            first += (eq < e).to(tl.int64)
+            end += (eq <= e).to(tl.int64)
+            in_row += ((eq < e) & (rq == r)).to(tl.int64)
     tl.store(pe_ptr + rank, e, mask=valid)
     tl.store(pr_ptr + rank, r.to(tl.int64), mask=valid)
     tl.store(pw_ptr + rank, wf, mask=valid)
@@ -261,7 +265,7 @@ def _sort_pairs(idx, w, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,
         tl.store(pend_ptr + n + rows, tl.full((BM,), n + M, dtype=tl.int64), mask=sm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
                    g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
                    part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
@@ -310,10 +314,13 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
         tl.debug_barrier()
         counter = cnt_ptr + tiles * blocks + pid_m
         if tl.atomic_add(counter, 1, sem="acq_rel") == tiles - 1:
-            idx, w = _route_rows(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, rows, rmask, E, route_scale, norm_eps,
-                                 SCORE, HAS_BIAS, HASH, K, BM, BE, BKK)
+            for row in range(pid_m * BM, tl.minimum(M, pid_m * BM + BM)):
+                _route_row(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, row, E, route_scale, norm_eps, SCORE, HAS_BIAS,
+                           HASH, K, BE, BKK)
             if PAIRS:
-                _sort_pairs(idx, w, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K, BM, BKK, HAS_SHARED)
+                tl.debug_barrier()  # the block's routing is stored: every thread reads it back
+                _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K, BM, BKK,
+                            HAS_SHARED)
             tl.atomic_xchg(counter, 0)
 
 
@@ -369,11 +376,12 @@ def expert_table(experts, key) -> ExpertTable:
 
 
 @device_function
-def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, stride_wn, stride_sn, limit,
+def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
               X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr,
               X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Gate and up of one expert group (its table row at `base`) for its pairs [p, end), 16 at a time."""
+    """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
+    [p, end), 16 at a time, into rows of h (IW wide)."""
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
@@ -387,13 +395,15 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, strid
         rows = tl.load(row_ptr + prs, mask=pm, other=0)
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        if a1 != 0:
+        if a1 != 0:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
             for k0 in range(0, D, BK):
                 a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
-                wg = weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK)
-                acc_g = mma_parts(wg, a, acc_g, X_PARTS, DOT_BF16)
-                wu = weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK)
-                acc_u = mma_parts(wu, a, acc_u, X_PARTS, DOT_BF16)
+                acc_g = mma_parts(weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK), a, acc_g, X_PARTS,
+                                  DOT_BF16)
+            for k0 in range(0, D, BK):
+                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
+                acc_u = mma_parts(weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK), a, acc_u, X_PARTS,
+                                  DOT_BF16)
         g = round_out(acc_g, X_BF16).to(tl.float32)
         u = round_out(acc_u, X_BF16).to(tl.float32)
         if HAS_LIMIT:
@@ -404,10 +414,10 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, strid
             h = tl.load(pw_ptr + prs, mask=pm, other=0.0)[None, :] * h
         if X_BF16:
             h = bf16_rne(h)
-        tl.store(h_ptr + prs[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
+        tl.store(h_ptr + prs[None, :].to(tl.int64) * IW + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # pair counts vary call by call: one compile
 def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
                     tab_ptr,    # int64 [E, 6] expert weight addresses (ExpertTable)
                     stab_ptr,   # int64 [1, 6] the shared expert's (HAS_SHARED), the group of expert id E
@@ -416,8 +426,8 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     pw_ptr,     # float32 [P] routing weight of each pair
                     first_ptr,  # int64 [P] first pair of the pair's expert group (the group leader works)
                     end_ptr,    # int64 [P] one past the group's last pair
-                    h_ptr,      # out [P, I] in x's dtype: the rounded SwiGLU activations, per pair
-                    P, PAIRS, D, I, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: pairs per program
+                    h_ptr,      # out [P, IW] in x's dtype: the rounded SwiGLU activations, per pair
+                    P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
@@ -428,19 +438,21 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
             if e < E:
-                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, swn, ssn, limit,
-                          FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, APPLY_W, X_BF16, BM, BN, BK)
-            elif HAS_SHARED:
-                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I, stride_x, s_swn, s_ssn, limit,
-                          S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, 0, X_BF16, BM, BN, BK)
+                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, swn, ssn,
+                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, APPLY_W, X_BF16, BM, BN, BK)
+            elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
+                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I_S, IW, stride_x, s_swn, s_ssn,
+                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, 0, X_BF16, BM, BN,
+                          BK)
 
 
 @device_function
-def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, D, stride_wn, stride_sn,
+def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Down of one expert group for its pairs [p, end): float32 outputs (values of x's dtype) per pair."""
+    """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): float32
+    outputs (values of x's dtype) per pair."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < D
@@ -452,7 +464,7 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, D, stride_wn, stride_sn,
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if a2 != 0:
             for k0 in range(0, I, BK):
-                a = act_tile(h_ptr, prs, pm, k0, I, I, ACT_BLOCK, BM, BK)
+                a = act_tile(h_ptr, prs, pm, k0, I, IW, ACT_BLOCK, BM, BK)
                 w = weight_tile(w2_rows, s2_rows, n_mask, k0, I, FMT, BI, BN, BK)
                 acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
         o = round_out(acc, X_BF16).to(tl.float32)
@@ -465,11 +477,11 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, D, stride_wn, stride_sn,
         tl.store(o_ptr + prs[None, :].to(tl.int64) * D + offs_n[:, None], o, mask=n_mask[:, None] & pm[None, :])
 
 
-@triton.jit
-def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), contiguous
+@triton.jit(do_not_specialize=["P"])
+def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
-                 P, PAIRS, I, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
+                 P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
@@ -480,14 +492,14 @@ def _down_kernel(h_ptr,      # [P, I] SwiGLU activations per pair (x's dtype), c
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
             if e < E:
-                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, D, swn, ssn, FMT, BO, BI, WDT,
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, IW, D, swn, ssn, FMT, BO, BI, WDT,
                             ACT_BLOCK, X_PARTS, DOT_BF16, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
-                _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I, D, s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT,
-                            ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16, BM, BN, BK)
+                _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
+                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16, BM, BN, BK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows M K + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
@@ -574,9 +586,10 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     if ab:
         check_act_block(ab, table.i)
     st = expert_table([shared], shared) if shared is not None else None
-    if st is not None:
-        require((st.i, st.d) == (table.i, table.d), "shared", (st.i, st.d), f"must be shaped as the routed experts "
-                f"{(table.i, table.d)}")
+    if st is not None:  # its intermediate size may differ: a rank's split of it
+        require(st.d == table.d, "shared", (st.i, st.d), f"must take the routed experts' input size {table.d}")
+        if ab:
+            check_act_block(ab, st.i)
     dev = device_of(x, gate.data, table.table, X, post, comb)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -597,8 +610,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     pos = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     logits = torch.empty((m, e), dtype=torch.float32, device=dev)
     part = torch.empty((splits, m, e), dtype=torch.float32, device=dev) if splits > 1 else logits
-    cnt = counters(dev)
-    require(tiles * blocks + blocks <= cnt.numel(), "x.shape[0]", m, "too many rows for the router's counters")
+    cnt = counters(dev, tiles * blocks + blocks)
     gdata = gate.data
     exact = gate.bf16_exact
     _router_kernel[(tiles * splits, blocks)](
@@ -613,13 +625,14 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         *pair, pos = _pairs_on_host_order(idx, weights, e, shared is not None)
     # (2, 3) the experts
     pe, pr, pw, first, end = pair
-    i = table.i
+    i, i_s = table.i, st.i if st is not None else table.i
+    iw = max(i, i_s)
     if INTERPRET:
-        bk2 = max(min(pow2(max(d, i)), 256), ab, 32)
-        bn_up, bn_down = min(pow2(i), 128), min(pow2(d), 128)
+        bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
+        bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
     else:
         bk2 = max(64, ab)
-        bn_up, bn_down = (64, 32) if bk2 == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
+        bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
     per_program = n_pairs if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
     xb = x.dtype == torch.bfloat16
     parts = 3 if not ab and not xb else 1  # float32 activations: three exact bfloat16 parts
@@ -628,16 +641,17 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     s_down = st.down if st is not None else table.down
     common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, X_BF16=xb, HAS_SHARED=shared is not None, BM=MMA_ROWS,
                   BK=bk2, num_warps=8)
-    h = torch.empty((n_pairs, i), dtype=x.dtype, device=dev)
+    h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
-    _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(i, bn_up))](
-        x, table.table, stab, pe, pr, pw, first, end, h, n_pairs, per_program, d, i, e, x.stride(0), *table.up[:2],
-        *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
+    _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(iw, bn_up))](
+        x, table.table, stab, pe, pr, pw, first, end, h, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
+        *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
     _down_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, n_pairs, per_program, i, d, e, *table.down[:2], *s_down[:2],
+        h, table.table, stab, pe, pw, first, end, o, n_pairs, per_program, i, i_s, iw, d, e, *table.down[:2],
+        *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, BN=bn_down, **common)

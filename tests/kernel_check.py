@@ -129,3 +129,11 @@ def assert_rows_invariant(name: str, call, rows: int = 6, context: str = "") -> 
         assert not bad.any(), (f"{name}: rows computed {m} together differ from one at a time in {int(bad.sum())} "
                                f"of {bad.numel()} elements, first at {bad.nonzero()[0].tolist()} {context}")
     print(f"{name}: rows 1..{rows} together equal one at a time, bit for bit {context}")
+
+
+def rope_tables(positions: int, half: int, theta: float = 1e4, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) tables [positions, half] as the model builds them (kernels.rope.table)."""
+    from kernels.rope import table
+
+    freqs = 1.0 / (theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float32, device=device) / (2 * half)))
+    return table(torch.arange(positions, device=device), freqs)

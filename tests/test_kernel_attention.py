@@ -10,7 +10,7 @@ import torch
 
 from kernels import attention
 
-from .kernel_check import DEVICE, assert_close, assert_rows_invariant, bits, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_close, assert_rows_invariant, bits, requires_cuda, rope_tables, run, seed
 
 TOL = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-7}
 
@@ -88,9 +88,8 @@ def by_position(t, start, h, d, size, window, nc, k, dt, device=DEVICE):
     positions = torch.arange(start, start + t, device=device)
     comp = torch.randn(nc, d, device=device).to(dt)
     idx = torch.randint(-1, nc, (t, k), device=device)
-    freqs = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float32, device=device) / 16))
     return q, ring, keys, positions, window, comp, idx, torch.randn(h, device=device), d**-0.5, \
-        torch.bfloat16 if dt == torch.bfloat16 else None, freqs
+        torch.bfloat16 if dt == torch.bfloat16 else None, rope_tables(start + t + 1, 8, device=device)
 
 
 @pytest.mark.parametrize("t,start,dt", [(1, 40, torch.float32), (5, 3, torch.bfloat16), (4, 100, torch.bfloat16)])

@@ -12,7 +12,7 @@ import torch
 
 from kernels import attn_inputs
 
-from .kernel_check import DEVICE, assert_close, assert_rows_invariant, bits, run, seed
+from .kernel_check import DEVICE, assert_close, assert_rows_invariant, bits, rope_tables, run, seed
 
 F32, BF16 = torch.float32, torch.bfloat16
 TOL = {F32: 2.0**-20, BF16: 2.0**-7}
@@ -22,11 +22,11 @@ def inputs(t, h, hd, nh, di, half, dt, start=37):
     q = torch.randn(t, h, hd, device=DEVICE).to(dt)
     kv = (torch.randn(t, hd, device=DEVICE) * 3).to(dt)
     positions = torch.arange(start, start + t, device=DEVICE)
-    freqs = 1.0 / (1e4 ** (torch.arange(0, 2 * half, 2, dtype=F32, device=DEVICE) / (2 * half)))
+    rope = rope_tables(start + t + 1, half)
     norm = 1 + 0.1 * torch.randn(hd, device=DEVICE)
     qi = torch.randn(t, nh, di, device=DEVICE).to(dt) if nh else None
     iw = torch.randn(t, nh, device=DEVICE).to(dt) if nh else None
-    return q, kv, positions, freqs, norm, qi, iw
+    return q, kv, positions, rope, norm, qi, iw
 
 
 def close_codes(name, want, got, ctx, max_share=0.02):
@@ -45,10 +45,10 @@ def test_attention_inputs_match_the_reference(dt, quant, index):
     s = seed()
     ctx = f"(seed {s}, {dt}, quant={quant}, index={index})"
     t, h, hd, nh, di, half, size = 5, 3, 64, 4 if index else 0, 32, 8, 20
-    q, kv, positions, freqs, norm, qi, iw = inputs(t, h, hd, nh, di, half, dt)
+    q, kv, positions, rope, norm, qi, iw = inputs(t, h, hd, nh, di, half, dt)
     ring_w, ring_g = torch.zeros(size, hd, dtype=dt, device=DEVICE), torch.zeros(size, hd, dtype=dt, device=DEVICE)
-    want = attn_inputs.reference(q.clone(), kv, positions, freqs, norm, 1e-6, ring_w, True, quant, qi, iw, 0.125)
-    got = run(attn_inputs.fast, q.clone(), kv, positions, freqs, norm, 1e-6, ring_g, True, quant, qi, iw, 0.125)
+    want = attn_inputs.reference(q.clone(), kv, positions, rope, norm, 1e-6, ring_w, True, quant, qi, iw, 0.125)
+    got = run(attn_inputs.fast, q.clone(), kv, positions, rope, norm, 1e-6, ring_g, True, quant, qi, iw, 0.125)
     assert_close("q", want[0], got[0], TOL[dt], context=ctx)
     if quant:
         close_codes("k", want[1], got[1], ctx)
@@ -63,19 +63,19 @@ def test_attention_inputs_match_the_reference(dt, quant, index):
 
 
 def test_a_call_longer_than_the_ring_keeps_its_last_positions():
-    q, kv, positions, freqs, norm, _, _ = inputs(12, 2, 64, 0, 32, 8, F32, start=3)
+    q, kv, positions, rope, norm, _, _ = inputs(12, 2, 64, 0, 32, 8, F32, start=3)
     ring = torch.full((8, 64), -5.0, device=DEVICE)
-    _, k, _, _ = attn_inputs.fast(q, kv, positions, freqs, norm, 1e-6, ring, True, True)
+    _, k, _, _ = attn_inputs.fast(q, kv, positions, rope, norm, 1e-6, ring, True, True)
     assert torch.equal(ring[positions[-8:] % 8], k[-8:])
 
 
 def test_attention_inputs_of_a_row_do_not_depend_on_the_other_rows():
     s = seed()
-    q, kv, positions, freqs, norm, qi, iw = inputs(6, 3, 64, 4, 32, 8, BF16)
+    q, kv, positions, rope, norm, qi, iw = inputs(6, 3, 64, 4, 32, 8, BF16)
     ring = torch.zeros(32, 64, dtype=BF16, device=DEVICE)
 
     def call(sl, i):
-        return attn_inputs.fast(q[sl].clone(), kv[sl], positions[sl], freqs, norm, 1e-6, ring, True, True,
+        return attn_inputs.fast(q[sl].clone(), kv[sl], positions[sl], rope, norm, 1e-6, ring, True, True,
                                 qi[sl], iw[sl], 0.125)[i]
 
     for i, name in enumerate(("q", "k", "qi", "iw")):

@@ -12,7 +12,7 @@ import torch
 from kernels import compress
 from kernels.bench import dense_weight
 
-from .kernel_check import DEVICE, assert_close, bits, run, seed
+from .kernel_check import DEVICE, assert_close, bits, rope_tables, run, seed
 from .test_kernel_attn_inputs import close_codes
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -32,8 +32,8 @@ def args(t, start, ratio, w, di, dt, gate=True):
     norm = 1 + 0.1 * torch.randn(w, device=DEVICE)
     wk = dense_weight(di, w, torch.bfloat16, DEVICE)
     k_norm = 1 + 0.1 * torch.randn(di, device=DEVICE)
-    freqs = 1.0 / (1.6e5 ** (torch.arange(0, 16, 2, dtype=F32, device=DEVICE) / 16))
-    return kappa, zeta, positions, ratio, norm, 1e-6, wk, k_norm, freqs
+    rope = rope_tables(start + t + 1, 8, 1.6e5)
+    return kappa, zeta, positions, ratio, norm, 1e-6, wk, k_norm, rope
 
 
 @pytest.mark.parametrize("dt", [F32, BF16])

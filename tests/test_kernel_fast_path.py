@@ -17,7 +17,7 @@
 
 The interpreter takes seconds per forward, so prompts and generations are short here (sized to keep these
 tests within a few minutes); tests/test_speculative.py runs the long versions on the reference path
-(256 tokens, k = 1..5) and the kernel tests check every kernel's rows 1..6 bit for bit."""
+(256 tokens, k drawn from 1..5) and the kernel tests check every kernel's rows 1..6 bit for bit."""
 
 import random
 
@@ -39,7 +39,7 @@ pytestmark = [
 
 PLAIN_TOL = 2.0**-16    # relative to the row's largest |logit|: the float32 kernels against the float64 reference
 OFFICIAL_TOL = 2.0**-3  # one e4m3 code step: flips of the official quantization (README "Numerics")
-PROMPT = 32          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
+PROMPT = 24          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
 PROMPTS = 3          # fresh prompts a tolerance test may take to compare MIN_ROWS rows
 MIN_ROWS = 4         # rows before the paths' first differing choice that one prompt must reach
 GENERATE = 4         # greedy tokens per cycle test (the interpreter: ~6 s per forward of a tiny model)
@@ -148,9 +148,11 @@ def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models
         self, "step_cost", [0.0] + [1.0 + 0.1 * w for w in range(self.drafter.cfg.dspark.block_size + 1)]))
     lm = fast_models[family]
     seed = random.randrange(1 << 30)
-    prompt = torch.randint(0, lm.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
+    # 17 tokens: the window ring (16) has wrapped when the cycles start
+    prompt = torch.randint(0, lm.cfg.vocab_size, (17,), generator=torch.Generator().manual_seed(seed)).tolist()
     want, _ = greedy(lm, prompt, GENERATE)
-    for draft in DRAFTS[family]:
+    # one drafter mode per run, drawn (a run of each costs minutes under the interpreter; every run draws anew)
+    for draft in [random.Random(seed).choice(DRAFTS[family])]:
         got, stats = greedy(lm, prompt, GENERATE, draft=draft, draft_tokens=3)
         assert got == want, f"{family} --draft {draft} (seed {seed}): {got} != {want}"
         assert stats.cycles > 0 and stats.drafted >= stats.cycles

@@ -13,7 +13,7 @@ from kernels.bench import dense_weight, fp4_weight, fp8_weight
 from kernels.formats import q8_pow2
 from kernels.linear import PackedWeight
 
-from .kernel_check import DEVICE, assert_close, assert_rows_invariant, assert_within, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_rows_invariant, assert_within, requires_cuda, run, seed
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -117,21 +117,6 @@ def test_several_products_of_one_input_in_one_launch_match_their_references(k, n
         assert_within(f"y{i}", w, g, bound(xin, p.weight, p.act_block, p.out_dtype, w), f"(seed {s}, K={k})")
     assert_rows_invariant("products", lambda sl: torch.cat([y.float() for y in linear.fast_multi(x[sl], products, nw)],
                                                             -1), context=f"(seed {s}, K={k})")
-
-
-def test_a_product_and_the_mhc_expand_in_one_launch_match_the_two_references():
-    s = seed()
-    k, n, hc = 640, 40, 4
-    w = fp8_weight(n, k, (32, 32), DEVICE)
-    x = torch.randn(6, k, device=DEVICE).to(BF16)
-    X = torch.randn(6, hc, n, device=DEVICE).to(BF16)
-    post, comb = torch.rand(6, hc, device=DEVICE) * 2, torch.rand(6, hc, hc, device=DEVICE)
-    want = linear.reference_expand(x, w, 32, X, post, comb)
-    got = run(linear.fast_expand, x, w, 32, X, post, comb)
-    ctx = f"(seed {s})"
-    assert_close("expand", want, got, 2.0**-7, context=ctx)
-    assert_rows_invariant("expand", lambda sl: linear.fast_expand(x[sl], w, 32, X[sl], post[sl], comb[sl]),
-                          context=ctx)
 
 
 def test_linear_kernel_refuses_bad_arguments_naming_them():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import mhc
+from kernels.bench import fp8_weight
 
 from .kernel_check import DEVICE, assert_close, assert_rows_invariant, requires_cuda, run, seed
 
@@ -69,6 +70,21 @@ def test_mhc_coeffs_refuse_a_projection_of_the_wrong_shape():
     fn, base, scale = params(4, 8, DEVICE)
     with pytest.raises(ValueError, match=r"fn.shape=\(24, 31\): must be \(24, 32\)"):
         mhc.fast_coeffs(X, fn[:, :31].contiguous(), base, scale, 1e-20, 1e-6, 20)
+
+
+def test_a_product_and_the_mhc_expand_in_one_launch_match_the_two_references():
+    s = seed()
+    k, n, hc = 640, 40, 4
+    w = fp8_weight(n, k, (32, 32), DEVICE)
+    x = torch.randn(6, k, device=DEVICE).to(torch.bfloat16)
+    X = torch.randn(6, hc, n, device=DEVICE).to(torch.bfloat16)
+    post, comb = torch.rand(6, hc, device=DEVICE) * 2, torch.rand(6, hc, hc, device=DEVICE)
+    want = mhc.product_expand(x, w, 32, X, post, comb)
+    got = run(mhc.fast_product_expand, x, w, 32, X, post, comb)
+    ctx = f"(seed {s})"
+    assert_close("expand", want, got, 2.0**-7, context=ctx)
+    assert_rows_invariant("expand", lambda sl: mhc.fast_product_expand(x[sl], w, 32, X[sl], post[sl], comb[sl]),
+                          context=ctx)
 
 
 @requires_cuda

@@ -37,12 +37,12 @@ def experts_for(n_experts, d, inter, fmt, device, held=None):
 
 
 def ffn_args(m, d, inter, n_experts, k, fmt, dt, before, with_shared, limit, score_func="sqrtsoftplus",
-             gate_dtype=torch.bfloat16, hashed=False, device=DEVICE):
+             gate_dtype=torch.bfloat16, hashed=False, shared_inter=None, device=DEVICE):
     gate = dense_weight(n_experts, d, gate_dtype, device)
     bias = None if hashed else torch.randn(n_experts, device=device) * 0.1
     hidx = torch.stack([torch.randperm(n_experts, device=device)[:k] for _ in range(m)]) if hashed else None
     experts = experts_for(n_experts, d, inter, fmt, device)
-    shared = experts_for(1, d, inter, "fp8", device)[0] if with_shared else None
+    shared = experts_for(1, d, shared_inter or inter, "fp8", device)[0] if with_shared else None
     x = torch.randn(m, d, device=device).to(dt)
     x[-1] = x[0]  # two rows route alike: each chosen expert's weights serve both
     X = torch.randn(m, 4, d, device=device).to(dt)
@@ -76,6 +76,10 @@ def test_the_moe_sub_block_matches_the_reference(m, d, inter, e, k, fmt, dt, bef
 @pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
 def test_the_routing_of_each_score_function_matches_the_reference(score_func):
     check_ffn(4, 64, 32, 11, 3, "fp4", torch.float32, True, True, 10.0, score_func=score_func)
+
+
+def test_a_shared_expert_split_over_ranks_may_be_narrower_than_the_routed_ones():
+    check_ffn(3, 64, 96, 6, 2, "fp4", torch.bfloat16, True, True, 10.0, shared_inter=32)
 
 
 def test_hash_routing_follows_the_table_rows():

@@ -137,15 +137,15 @@ def test_a_meta_cycle_counts_every_layer_and_reads_less_than_twice_the_ideal_at_
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=8)
 
 
-def test_an_extra_launch_per_norm_shows_in_every_layer(meta_counts):
-    def with_extra_norm_launch(ops):
-        def rmsnorm(x, w, eps):
-            return ops.rmsnorm(x.clone(), w, eps)
-        return dataclasses.replace(ops, rmsnorm=rmsnorm)
+def test_an_extra_launch_per_mhc_site_shows_in_every_layer(meta_counts):
+    def with_extra_site_launch(ops):
+        def hc_pre(X, *args):
+            return ops.hc_pre(X.clone(), *args)
+        return dataclasses.replace(ops, hc_pre=hc_pre)
 
-    base, more = meta_counts(), meta_counts(ops=with_extra_norm_launch)
+    base, more = meta_counts(), meta_counts(ops=with_extra_site_launch)
     grown = [b - a for a, b in zip(base["launches_by_layer"], more["launches_by_layer"])]
-    assert all(g >= 2 for g in grown)  # attn_norm and ffn_norm at least, in every layer
+    assert all(g == 2 for g in grown)  # the attention's and the MoE's site, in every layer
     assert more["launches_per_cycle"] == base["launches_per_cycle"] + sum(grown) + (
         more["launches_outside_layers"] - base["launches_outside_layers"])
 

@@ -36,14 +36,18 @@ def session(lm, capacity=1024, check=False, **options) -> DecodeSession:
 
 
 def record(s: DecodeSession, ids: list[int]):
-    """Prefill `ids` once, recording each ring's row per position and the logits of every position."""
+    """Prefill `ids` once, recording each ring's row per position and the logits of every position. A ring
+    written through `write` (the drafter's) is recorded there; one the fused kernels write in place is read
+    after each forward (a call of at most the ring's size leaves all its rows there)."""
     n = len(ids)
     rings = {name: torch.zeros(n, r.data.shape[1], dtype=r.data.dtype) for name, r in s.state.rings.items()}
     logits = torch.zeros(n, s.cfg.vocab_size)
+    written = set()  # the rings written through `write`
     hooks = []
     for name, ring in s.state.rings.items():
         def write(positions, values, ring=ring, name=name, orig=ring.write):
             rings[name][positions] = values.to(ring.data.dtype)
+            written.add(name)
             return orig(positions, values)
         ring.write = write
         hooks.append(ring)
@@ -52,7 +56,13 @@ def record(s: DecodeSession, ids: list[int]):
     def spy(tokens, state, logits="all", **kw):
         out = forward(tokens, state, logits="all", **kw)
         if state is s.state:
-            logits_all[state.length - tokens.numel(): state.length] = out.logits
+            positions = torch.arange(state.length - tokens.numel(), state.length)
+            logits_all[positions] = out.logits
+            for name, ring in state.rings.items():
+                if name in written:  # recorded by its writes (rows read before its first write are rewritten)
+                    continue
+                assert positions.numel() <= ring.size, f"a call of {positions.numel()} outgrows ring {name}"
+                rings[name][positions] = ring.data[positions % ring.size]
         return Output(out.logits[-1:] if logits == "last" else out.logits, out.hidden, out.streams)
 
     logits_all = logits

@@ -91,7 +91,9 @@ class DeclaredReads:
         import dataclasses
 
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
-                                          attend=self._attend(ops.attend), ffn=self._ffn(ops.ffn),
+                                          attend=self._attend(ops.attend),
+                                          attn_inputs=self._attn_inputs(ops.attn_inputs),
+                                          compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram=self._engram(ops.engram))
         try:
             yield
@@ -122,9 +124,32 @@ class DeclaredReads:
         return call
 
     def _attend(self, attend):
-        def call(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, freqs):
-            with self._rows_read(comp_kv, comp_index):
-                return attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, freqs)
+        """V4.1's attention reads the window's rows of its ring (not the spare slots) and the selected rows."""
+        rec = self.rec
+
+        def call(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope):
+            with self._rows_read(comp_kv, comp_index), rec.gather(ring, min(ring.shape[0], window) * _row(ring)):
+                return attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope)
+
+        return call
+
+    def _attn_inputs(self, attn_inputs):
+        """The window ring is written, not read."""
+        def call(q, kv, positions, rope, kv_norm, eps, ring, *rest):
+            with self.rec.gather(ring, 0):
+                return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
+
+        return call
+
+    def _compress(self, compress):
+        """The compressor reads a group's slots of its ring; the row caches are written, not read."""
+        rec = self.rec
+
+        def call(kappa, zeta, positions, ring, ratio, *rest):
+            kv_rows, key_rows = rest[5], rest[6]
+            with rec.gather(ring, min(ring.shape[0], ratio) * _row(ring)), rec.gather(kv_rows, 0), \
+                    rec.gather(key_rows, 0):
+                return compress(kappa, zeta, positions, ring, ratio, *rest)
 
         return call
 
@@ -178,6 +203,10 @@ class DeclaredReads:
             return out
 
         return call
+
+
+def _row(t: torch.Tensor) -> int:
+    return t.shape[-1] * t.element_size()
 
 
 def _reach_for(reaches: list[int], end: int) -> int:

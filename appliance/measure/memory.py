@@ -5,7 +5,8 @@ shortfall. The engine's maximum context is the config's, capped by what the plan
 `fast_path_plan` is the truthful plan: the fast path built on the meta device from the config (shapes.py)
 and warmed up by one cycle, then every tensor it holds counted once: the weights in their stored format,
 the copies the load and the first cycle make (float copies of dense weights, caches of the kernels), the
-decode states of the target and the drafter as allocated for the context. `live_bytes` measures what a
+decode states of the target and the drafter as allocated for the context, and the RoPE tables (cos and sin
+of every position of the context, which V4.1's fused kernels read). `live_bytes` measures what a
 process really holds (every live tensor, each storage's reachable bytes once), to check the plan against
 a real load (tests/test_memory_plan.py).
 """
@@ -142,12 +143,16 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
     from .shapes import warm_meta_model
 
     mm, held = warm_meta_model(cfg, dtype, world, drafter)
+    tables = rope_tables(mm.model)
+    warm_tables = sum(t.tables[0].shape[0] * t.bytes_per_position for t in tables)  # before state_cost grows them
     per_token, constant = state_cost(mm)
     capacity = device_bytes if device_bytes is not None else 0
     parts = {
         "weights": held["stored"],
-        "float_copies_and_caches": held["copies"],
+        # less the warm-up's RoPE tables (64 positions), counted with the context below
+        "float_copies_and_caches": held["copies"] - warm_tables,
         "decode_state": int(per_token * context + constant),
+        "rope_tables": context * sum(t.bytes_per_position for t in tables),
         "graph_buffers": GRAPH_BUFFERS if graphs else 0,
         "headroom": int(capacity * HEADROOM) if graphs else 0,
     }
@@ -161,6 +166,17 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
                    "which keeps a float64 copy of every expert a rank touches, never freed; this is what they "
                    "grow to once every held expert was routed to (the plan models the fused form, issue 14)"}
     return plan
+
+
+def rope_tables(model) -> list:
+    """The model's RoPE tables the fused kernels read (appliance/model/rope.py: cos and sin of every position
+    of the longest state), one per distinct table."""
+    found = {}
+    for layer in model.layers:
+        rope = getattr(layer.attn, "rope", None)
+        if rope is not None and rope.tables is not None:
+            found[id(rope)] = rope
+    return list(found.values())
 
 
 def reference_expert_copies(mm) -> int:

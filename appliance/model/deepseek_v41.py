@@ -102,7 +102,7 @@ class V41Attention(AttentionProjections):
         if now:
             ring.record(positions)
         scale = c.index_head_dim**-0.5 * c.index_n_heads**-0.5
-        q, k, qi, w = ops.attn_inputs(qs[0].view(T, self.heads, c.head_dim), ys[1], positions, self.rope.freqs,
+        q, k, qi, w = ops.attn_inputs(qs[0].view(T, self.heads, c.head_dim), ys[1], positions, self.rope.tables,
                                       self.kv_norm.weight, self.kv_norm.eps, ring.data, now, official,
                                       qs[1].view(T, self.index_heads, c.index_head_dim) if index else None,
                                       ys[-1] if index else None, scale)
@@ -114,7 +114,7 @@ class V41Attention(AttentionProjections):
             topk = self._index(qi, w, step) if index else step.topk[self.index_source]
             comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
         o = ops.attend(q, ring.data, k, positions, c.window_size, comp_kv, topk, self.sink, c.head_dim**-0.5,
-                       self.p_dtype, self.rope.freqs)
+                       self.p_dtype, self.rope.tables)
         if not now:
             ring.write(positions, k)
         return self.out.project(o)
@@ -133,7 +133,7 @@ class V41Attention(AttentionProjections):
             kv_rows.record(index, positions)
         comp = self.compressor
         self.rt.ops.compress(kappa, zeta, positions, ring.data, self.ratio, comp.norm.weight, comp.norm.eps,
-                             self.wk.weight, self.k_norm.weight, self.rope.freqs, kv_rows.data, keys.data, now,
+                             self.wk.weight, self.k_norm.weight, self.rope.tables, kv_rows.data, keys.data, now,
                              self.rt.num.official, self.rt.dtype)
         if not now:
             ring.write(positions, torch.cat((kappa, torch.zeros_like(kappa) if zeta is None else zeta), dim=-1))
@@ -242,8 +242,12 @@ class V41Model:
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
-        without allocating)."""
-        return new_state(capacity, spare, device or self.rt.device, [layer.attn for layer in self.layers])
+        without allocating); the RoPE tables grow to cover it."""
+        device = device or self.rt.device
+        if torch.device(device) == torch.device(self.rt.device):  # not a sizing-only state of another device
+            for rope in {id(layer.attn.rope): layer.attn.rope for layer in self.layers}.values():
+                rope.ensure(capacity, device)
+        return new_state(capacity, spare, device, [layer.attn for layer in self.layers])
 
     def embed_tokens(self, tokens: torch.Tensor):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""

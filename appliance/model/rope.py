@@ -38,6 +38,21 @@ class RopeTable:
         self.freqs = freqs
         self.round_to = round_to  # transformers rounds cos/sin to the activation dtype
         self._last: tuple | None = None  # (positions, cos, sin): every layer of a step asks for the same
+        # (cos, sin) of every position below the longest state made so far, as the official code precomputes
+        # them: the fused ops read rows of these tables (kernels: no transcendental function, no float64
+        # slow path). Grown only by `ensure` (a state's construction, before any graph is captured).
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def bytes_per_position(self) -> int:
+        """What the tables hold per position (cos and sin, float32)."""
+        return 2 * self.freqs.numel() * 4
+
+    def ensure(self, positions: int, device) -> None:
+        """The tables hold positions [0, positions) on `device` (4 r bytes per position: 256 MB for V4.1's
+        1M positions at r = 64)."""
+        if self.tables is None or self.tables[0].shape[0] < positions or self.tables[0].device != torch.device(device):
+            self.tables = self._compute(torch.arange(positions, device=device))
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [...] -> cos, sin float32 [..., r/2]."""
