@@ -39,8 +39,8 @@ def test_greedy_output_with_drafting_equals_no_drafting_over_256_tokens(drafter_
     lm = drafter_models[family]
     prompt = torch.randint(0, lm.cfg.vocab_size, (23,)).tolist()
     want, _ = greedy(lm, prompt, 256)
-    # two of the five draft lengths, drawn anew each run (all five cost minutes a family), and adaptive
-    for draft, k in [("auto", k) for k in sorted(random.sample(range(1, 6), 2))] + [("adaptive", 5)]:
+    # one of the five draft lengths, drawn anew each run (all five cost minutes a family), and adaptive
+    for draft, k in [("auto", random.randint(1, 5)), ("adaptive", 5)]:
         got, done = greedy(lm, prompt, 256, draft=draft, draft_tokens=k)
         assert got == want, f"{family} --draft {draft} k={k}: first mismatch at {_first_mismatch(got, want)}"
         assert done.speculative["cycles"] > 0 and done.speculative["drafted"] >= done.speculative["cycles"]
