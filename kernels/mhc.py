@@ -136,50 +136,8 @@ def _coeffs_kernel(part_ptr,   # float32 [S, M, J + 1] from _project_kernel
                    norm_eps, hc_eps,  # float32
                    SPLITS: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < M
-    J = hc if HEAD else hc * (2 + hc)
-    i = tl.arange(0, BHC)
-    imask = i < hc
-    vm = rmask[:, None] & imask[None, :]                                   # [BM, BHC]
-    cm = rmask[:, None, None] & imask[None, :, None] & imask[None, None, :]  # [BM, BHC, BHC]
-    cidx = 2 * hc + i[:, None] * hc + i[None, :]
-    # the J projections: [BM, BHC] (pre, post) and [BM, BHC, BHC] (comb), splits added in order
-    d_pre = tl.zeros((BM, BHC), dtype=tl.float32)
-    d_post = tl.zeros((BM, BHC), dtype=tl.float32)
-    d_comb = tl.zeros((BM, BHC, BHC), dtype=tl.float32)
-    ss = tl.zeros((BM,), dtype=tl.float32)
-    for s in range(SPLITS):
-        row = part_ptr + (s * M + rows).to(tl.int64) * (J + 1)
-        d_pre += tl.load(row[:, None] + i[None, :], mask=vm, other=0.0)
-        if not HEAD:
-            d_post += tl.load(row[:, None] + hc + i[None, :], mask=vm, other=0.0)
-            d_comb += tl.load(row[:, None, None] + cidx[None, :, :], mask=cm, other=0.0)
-        ss += tl.load(row + J, mask=rmask, other=0.0)
-    rho = (1.0 / tl.sqrt_rn(ss / n + norm_eps))[:, None]
-    m_pre = d_pre * rho
-    s0 = tl.load(scale_ptr)
-    b_pre = tl.load(base_ptr + i, mask=imask, other=0.0)[None, :]
-    pre = _sigmoid(m_pre * s0 + b_pre) + hc_eps
-    tl.store(pre_ptr + rows[:, None] * hc + i[None, :], pre, mask=vm)
-    if not HEAD:
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        m_post = d_post * rho
-        b_post = tl.load(base_ptr + hc + i, mask=imask, other=0.0)[None, :]
-        post = 2.0 * _sigmoid(m_post * s1 + b_post)
-        tl.store(post_ptr + rows[:, None] * hc + i[None, :], post, mask=vm)
-        m_comb = d_comb * rho[:, :, None]
-        b_comb = tl.load(base_ptr + cidx, mask=imask[:, None] & imask[None, :], other=0.0)
-        c = tl.where(cm, m_comb * s2 + b_comb[None, :, :], float("-inf"))
-        mx = tmax(c, axis=2)
-        e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
-        z = tsum(e, axis=2)
-        c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)  # (padding rows: no 0/0)
-        c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
-        for _ in range(iters - 1):
-            c = c / (tsum(c, axis=2)[:, :, None] + hc_eps)
-            c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + rows[:, None, None] * hc * hc + cidx[None, :, :] - 2 * hc, c, mask=cm)
+    _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rows < M, M, n, hc, iters,
+                 norm_eps, hc_eps, SPLITS, HEAD, BM, BHC)
 
 
 def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
@@ -364,7 +322,8 @@ def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, 
 @device_function
 def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rmask, M, n, hc, iters,
                  norm_eps, hc_eps, S, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
-    """The coefficients of rows `rows` from the split partials (as _coeffs_kernel), stored; returns pre."""
+    """The coefficients of rows `rows` from the split partials (added in split order), stored; returns pre.
+    Shared by the fused site (_pre_kernel) and the coefficients alone (_coeffs_kernel)."""
     J = hc if HEAD else hc * (2 + hc)
     i = tl.arange(0, BHC)
     imask = i < hc
@@ -397,7 +356,7 @@ def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, row
         mx = tmax(c, axis=2)
         e = tl.where(cm, tl.exp(c - tl.where(mx == float("-inf"), 0.0, mx)[:, :, None]), 0.0)
         z = tsum(e, axis=2)
-        c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)
+        c = tl.where(cm, e / tl.where(z == 0.0, 1.0, z)[:, :, None] + hc_eps, 0.0)  # (padding rows: no 0/0)
         c = c / (tsum(c, axis=1)[:, None, :] + hc_eps)
         for _ in range(iters - 1):
             c = c / (tsum(c, axis=2)[:, :, None] + hc_eps)
