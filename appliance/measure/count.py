@@ -145,11 +145,11 @@ class DeclaredReads:
         """The compressor reads a group's slots of its ring; the row caches are written, not read."""
         rec = self.rec
 
-        def call(kappa, zeta, positions, ring, ratio, *rest):
-            kv_rows, key_rows = rest[5], rest[6]
+        def call(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows, *rest):
             with rec.gather(ring, min(ring.shape[0], ratio) * _row(ring)), rec.gather(kv_rows, 0), \
                     rec.gather(key_rows, 0):
-                return compress(kappa, zeta, positions, ring, ratio, *rest)
+                return compress(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows,
+                                *rest)
 
         return call
 

@@ -170,13 +170,8 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
 
 def rope_tables(model) -> list:
     """The model's RoPE tables the fused kernels read (appliance/model/rope.py: cos and sin of every position
-    of the longest state), one per distinct table."""
-    found = {}
-    for layer in model.layers:
-        rope = getattr(layer.attn, "rope", None)
-        if rope is not None and rope.tables is not None:
-            found[id(rope)] = rope
-    return list(found.values())
+    of the longest state), one per distinct table; none for a model whose kernels compute their own."""
+    return [rope for rope in getattr(model, "ropes", []) if rope.tables is not None]
 
 
 def reference_expert_copies(mm) -> int:

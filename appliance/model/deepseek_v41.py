@@ -245,9 +245,14 @@ class V41Model:
         without allocating); the RoPE tables grow to cover it."""
         device = device or self.rt.device
         if torch.device(device) == torch.device(self.rt.device):  # not a sizing-only state of another device
-            for rope in {id(layer.attn.rope): layer.attn.rope for layer in self.layers}.values():
+            for rope in self.ropes:
                 rope.ensure(capacity, device)
         return new_state(capacity, spare, device, [layer.attn for layer in self.layers])
+
+    @property
+    def ropes(self) -> list:
+        """The distinct RoPE tables of the layers (layers of one kind share theirs)."""
+        return list({id(layer.attn.rope): layer.attn.rope for layer in self.layers}.values())
 
     def embed_tokens(self, tokens: torch.Tensor):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
