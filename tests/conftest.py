@@ -9,6 +9,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs as two workers on two cores (Makefile): more intra-op threads than one per process only spin
+# against each other, here and in the appliance processes tests start (their loader reads APPLIANCE_THREADS)
+os.environ.setdefault("APPLIANCE_THREADS", "1")
+torch.set_num_threads(int(os.environ["APPLIANCE_THREADS"]))
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "v41-tiny-a"

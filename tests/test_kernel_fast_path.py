@@ -13,7 +13,8 @@
   margin exceeds twice the tolerance (each of the two logits can move by it).
 - Batch invariance of the whole forward: a verify block of M rows (M = 1..6) equals M single steps bit for
   bit (logits, DSpark inputs, final streams and every state buffer).
-- Whole cycles: greedy decoding with each family's drafter equals greedy decoding without, token for token.
+- Whole cycles (tests/test_graph_replay.py, beside the capture stand-in): greedy decoding with each family's
+  drafter equals greedy decoding without, token for token.
 
 The interpreter takes seconds per forward, so prompts and generations are short here (sized to keep these
 tests within a few minutes); tests/test_speculative.py runs the long versions on the reference path
@@ -24,11 +25,9 @@ import random
 import pytest
 import torch
 
-from appliance.api import Request
-from appliance.decode.speculator import Speculator
 from kernels import _triton
 
-from .conftest import FIXTURE, load, open_loop
+from .conftest import FIXTURE, load
 from .kernel_check import bits
 
 pytestmark = [
@@ -42,8 +41,6 @@ OFFICIAL_TOL = 2.0**-3  # one e4m3 code step: flips of the official quantization
 PROMPT = 24          # teacher-forced tokens: past the 16-token window, several compressed rows and top-k picks
 PROMPTS = 3          # fresh prompts a tolerance test may take to compare MIN_ROWS rows
 MIN_ROWS = 4         # rows before the paths' first differing choice that one prompt must reach
-GENERATE = 4         # greedy tokens per cycle test (the interpreter: ~6 s per forward of a tiny model)
-DRAFTS = {"deepseek_v41": ("dspark", "adaptive"), "deepseek_v4": ("mtp",), "deepseek_v4_0731": ("dspark",)}
 
 
 def _choices(lm, probe: dict) -> dict[str, torch.Tensor]:
@@ -99,17 +96,11 @@ def _teacher_forced_until_the_choices_part(models: dict, seed: int) -> tuple[tor
     return out["reference"][:rows], out["fast"][:rows]
 
 
-@pytest.fixture(scope="module")
-def fast_models(tiny_dirs):
-    return {f: load(tiny_dirs[f], path="fast", draft="auto") for f in ("deepseek_v41", "deepseek_v4",
-                                                                       "deepseek_v4_0731")}
-
-
 @pytest.mark.slow
-def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(fast_models):
+def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(tiny_dirs):
     """M = 1..6 from one prefilled state: six single steps (outputs and state kept after each), then for each
     M the block of M rows from the same start (the state rewound between blocks)."""
-    lm = fast_models["deepseek_v41"]
+    lm = load(tiny_dirs["deepseek_v41"], path="fast")
     m, prefix = lm.model, 20
     seed = random.randrange(1 << 30)
     tokens = torch.randint(0, lm.cfg.vocab_size, (prefix + 6,), generator=torch.Generator().manual_seed(seed))
@@ -129,30 +120,3 @@ def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise
         for name, t in state.buffers().items():
             assert torch.equal(bits(t), bits(states[rows - 1][name])), f"state {name} {ctx}"
         state.rewind(prefix)
-
-
-def greedy(lm, prompt, n, **options):
-    ids = []
-    g = open_loop(lm, capacity=64, reach_floor=32, **options)
-    for event in g.run(Request(input_ids=prompt, max_tokens=n, ignore_eos=True)):
-        ids += getattr(event, "ids", [])
-    return ids, g.session.stats
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", DRAFTS)
-def test_on_the_fast_path_greedy_with_drafting_equals_greedy_without(fast_models, family, monkeypatch):
-    # adaptive trims drafts by a verify-cost table it measures at load; the interpreter's timings mean
-    # nothing, so the table is set (longer verifies cost a little more)
-    monkeypatch.setattr(Speculator, "calibrate", lambda self, model, repeats=5: setattr(
-        self, "step_cost", [0.0] + [1.0 + 0.1 * w for w in range(self.drafter.cfg.dspark.block_size + 1)]))
-    lm = fast_models[family]
-    seed = random.randrange(1 << 30)
-    # 17 tokens: the window ring (16) has wrapped when the cycles start
-    prompt = torch.randint(0, lm.cfg.vocab_size, (17,), generator=torch.Generator().manual_seed(seed)).tolist()
-    want, _ = greedy(lm, prompt, GENERATE)
-    # one drafter mode per run, drawn (a run of each costs minutes under the interpreter; every run draws anew)
-    for draft in [random.Random(seed).choice(DRAFTS[family])]:
-        got, stats = greedy(lm, prompt, GENERATE, draft=draft, draft_tokens=3)
-        assert got == want, f"{family} --draft {draft} (seed {seed}): {got} != {want}"
-        assert stats.cycles > 0 and stats.drafted >= stats.cycles
