@@ -136,7 +136,9 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    pos_ptr,  # int64 positions [M]: a query at p sees (p + 1) // ratio rows
                    s_ptr,   # out float32 [M, N]
                    M, N, NH, DI, stride_k, rows_per_prog, ratio,
-                   RD: tl.constexpr, DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                   RD: tl.constexpr,
+                   FINAL: tl.constexpr,  # round the head sum (not when it is one rank's part of the sum)
+                   DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    BDC: tl.constexpr):
     keys = tl.program_id(0) * BN + tl.arange(0, BN)
     kmask = keys < N
@@ -168,7 +170,9 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
         w = tl.load(w_ptr + m64 * NH + heads, mask=hmask, other=0.0).to(tl.float32)
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
-        s = _round_to(tsum(u, axis=0), RD)
+        s = tsum(u, axis=0)
+        if FINAL:
+            s = _round_to(s, RD)
         nv = (tl.load(pos_ptr + m) + 1) // ratio
         s = tl.where(keys < nv, s, float("-inf"))
         tl.store(s_ptr + m64 * N + keys, s, mask=kmask)
@@ -179,10 +183,9 @@ _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
                 round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
-    """The kernel for `scores` (same signature and result). With heads split over ranks (`reduce`), the
-    kernel's rounded head sum cannot be reduced exactly: that case runs the reference scorer."""
-    if reduce is not None:
-        return scores(q, w, keys, positions, ratio, round_dtype, reduce)
+    """The kernel for `scores` (same signature and result). With heads split over ranks, `reduce` (a
+    fixed-order float32 sum over the ranks) adds the ranks' unrounded head sums, which are then rounded once
+    (the head sum's order differs from one rank's: within float32 rounding of it)."""
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
     m, nh, di = q.shape
@@ -209,8 +212,12 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
     bd = pow2(di, 16 if not INTERPRET else 1)
     _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
         q, w, keys, pos, out, m, n, nh, di, keys.stride(0), rows, ratio,
-        RD=_ROUND[round_dtype], DOT_BF16=bf16 and not INTERPRET, BN=bn, BH=pow2(nh, 16 if not INTERPRET else 1),
-        BD=bd, BDC=bd if INTERPRET else min(bd, 32))
+        RD=_ROUND[round_dtype], FINAL=reduce is None, DOT_BF16=bf16 and not INTERPRET, BN=bn,
+        BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32))
+    if reduce is not None:  # -inf past a row's visible keys on every rank: the sum keeps it
+        out = reduce(out)
+        if round_dtype is not None:
+            out = out.to(round_dtype).float()
     return out
 
 

@@ -486,6 +486,7 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
                  APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
+                 S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
@@ -496,7 +497,7 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                             ACT_BLOCK, X_PARTS, DOT_BF16, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
-                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16, BM, BN, BK)
+                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -504,8 +505,9 @@ def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared e
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype
-                    M, D, K, hc, HAS_SHARED: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
-                    BD: tl.constexpr):
+                    M, D, K, hc, HAS_SHARED: tl.constexpr,
+                    S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
+                    X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
@@ -513,7 +515,10 @@ def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared e
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
     if HAS_SHARED:
-        y += tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
+        s = tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
+        if S_ROUND:
+            s = round_out(s, X_BF16).to(tl.float32)
+        y += s
     y = round_out(y, X_BF16).to(tl.float32)
     # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
     k = tl.arange(0, BHC)
@@ -558,11 +563,15 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None):
     """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four
-    launches. Expert parallel (`reduce`) needs the per-slot outputs and the shared expert's unrounded partial
-    sum, which the fused kernels do not expose: that case runs the reference."""
-    if reduce is not None:
-        return reference_ffn(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared,
-                             act_block, limit, weight_before_w2, X, post, comb, reduce)
+    launches. Expert parallel (`reduce`): an object with `sum(t)` (a float32 tensor added over the ranks in
+    a fixed order: the same bits on every rank, whatever the batch) and `shared_split` (this rank holds a
+    slice of the shared expert's intermediate, not all of it); the reference form calls it as
+    `reduce(outputs, shared64)`. The per-pair outputs between down and the
+    combine are summed over ranks, one collective. A routed pair's output comes from the one rank holding
+    its expert (zeros on the others), so its sum is exact and every rank then adds each row's experts in
+    the same order as one rank would: the routed part equals one rank's bit for bit. A shared expert split
+    over ranks leaves its partial unrounded; the fixed-order sum of the partials is rounded in the combine
+    (within float32 rounding of one rank's: the partials' order differs from one K loop)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
@@ -591,6 +600,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         if ab:
             check_act_block(ab, st.i)
     dev = device_of(x, gate.data, table.table, X, post, comb)
+    split = reduce is not None and st is not None and reduce.shared_split  # its partial: unrounded, summed
     if x.stride(-1) != 1:
         x = x.contiguous()
     X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
@@ -654,9 +664,16 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
-        APPLY_W=1 if weight_before_w2 else 2, BN=bn_down, **common)
+        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
+    if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
+        if split:
+            o = reduce.sum(o)
+        else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
+            o[:m * top_k] = reduce.sum(o[:m * top_k])
     # (4) the sum in expert order, the shared expert, the expand
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, top_k, hc,
-                                             HAS_SHARED=shared is not None, X_BF16=xb, BHC=pow2(hc), BD=bd)
+                                             HAS_SHARED=shared is not None, S_ROUND=split, X_BF16=xb,
+                                             BHC=pow2(hc), BD=bd)
     return out, weights, idx
+

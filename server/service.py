@@ -100,7 +100,9 @@ ENV = """\
 #APPLIANCE_MODEL=/srv/models/DeepSeek-V4.1-Flash
 APPLIANCE_HOST=127.0.0.1
 APPLIANCE_PORT=8765
-# cpu or cuda (the engine's devices).
+# The GPUs, one rank each: 0,1,2,3 is the box released V4.1-Flash needs (~307 GB of weights: four B300s,
+# graphs on); cuda: one GPU, for a model that fits one (`appliance info --model DIR --devices 1
+# --gpu-memory 288GB` says whether it does).
 APPLIANCE_DEVICES={devices}
 # Speculative drafting: none, dspark, mtp, adaptive or auto.
 APPLIANCE_DRAFT=none
@@ -123,7 +125,7 @@ PYTHONUNBUFFERED=1
 
 
 def render(exec_start: str = DEFAULT_EXEC, user: str = DEFAULT_USER, prefix: str = "/",
-           devices: str = "cuda") -> tuple[str, str]:
+           devices: str = "0,1,2,3") -> tuple[str, str]:
     """(unit text, env text). `prefix` is where both files live (`/` for a real install)."""
     env_file = Path(prefix) / "etc" / NAME / f"{NAME}.env"
     # ProtectHome=yes hides /home, /root and /run/user: an installation under them needs read-only.
@@ -150,7 +152,7 @@ def this_executable() -> str:
                          "(pip install -e .) and run this command from its environment", field="exec")
 
 
-def install(prefix: str = "/", user: str = DEFAULT_USER, devices: str = "cuda") -> tuple[Path, Path, list[str]]:
+def install(prefix: str = "/", user: str = DEFAULT_USER, devices: str = "0,1,2,3") -> tuple[Path, Path, list[str]]:
     """Write the unit and the env file (keeping an existing env file: it holds the site's settings).
     Returns both paths and the commands that finish the installation."""
     unit_text, env_text = render(this_executable(), user, prefix, devices)

@@ -5,12 +5,12 @@
    interpreter, which accepts programs the GPU compiler rejects (a helper returning different types from two
    branches) and has no shared-memory limit. Here the interpreter is off and each kernel launch becomes a
    compilation for every target (ptxas ships with Triton; no driver is needed), with the specializations
-   that the kernel benchmark's cases at real V4.1 shapes (bf16 and float32 activations, M = 1 and 6) and the
-   tiny models' fast path launch. The tiny models' specializations of a kernel the benchmark cases reach
-   compile for the last target only (the B300's sm_103: the same code at smaller blocks; every target saw it
-   at the real shapes), those of the kernels only the cycles reach (the fused layer-input kernels, Engram)
-   for every target. Nothing is executed: outputs are zero-filled allocations, enough to keep the host code
-   going.
+   that the kernel benchmark's cases at real V4.1 shapes (bf16 and float32 activations, M = 1 and 6), a
+   rank of four's split MoE and indexer at those shapes, and the tiny models' fast path launch. The tiny
+   models' specializations of a kernel the benchmark cases reach compile for the last target only (the
+   B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), those of the
+   kernels only the cycles reach (the fused layer-input kernels, Engram) for every target. Nothing is
+   executed: outputs are zero-filled allocations, enough to keep the host code going.
 2. Every decode-cycle step of every tiny family and drafter mode is capturable in a CUDA graph: after the
    warm-up calls a capture would do, a step runs under the product's cycle recorder
    (appliance/measure/recorder.py), which records each operation a capture refuses (a host read of a
@@ -45,6 +45,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import types  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -218,6 +219,33 @@ def drive_benchmark_cases(failures: list):
                     failures.append({"case": f"{case.__name__} {dt} M={m}", "error": traceback.format_exc()[-2000:]})
 
 
+def drive_split_specializations(failures: list):
+    """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
+    the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine)
+    and the indexer's partial head sums (the sums over ranks are stand-ins: nothing runs)."""
+    from kernels import bench, indexer, moe
+
+    s = dataclasses.replace(bench.V41, experts=8)
+    quarter = s.inter // 4
+    experts = [None] * 6 + [(bench.fp4_weight(s.inter, s.dim), bench.fp4_weight(s.dim, s.inter),
+                             bench.fp4_weight(s.inter, s.dim))] * 2
+    shared = (bench.fp8_weight(quarter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, quarter, (s.block,) * 2),
+              bench.fp8_weight(quarter, s.dim, (s.block,) * 2))
+    gate = bench.dense_weight(s.experts, s.dim)
+    split = types.SimpleNamespace(sum=lambda t: t, shared_split=True)  # appliance/parallel/sharding.py's
+    for dt in (torch.bfloat16, torch.float32):
+        for m in (1, 6):
+            try:
+                x, X = torch.randn(m, s.dim).to(dt), torch.randn(m, 4, s.dim).to(dt)
+                moe.fast_ffn(x, gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5, 1e-20, None, experts,
+                             shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=split)
+                q, w = torch.randn(m, s.index_heads // 4, s.index_dim).to(dt), torch.randn(m, s.index_heads // 4)
+                indexer.fast_scores(q, w.to(dt), torch.randn(4096, s.index_dim).to(dt), torch.full((m,), 4095), 1,
+                                    dt if dt != torch.float32 else None, reduce=lambda t: t)
+            except Exception:
+                failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
+
+
 def drive_cycles(failures: list, violations: list):
     """Generate with every family and drafter mode on the fast path, each cycle step run as a capture
     would: twice to warm up, then under the guard (and under it again for every later replay)."""
@@ -285,6 +313,7 @@ def main() -> int:
     failures = compiler.failures
     t = time.perf_counter()
     drive_benchmark_cases(failures)
+    drive_split_specializations(failures)
     phases = {"benchmark cases": [len(compiler.done), round(time.perf_counter() - t, 1)]}
     compiler.last_target_only = {k[0] for k in compiler.done}
     t = time.perf_counter()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 APPLIANCE = [sys.executable, "-m", "appliance"]
 ENV = dict(os.environ, APPLIANCE_THREADS="1")
-TOKENS = 32  # greedy tokens per run: four runs a family (single and four ranks, with and without drafting)
+TOKENS = 24  # greedy tokens per run: four runs a family (single and four ranks, with and without drafting)
 
 
 def run(*args, timeout=300):
@@ -40,6 +40,42 @@ def test_four_gloo_ranks_give_the_single_process_greedy_tokens_with_and_without_
         single = generate(tiny_dirs[family], ids, draft, "cpu")
         split = generate(tiny_dirs[family], ids, draft, "cpu:4")
         assert len(single) == TOKENS and split == single, (family, draft)
+
+
+FAST_SPLIT_TOL = 2.0**-16  # relative to a row's largest |logit|: float32 sums over ranks in another order
+
+
+@pytest.mark.slow
+def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_rounding_and_drafting_their_tokens(
+        tiny_dirs, tmp_path):
+    """The fused kernels over each rank's share (the expert-parallel MoE included), partial sums in float32
+    added in rank order. `--numerics plain` for the logits: no activation quantization, whose rounding
+    boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics"); measured ~2e-7 of the row
+    maximum. Greedy with DSpark equals greedy without on four ranks: each rank's sums are the same bits for
+    a verify block as for single steps. Short (the interpreter, four ranks on two cores: minutes)."""
+    model = tiny_dirs["deepseek_v41"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(torch.randint(0, 512, (12,)).tolist()))
+    out = {}
+    for devices in ("cpu", "cpu:4"):
+        path = tmp_path / f"{devices.replace(':', '')}.safetensors"
+        run("score", "--model", model, "--ids", ids, "--out", path, "--devices", devices, "--path", "fast",
+            "--numerics", "plain")
+        out[devices] = load_file(str(path))["logits"]
+    want, got = out["cpu"], out["cpu:4"]
+    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    assert (err <= FAST_SPLIT_TOL).all(), f"rows over {FAST_SPLIT_TOL:.3g}: {err.tolist()}"
+    top2 = want.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * FAST_SPLIT_TOL * want.abs().amax(-1)
+    assert ((want.argmax(-1) == got.argmax(-1)) | ~clear).all()
+    ids.write_text(json.dumps(torch.randint(0, 512, (8,)).tolist()))
+    runs = {}
+    for draft in ("none", "dspark"):
+        p = run("generate", "--model", model, "--ids", ids, "--max-tokens", 2, "--ignore-eos", "--json", "--draft",
+                draft, "--draft-tokens", 3, "--devices", "cpu:4", "--path", "fast")
+        runs[draft] = json.loads(p.stdout)
+    assert runs["dspark"]["ids"] == runs["none"]["ids"] and len(runs["none"]["ids"]) == 2
+    assert runs["dspark"]["speculative"]["cycles"] > 0
 
 
 @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4_0731"])

@@ -41,7 +41,7 @@ def test_the_unit_has_notify_watchdog_bounded_restarts_a_user_and_gpu_friendly_h
     assert keys["EnvironmentFile"] == ["/etc/decode-appliance/decode-appliance.env"]
     assert "MemoryDenyWriteExecute" not in keys and keys["PrivateDevices"] == ["false"]
     assert "char-nvidia* rw" in keys["DeviceAllow"] and "/dev/nvidiactl rw" in keys["DeviceAllow"]
-    assert "APPLIANCE_PORT=8765" in env and "APPLIANCE_DEVICES=cuda" in env
+    assert "APPLIANCE_PORT=8765" in env and "APPLIANCE_DEVICES=0,1,2,3" in env
 
 
 def _install(tmp_path):

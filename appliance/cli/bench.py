@@ -310,8 +310,6 @@ def _model_table(report: dict, device):
                        f"collectives {t['collectives'] * 1e3:6.3f} = {q['cycle_s'] * 1e3:6.3f} ms/cycle, "
                        f"{q['tokens_per_cycle']:.2f} tok/cycle, {q['tokens_per_s']:7.1f} tok/s "
                        f"(dominant: {q['dominant']})")
-        for m in n.get("modeled", []):
-            click.echo(f"  modeled: {m}")
 
 
 @bench.command("prefill")

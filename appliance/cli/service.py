@@ -13,7 +13,8 @@ def service():
 @service.command("print")
 @click.option("--prefix", default="/", show_default=True, help="root the files would be installed under")
 @click.option("--user", default="decode-appliance", show_default=True, help="dedicated service user")
-@click.option("--devices", default="cuda", show_default=True, help="APPLIANCE_DEVICES in the env file")
+@click.option("--devices", default="0,1,2,3", show_default=True,
+              help="APPLIANCE_DEVICES in the env file (the four-GPU box; cuda: one GPU)")
 @friendly
 def service_print(prefix, user, devices):
     """Show the unit and the env file that `install` would write."""
@@ -28,7 +29,8 @@ def service_print(prefix, user, devices):
 @click.option("--prefix", default="/", show_default=True,
               help="write under PREFIX/etc/systemd/system and PREFIX/etc/decode-appliance")
 @click.option("--user", default="decode-appliance", show_default=True, help="dedicated service user")
-@click.option("--devices", default="cuda", show_default=True, help="APPLIANCE_DEVICES in the env file")
+@click.option("--devices", default="0,1,2,3", show_default=True,
+              help="APPLIANCE_DEVICES in the env file (the four-GPU box; cuda: one GPU)")
 @friendly
 def install(prefix, user, devices):
     """Write the unit and the env file (an existing env file is kept) and print the systemctl commands."""

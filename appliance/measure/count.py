@@ -10,9 +10,6 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
   through the table of expert addresses. On the meta device (no values) the distinct counts are their
   expected values: every selected compressed row distinct (at most the visible rows), and the routed
   experts of W rows under uniform routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).
-  The expert-parallel MoE of several ranks has no fused form yet (it runs the reference, with host reads);
-  on the meta device it is modeled as the fused kernels over the rank's own experts plus the one
-  all-reduce its reduction makes (issue 14's design), and the result says so in `modeled`.
 
 The ideal (`ideal_bytes`): each weight the cycle touches read once in its stored format (this rank's
 share of the split ones; embeddings and Engram tables at the rows gathered; routed experts as counted) plus
@@ -83,7 +80,6 @@ class DeclaredReads:
         self.rt, self.rec, self.meta = rt, rec, meta
         self.rows_read: dict[str, int] = defaultdict(int)  # block -> compressed-row bytes the attention reads
         self.routed: dict[str, int] = defaultdict(int)  # block -> routed expert bytes (distinct, held)
-        self.modeled: set[str] = set()
 
     @contextmanager
     def installed(self):
@@ -175,18 +171,7 @@ class DeclaredReads:
             first = len(rec.launches)
             args = (x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block,
                     limit, weight_before_w2, X, post, comb)
-            if self.meta and reduce is not None:
-                self.modeled.add("expert-parallel MoE: the fused kernels over the rank's experts + one all-reduce "
-                                 "(the code runs the reference form, issue 14)")
-                out = ffn(*args)
-                m, k = x.shape[0], top_k
-                with rec.pause():
-                    slots = torch.empty((m, k, x.shape[-1]), dtype=torch.float32, device=x.device)
-                    part = None if shared is None else torch.empty((m, x.shape[-1]), dtype=torch.float64,
-                                                                   device=x.device)
-                reduce(slots, part)
-            else:
-                out = ffn(*args, reduce=reduce)
+            out = ffn(*args, reduce=reduce)
             indices = out[2]
             with rec.pause():
                 if self.meta:
@@ -286,7 +271,6 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
                            "ideal_parts": ideal, "by_block": {b: v["bytes_read"] for b, v in s["by_block"].items()}},
         "capture_violations": unique_violations(rec.violations),
         "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
-        "modeled": sorted(reads.modeled),
     }
 
 

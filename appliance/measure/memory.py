@@ -159,12 +159,6 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
     plan = MemoryPlan(context, parts, capacity)
     plan.details = {"state_bytes_per_token": per_token, "state_constant": constant, "host_tables": held["host"],
                     "largest_copies": held["largest_copies"]}
-    if world > 1:
-        plan.details["not_in_plan"] = {
-            "expert_parallel_reference_copies": reference_expert_copies(mm),
-            "why": "the expert-parallel MoE runs its reference form today (kernels/moe.py: `fast` with a reduce), "
-                   "which keeps a float64 copy of every expert a rank touches, never freed; this is what they "
-                   "grow to once every held expert was routed to (the plan models the fused form, issue 14)"}
     return plan
 
 
@@ -172,16 +166,3 @@ def rope_tables(model) -> list:
     """The model's RoPE tables the fused kernels read (appliance/model/rope.py: cos and sin of every position
     of the longest state), one per distinct table; none for a model whose kernels compute their own."""
     return [rope for rope in getattr(model, "ropes", []) if rope.tables is not None]
-
-
-def reference_expert_copies(mm) -> int:
-    """Bytes of the float64 [in, out] copies the reference MoE makes of every expert weight a rank holds
-    (kernels/linear.py `PackedWeight.dense64`), routed and shared, backbone and drafter."""
-    total = 0
-    moes = [layer.ffn for layer in mm.model.layers]
-    if mm.drafter is not None:
-        moes += [b.ffn for b in (getattr(mm.drafter, "stages", None) or [mm.drafter.block])]
-    for moe in moes:
-        for ex in [e for e in moe.experts if e is not None] + ([moe.shared] if moe.shared is not None else []):
-            total += sum(w.shape[0] * w.shape[1] * 8 for w in ex)
-    return total

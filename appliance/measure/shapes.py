@@ -28,6 +28,7 @@ from appliance.model.engram import EngramHash
 from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
+from appliance.parallel.collectives import ordered_sum
 from appliance.parallel.placement import HOST_TABLE_BYTES, place
 from appliance.parallel.sharding import shard
 from kernels.linear import PackedWeight
@@ -91,11 +92,21 @@ class ShapeComm:
         self._record("allgather_", t)
         shape = list(t.shape)
         shape[dim] *= self.world
+        return self._received(shape, t)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The fast path's fixed-order sum as `--allreduce nccl` runs it: an all-gather of the partials, then
+        the adds in rank order (launches of their own)."""
+        self._record("allgather_", t)
+        return ordered_sum(self._received([self.world, *t.shape], t))
+
+    @staticmethod
+    def _received(shape: list[int], like: torch.Tensor) -> torch.Tensor:
         rec = Recorder.active
         if rec is None:
-            return torch.empty(shape, dtype=t.dtype, device=t.device)
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
         with rec.pause():  # written by the collective: not a fresh allocation
-            return torch.empty(shape, dtype=t.dtype, device=t.device)
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
 
     def span(self, n: int) -> tuple[int, int]:
         if n % self.world:

@@ -15,8 +15,11 @@ the reduce hooks that sum partial results over ranks.
   all-gathered, so sampling sees the same logits as a single device.
 - embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
   page cache of every rank's process).
-Reductions run in float64 and are rounded once, like the single-device reference: splitting does not
-change the function (up to the order of a float64 sum).
+On the reference path reductions run in float64 and are rounded once, like the single-device reference:
+splitting does not change the function (up to the order of a float64 sum). On the fast path they run in
+float32, added in rank order (`Comm.sum`, appliance/parallel/collectives.py): the same bits on every rank
+and for every batch shape, so a verify of k+1 rows still equals k+1 single steps; against one rank, within
+float32 rounding of each split sum (the MoE's routed slots exactly: each comes from one rank).
 """
 
 import torch
@@ -52,18 +55,21 @@ class Comm:
 
 
 class RowParallel:
-    """A linear layer holding the input columns of this rank: local product unrounded (float64 on the
-    reference path), summed over ranks, rounded once."""
+    """A linear layer holding the input columns of this rank: local product unrounded, summed over ranks
+    (float64 on the reference path, float32 in rank order on the fast path), rounded once."""
 
     def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
         self.rt, self.comm = linear.rt, comm
         self.weight = linear.weight.cols(start, end)
         self.act_block = linear.act_block
-        self.partial = torch.float64 if linear.rt.ops.path == "reference" else torch.float32
+        self.reference = linear.rt.ops.path == "reference"
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
-        return self.comm.all_reduce(y.double()).to(out_dtype or self.rt.dtype)
+        if self.reference:
+            y = self.rt.ops.linear(x, self.weight, self.act_block, torch.float64)
+            return self.comm.all_reduce(y).to(out_dtype or self.rt.dtype)
+        y = self.rt.ops.linear(x, self.weight, self.act_block, torch.float32)
+        return self.comm.sum(y).to(out_dtype or self.rt.dtype)
 
 
 class VocabParallel:
@@ -95,7 +101,7 @@ def shard_attention(attn, comm: Comm) -> None:
         _linear_rows(attn.iq, i0 * c.index_head_dim, i1 * c.index_head_dim)
         attn.weights_proj = _dense_rows(attn.weights_proj, i0, i1)
         attn.index_heads = i1 - i0
-        attn.index_reduce = comm.all_reduce
+        attn.index_reduce = comm.all_reduce if attn.rt.ops.path == "reference" else comm.sum
 
 
 def _dense_rows(d: Dense, start: int, end: int) -> Dense:
@@ -112,6 +118,18 @@ def shard_output(out: GroupedOutput, comm: Comm) -> None:
     out.wo_b = RowParallel(out.wo_b, comm, g0 * rank_width, g1 * rank_width)
 
 
+class ExpertReduce:
+    """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum`, the fast
+    path's fixed-order float32 sum; `shared_split`, whether the shared expert's intermediate is split (its
+    partial is summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums."""
+
+    def __init__(self, sum, reference, shared_split: bool):
+        self.sum, self.reference, self.shared_split = sum, reference, shared_split
+
+    def __call__(self, outputs: torch.Tensor, shared64: torch.Tensor | None):
+        return self.reference(outputs, shared64)
+
+
 def shard_moe(moe: MoE, comm: Comm) -> None:
     e0, e1 = comm.span(len(moe.experts))
     moe.experts = [w if e0 <= e < e1 else None for e, w in enumerate(moe.experts)]
@@ -123,14 +141,14 @@ def shard_moe(moe: MoE, comm: Comm) -> None:
     else:  # replicated: every rank computes the whole shared expert, nothing to sum
         shared_split = False
 
-    def reduce(outputs: torch.Tensor, shared64: torch.Tensor | None):
+    def reference(outputs: torch.Tensor, shared64: torch.Tensor | None):
         if shared64 is None or not shared_split:
             return comm.all_reduce(outputs), shared64
         packed = torch.cat((outputs.double(), shared64.unsqueeze(1)), dim=1)  # one collective for both
         packed = comm.all_reduce(packed)
         return packed[:, :-1].float(), packed[:, -1]
 
-    moe.reduce = reduce
+    moe.reduce = ExpertReduce(comm.sum, reference, shared_split)
 
 
 def shard(model, drafter, comm: Comm) -> list[str]:
@@ -141,7 +159,8 @@ def shard(model, drafter, comm: Comm) -> list[str]:
         shard_moe(layer.ffn, comm)
     head = VocabParallel(model.head, comm)
     model.head = head
-    blockers = [EP_MOE_BLOCKER]
+    # the reference form reads the selected experts on the host; the fast path's fused kernels do not
+    blockers = [EP_MOE_BLOCKER] if model.rt.ops.path == "reference" else []
     if drafter is None:
         return blockers
     drafter.head = head  # the drafter shares the backbone's head
@@ -150,11 +169,11 @@ def shard(model, drafter, comm: Comm) -> list[str]:
         shard_moe(block.ffn, comm)
     if hasattr(drafter, "markov_head"):
         drafter.markov_head = VocabParallel(drafter.markov_head, comm)
-    return blockers + ["the drafter's expert-parallel MoE runs the same reference form"]
+    return blockers + ["the drafter's expert-parallel MoE runs the same reference form"] if blockers else []
 
 
-EP_MOE_BLOCKER = ("the expert-parallel MoE runs its reference form (the fused kernels do not expose the per-slot "
-                  "partial sums the exact reduction over ranks needs), which reads the selected experts on the host")
+EP_MOE_BLOCKER = ("the expert-parallel MoE on the reference path reads the selected experts on the host (the fast "
+                  "path, --path fast, runs it on the fused kernels)")
 
 
 def _splits(w, comm: Comm) -> bool:
