@@ -32,6 +32,7 @@ TIMEOUT = datetime.timedelta(seconds=20)  # one collective, inside a request
 STARTUP = datetime.timedelta(seconds=300)  # the ranks meeting: processes start and import torch first
 BEAT_S = 0.5  # every rank bumps its heartbeat this often
 DEAD_AFTER_S = 3.0  # a peer whose heartbeat has not moved for this long is dead (or hung)
+EXIT_WAIT_S = 15.0  # at a normal exit, the longest wait for the watcher threads to leave their store calls
 FOREVER = datetime.timedelta(days=3650)  # how long a follower waits for the next request
 
 
@@ -180,8 +181,11 @@ def _exit_normally(world: World, store, watchers: list[threading.Thread]) -> Non
     inside a store call at shutdown aborts the process)."""
     store.set(f"done/{world.rank}", "1")
     world.quit.set()
+    # a store call on a loaded box (four ranks on two cores) can take seconds: a second's wait once let a
+    # heartbeat still inside one abort a follower at exit ("terminate called without an active exception")
+    deadline = time.monotonic() + EXIT_WAIT_S
     for t in watchers:
-        t.join(timeout=2 * BEAT_S)
+        t.join(timeout=max(deadline - time.monotonic(), 0))
 
 
 def _free_port() -> int:
