@@ -10,25 +10,19 @@ from pathlib import Path
 
 import pytest
 
-# minutes of compiling, shared by both tests through one module fixture: first, and on one worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_dry_run")]
+# minutes of compiling: one test (two tests sharing a fixture ran it twice, once on each worker: 285 s)
+pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="module")
-def report():
+
+def test_every_kernel_compiles_for_hopper_and_blackwell_and_every_cycle_step_can_be_captured():
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-m", "tests.gpu_dry_run", "--arch", "90,103"], cwd=root,
                          capture_output=True, text=True, timeout=1500)
     assert run.stdout, run.stderr[-3000:]
-    return json.loads(run.stdout)
-
-
-def test_every_kernel_compiles_for_hopper_and_blackwell(report):
+    report = json.loads(run.stdout)
     for f in report["failures"]:
         print(f.get("kernel") or f.get("case"), f.get("arch"), f["error"], sep="\n", end="\n-----\n")
     assert not report["failures"], f"{len(report['failures'])} failures (printed above)"
     assert not report["never_launched"], f"kernels no case reaches: {report['never_launched']}"
     assert set(report["kernels"]) == {"90", "103"}
-
-
-def test_every_cycle_step_can_be_captured_in_a_cuda_graph(report):
     assert not report["capture_violations"], json.dumps(report["capture_violations"], indent=1)
