@@ -59,17 +59,20 @@ class RowParallel:
     (float64 on the reference path, float32 in rank order on the fast path), rounded once."""
 
     def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
-        self.rt, self.comm = linear.rt, comm
+        self.rt = linear.rt
         self.weight = linear.weight.cols(start, end)
         self.act_block = linear.act_block
-        self.reference = linear.rt.ops.path == "reference"
+        self.partial, self.sum = partial_sum(linear.rt, comm)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.reference:
-            y = self.rt.ops.linear(x, self.weight, self.act_block, torch.float64)
-            return self.comm.all_reduce(y).to(out_dtype or self.rt.dtype)
-        y = self.rt.ops.linear(x, self.weight, self.act_block, torch.float32)
-        return self.comm.sum(y).to(out_dtype or self.rt.dtype)
+        y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
+        return self.sum(y).to(out_dtype or self.rt.dtype)
+
+
+def partial_sum(rt, comm: Comm):
+    """(dtype, sum) of the partial results a split op adds over ranks on `rt`'s path: the reference path's
+    float64 all-reduce, the fast path's fixed-order float32 sum."""
+    return (torch.float64, comm.all_reduce) if rt.ops.path == "reference" else (torch.float32, comm.sum)
 
 
 class VocabParallel:
@@ -101,7 +104,7 @@ def shard_attention(attn, comm: Comm) -> None:
         _linear_rows(attn.iq, i0 * c.index_head_dim, i1 * c.index_head_dim)
         attn.weights_proj = _dense_rows(attn.weights_proj, i0, i1)
         attn.index_heads = i1 - i0
-        attn.index_reduce = comm.all_reduce if attn.rt.ops.path == "reference" else comm.sum
+        attn.index_reduce = partial_sum(attn.rt, comm)[1]
 
 
 def _dense_rows(d: Dense, start: int, end: int) -> Dense:
