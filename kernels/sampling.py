@@ -13,21 +13,29 @@ E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with 
 min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
 draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
 
-Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), float32 only, one program per row, looping
-over the vocab in blocks of a fixed width (each block one reduction, blocks added in order: a row's sums do
-not depend on the other rows): softmax in float32; top-k and top-p thresholds by radix search on the float
-bit patterns (32 counting passes each; the top-p mass sums in float32), so no sort; greedy by an argmax
-kernel (ties to the lowest id); draws by the reference race over the kernel's p. Tolerance: probabilities
-within 2^-20 of the largest (float32 exp and sums over V in a different order than torch's: a few ulps);
-the kept set is the reference's except at exact ties on the top-p boundary, where all tied entries are kept
-(the reference's order among ties is its sort's, unspecified), or where a partial mass is within those
-ulps of top_p times the total.
+Kernels (`fast_distribution`, `fast_sample`, `fast_draw`, `fast_accept`), float32 only (no float64 in a
+kernel or a torch operation), one program per row, looping over the vocab in blocks of a fixed width (each
+block one reduction, blocks added in order: a row's sums do not depend on the other rows): softmax in
+float32; top-k and top-p thresholds by radix search on the float bit patterns (32 counting passes each; the
+top-p mass sums in float32), so no sort. `fast_sample` is two launches: the distribution, then the race
+kernel, which draws the generator's values itself (integer mixing per entry, the exponential in float32),
+takes the greedy argmax of the logits beside the race (ties to the lowest id), selects one by the
+temperature, and advances the counter (the last of its programs, once every program has read it).
+`fast_accept` is the reference acceptance over the kernels' distributions and draws, its tests
+u * r < p in float32. Tolerance: probabilities within 2^-20 of the largest (float32 exp and sums over V in
+a different order than torch's: a few ulps); the kept set is the reference's except at exact ties on the
+top-p boundary, where all tied entries are kept (the reference's order among ties is its sort's,
+unspecified), or where a partial mass is within those ulps of top_p times the total; a draw is the
+reference's except where the reference's race values p / E of the two entries are within 2^-18 of each
+other (relative: p's 2^-20 plus E's float32 uniform and logarithm, a few ulps); an acceptance is the
+reference's except where u * r and p are that close.
 """
 
 import torch
 
 from ._triton import (
     INTERPRET,
+    counters,
     device_function,
     device_of,
     pow2,
@@ -44,6 +52,8 @@ from ._triton import (
 _M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
 _M2 = -7723592293110705685  # 0x94d049bb133111eb
 _GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15
+# the same constants as kernel globals (a jit function reads only constexpr globals)
+_M1_K, _M2_K, _GOLDEN_K = tl.constexpr(_M1), tl.constexpr(_M2), tl.constexpr(_GOLDEN)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,12 +69,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def uniform(key: torch.Tensor, n: int) -> torch.Tensor:
-    """n uniforms in [0, 1) (float64) from key = [seed, counter] (int64, device); advances the counter."""
+def uniform(key: torch.Tensor, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """n uniforms in [0, 1) from key = [seed, counter] (int64, device): the top 53 bits of the mix times
+    2^-53, in `dtype` (rounded once: the 53-bit integer is exact in float64); advances the counter."""
     i = torch.arange(n, device=key.device, dtype=torch.int64)
     x = _mix(key[0] * _GOLDEN + _mix((key[1] + i) * _GOLDEN))
     key[1] += n
-    return _shr(x, 11).double() * 2.0**-53
+    return _shr(x, 11).to(dtype) * 2.0**-53
 
 
 def distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -99,9 +110,11 @@ def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> tor
 
 
 def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
-           key: torch.Tensor, distribution=distribution) -> tuple[torch.Tensor, torch.Tensor]:
+           key: torch.Tensor, distribution=distribution, draw=draw,
+           uniform=uniform) -> tuple[torch.Tensor, torch.Tensor]:
     """target logits [k+1, V], drafts [k], draft_logits [k, V] -> (j, b): accepted drafts and the next token
-    (both int64 scalars on the device). `distribution`: this reference's, or the kernel's (fast_accept)."""
+    (both int64 scalars on the device). `distribution`, `draw`, `uniform`: this reference's, or the kernels'
+    and float32 uniforms (fast_accept)."""
     k = drafts.numel()
     # greedy
     best = target.argmax(-1)
@@ -219,50 +232,117 @@ def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tenso
     return p
 
 
+@device_function
+def _exponential(seed, counter):
+    """float32 Exp(1) draws for the int64 counters `counter` (a block): the reference's splitmix64 bits,
+    the uniform u = (top 53 bits) * 2^-53 rounded once to float32 (relative precision 2^-24 at every
+    magnitude, so the small draws that win a race keep their digits), E = -log1p(-u) by log(w) * u / (1 - w)
+    with w = 1 - u (where w rounds to 1, E = u), a few ulps of the float64 value."""
+    x = counter * _GOLDEN_K
+    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
+    x = x * _M1_K
+    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
+    x = x * _M2_K
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    x = seed * _GOLDEN_K + x
+    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
+    x = x * _M1_K
+    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
+    x = x * _M2_K
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    u = ((x >> 11) & 0x1FFFFFFFFFFFFF).to(tl.float32) * 1.1102230246251565e-16  # 2^-53
+    w = tl.maximum(1.0 - u, 1e-30)  # u rounded up to 1: a large finite E (that entry cannot win)
+    exact = w == 1.0
+    return tl.where(exact, u, -tl.log(w) * (u / tl.where(exact, 1.0, 1.0 - w)))
+
+
+@device_function
+def _block_argmax(x, cols, V, BV: tl.constexpr, best, best_i):
+    """The running (max, lowest index of it) over blocks taken in order, updated by block x at cols."""
+    x = tl.where(cols < V, x, float("-inf"))
+    cmax = tmax(x, axis=0)
+    ci = tmin(tl.where(x == cmax, cols, V + BV), axis=0).to(tl.int64)
+    better = cmax > best  # strictly: an equal later maximum keeps the lower index
+    return tl.where(better, cmax, best), tl.where(better, ci, best_i)
+
+
 @triton.jit
-def _argmax_kernel(p_ptr,    # [R, V] values (probabilities or logits), row stride stride_p
-                   e_ptr,    # float32 [R, V] exponential draws, contiguous (HAS_E)
-                   out_ptr,  # out int64 [R]
-                   V, stride_p, HAS_E: tl.constexpr, BV: tl.constexpr):
+def _race_kernel(p_ptr,       # [R, V] probabilities (RACE) or values to take the argmax of, row stride stride_p
+                 g_ptr,       # [R, V] logits, row stride stride_g (GREEDY)
+                 key_ptr,     # int64 [2]: seed, counter (RACE: advanced by R * V, by the last program)
+                 params_ptr,  # float32 [3]: temperature first (GREEDY: 0 selects the greedy token)
+                 cnt_ptr,     # int32 counter of finished programs (zero between launches)
+                 out_ptr,     # out int64 [R]
+                 V, stride_p, stride_g, RACE: tl.constexpr, GREEDY: tl.constexpr, BV: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
+    if RACE:
+        seed = tl.load(key_ptr + tl.arange(0, 1))
+        base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
     best = tl.full((1,), float("-inf"), dtype=tl.float32)
     best_i = tl.zeros((1,), dtype=tl.int64)
+    top = tl.full((1,), float("-inf"), dtype=tl.float32)
+    top_i = tl.zeros((1,), dtype=tl.int64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
-        x = tl.load(p_ptr + r * stride_p + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        if HAS_E:
-            x = x / tl.load(e_ptr + r * V + cols, mask=cols < V, other=1.0)
-        x = tl.where(cols < V, x, float("-inf"))
-        cmax = tmax(x, axis=0)
-        ci = tmin(tl.where(x == cmax, cols, V + BV), axis=0).to(tl.int64)
-        better = cmax > best  # strictly: an equal later maximum keeps the lower index
-        best_i = tl.where(better, ci, best_i)
-        best = tl.where(better, cmax, best)
+        x = tl.load(p_ptr + r * stride_p + cols, mask=cols < V, other=0.0).to(tl.float32)
+        if RACE:
+            x = x / _exponential(seed, base + cols)
+        best, best_i = _block_argmax(x, cols, V, BV, best, best_i)
+        if GREEDY:
+            g = tl.load(g_ptr + r * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
+            top, top_i = _block_argmax(g, cols, V, BV, top, top_i)
+    if GREEDY:
+        best_i = tl.where(tl.load(params_ptr + tl.arange(0, 1)) == 0, top_i, best_i)
     tl.store(out_ptr + r + tl.arange(0, 1), best_i)
+    if RACE:
+        # the counter moves once every program has read it
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(key_ptr + 1 + tl.arange(0, 1), tl.load(key_ptr + 1 + tl.arange(0, 1)) + tl.num_programs(0) * V)
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (a graph replays this one)
 
 
-def _argmax(x: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
-    """argmax over the last dim of x [R, V] (of x / e when e is given), ties to the lowest index."""
-    r, v = x.shape
-    out = torch.empty(r, dtype=torch.int64, device=x.device)
+def _race(p: torch.Tensor, logits: torch.Tensor | None, params: torch.Tensor | None, key: torch.Tensor | None
+          ) -> torch.Tensor:
+    """One launch over rows of p [R, V]: with a key, the exponential race argmax(p / E) (advancing the key's
+    counter by R * V); without, argmax(p); with logits too, their argmax where params[0] (temperature) is 0.
+    Ties to the lowest index."""
+    r, v = p.shape
+    out = torch.zeros(r, dtype=torch.int64, device=p.device)
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        _argmax_kernel[(r,)](x, x if e is None else e, out, v, x.stride(0), HAS_E=e is not None, BV=bv)
+        g = p if logits is None else logits
+        _race_kernel[(r,)](p, g, p if key is None else key, p if params is None else params, counters(p.device, 1),
+                           out, v, p.stride(0), g.stride(0), RACE=key is not None, GREEDY=logits is not None, BV=bv)
     return out
 
 
+def fast_draw(p: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The kernel for `draw` (same signature): the race in float32 over the same counter values, so the same
+    draws except where two entries' p / E are within a few float32 ulps (the tolerance above)."""
+    require(p.dim() == 2, "p.dim()", p.dim(), "must be 2 ([R, V])")
+    require_dtype(p, "p", (torch.float32,))
+    require_rows(p, "p")
+    device_of(p, key)
+    return _race(p, None, None, key)
+
+
 def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The kernels for `sample` (same signature): greedy by the argmax kernel, a draw from the distribution
-    kernel's p by the reference race (the same counter values, so the same draws where p agrees)."""
+    """The kernels for `sample` (same signature), two launches: the distribution kernel's p, then the race
+    over it with the greedy argmax of the logits beside it, one selected by the temperature on the device."""
     require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
     require_rows(logits, "logits")
     device_of(logits, params, key)
-    greedy = _argmax(logits, None)
-    drawn = draw(fast_distribution(logits, params), key)
-    return torch.where(params[0] == 0, greedy, drawn)
+    return _race(fast_distribution(logits, params), logits, params, key)
+
+
+def uniform32(key: torch.Tensor, n: int) -> torch.Tensor:
+    """`uniform` rounded once to float32 (the fast path's acceptance tests: no float64)."""
+    return uniform(key, n, torch.float32)
 
 
 def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels for `accept` (same signature): its distributions from the distribution kernel."""
-    return accept(target, drafts, draft_logits, params, key, distribution=fast_distribution)
+    """The kernels for `accept` (same signature): its distributions from the distribution kernel, its draw
+    the race kernel, its acceptance tests u * r < p in float32."""
+    return accept(target, drafts, draft_logits, params, key, distribution=fast_distribution, draw=fast_draw,
+                  uniform=uniform32)

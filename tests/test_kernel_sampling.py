@@ -1,7 +1,9 @@
 """The sampling kernels: the truncated distribution (temperature, top-k, top-p, read from a device tensor),
-the draw of the shared counter RNG over it, and greedy argmax. Tolerance (kernels/sampling.py): probabilities
-within 2^-20 of the largest (float32 exp and sums in another order than torch's), the same entries kept, the
-same draws. Rows together equal rows one at a time, bit for bit."""
+the draw of the shared counter RNG over it (the race kernel: the generator's values drawn inside it, in
+float32), and greedy argmax. Tolerance (kernels/sampling.py): probabilities within 2^-20 of the largest
+(float32 exp and sums in another order than torch's), the same entries kept, the same draws except where
+the reference's race values of the two entries are within 2^-18 of each other. Rows together equal rows one
+at a time, bit for bit."""
 
 import pytest
 import torch
@@ -11,6 +13,18 @@ from kernels import sampling
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
 
 P_TOL = 2.0**-20
+RACE_TOL = 2.0**-18
+
+
+def assert_same_draws(p, key, want, got, context):
+    """want (the float64 reference's draws from p with `key` as it was before) and got agree, or where they
+    differ the reference's race values p / E of the two entries are within RACE_TOL of each other."""
+    e = -torch.log1p(-sampling.uniform(key.clone(), p.numel()).view(p.shape))
+    race = p.double() / e
+    for r in (want != got).nonzero()[:, 0].tolist():
+        a, b = race[r, want[r]].item(), race[r, got[r]].item()
+        assert abs(a - b) <= RACE_TOL * a, (f"row {r}: the kernel drew {got[r].item()} (p/E {b:.9g}), the reference "
+                                            f"{want[r].item()} (p/E {a:.9g}): not a near tie {context}")
 
 
 def params_of(temperature, top_k, top_p, device):
@@ -27,14 +41,30 @@ def check(rows, vocab, temperature, top_k, top_p, device=DEVICE):
     assert_equal("kept entries", want > 0, got > 0, ctx)
     assert_close("p", want, got, P_TOL, context=ctx)
     k1 = torch.tensor([s, 0], device=device)
-    k2 = k1.clone()
-    assert_equal("draws", sampling.sample(logits, params, k1), run(sampling.fast_sample, logits, params, k2), ctx)
+    k2, before = k1.clone(), k1.clone()
+    assert_same_draws(want, before, sampling.sample(logits, params, k1), run(sampling.fast_sample, logits, params, k2),
+                      ctx)
     assert_equal("counter", k1, k2, ctx)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 50, 0.8)])
 def test_sampling_kernels_match_the_reference(temperature, top_k, top_p):
     check(3, 1000, temperature, top_k, top_p)
+
+
+def test_the_race_kernel_draws_the_references_draws_with_its_own_generator_values():
+    s = seed()
+    p = torch.softmax(torch.randn(48, 1500, device=DEVICE) * 2, -1)
+    p[:, ::7] = 0.0  # truncated entries are never drawn
+    p /= p.sum(-1, keepdim=True)
+    key = torch.tensor([s, s % 1000], device=DEVICE)
+    k1, k2 = key.clone(), key.clone()
+    want, got = sampling.draw(p, k1), run(sampling.fast_draw, p, k2)
+    assert_same_draws(p, key, want, got, f"(seed {s})")
+    assert_equal("counter", k1, k2, f"(seed {s})")
+    assert (got % 7 != 0).all(), f"a truncated entry was drawn (seed {s})"
+    again = run(sampling.fast_draw, p, k2)
+    assert not torch.equal(again, got), f"the advanced counter drew the same 48 tokens again (seed {s})"
 
 
 def test_a_rows_distribution_and_argmax_do_not_depend_on_the_other_rows():
