@@ -86,6 +86,21 @@ def test_declared_gathers_and_reads_through_tables_replace_what_the_tensors_woul
     assert [la.bytes_read for la in rec.launches] == [10 * 64 * 4, 12345 + 32, 32]
 
 
+def test_a_launch_that_touches_a_float64_tensor_is_counted_with_its_place():
+    x, i = torch.randn(8), torch.arange(8)
+
+    def step():
+        y = x * 2.0                      # float32: not counted
+        z = (i.double() + 1).sum()       # the conversion writes float64, the add and the sum read it
+        return y + torch.tensor(0.5, dtype=torch.float64), z  # a float64 host scalar is an argument, not a read
+
+    with Recorder() as rec:
+        step()
+    assert [f["name"] for f in rec.float64] == ["_to_copy", "add.Tensor", "sum"]
+    assert all(f["where"] and f["where"][-1].startswith("tests/test_measure_counts.py") for f in rec.float64)
+    assert rec.summary()["float64_launches"] == 3
+
+
 def test_blocks_get_what_happens_inside_them():
     x = torch.randn(8)
     with Recorder() as rec:
@@ -135,6 +150,26 @@ def test_a_meta_cycle_counts_every_layer_and_reads_less_than_twice_the_ideal_at_
     parts = b["ideal_parts"]
     assert parts["routed_experts"] > 0 and parts["state"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=8)
+
+
+@pytest.mark.parametrize("family,draft", [("deepseek_v41", "none"), ("deepseek_v41", "dspark"),
+                                          ("deepseek_v4", "mtp"), ("deepseek_v4_0731", "dspark")])
+def test_no_fast_path_cycle_launches_anything_in_float64(tiny_dirs, family, draft):
+    """The numerics contract: no float64 in a fast-path launch, torch operations included (sampling,
+    acceptance, the drafters, the journal), counted on a meta build of each tiny family's cycle (adaptive
+    drafting replays the same two steps as a fixed length; its calibration runs eagerly, not on meta)."""
+    from appliance.decode.session import DecodeSession
+    from appliance.measure.count import count_cycle
+    from appliance.measure.shapes import meta_model
+    from appliance.model.config import load_config
+    from appliance.options import RunOptions
+
+    mm = meta_model(load_config(tiny_dirs[family]))
+    session = DecodeSession(mm, RunOptions(draft=draft, draft_tokens=3, path="fast", dtype="bfloat16"),
+                            capacity=96, reach_floor=96)
+    c = count_cycle(session, 64)
+    assert c["launches_per_cycle"] > 0
+    assert c["float64_launches_per_cycle"] == 0, c["float64_sites"]
 
 
 def test_an_extra_launch_per_mhc_site_shows_in_every_layer(meta_counts):

@@ -17,7 +17,9 @@ How an operation is classified (the CPU sees the same operations a GPU would, on
 - a **collective**: a `c10d` operation (all-reduce, all-gather, broadcast), with its payload in bytes; not
   counted among the launches (the cost model prices it by its own latency);
 - a **capture violation**: a host sync, or a tensor made from host data of several values (a
-  host-to-device copy a replay would not redo).
+  host-to-device copy a replay would not redo);
+- a **float64 launch**: a launch that reads or writes a float64 tensor (the fast path's numerics allow
+  none: a B300 runs float64 at ~1/60 of its float32 rate), with where it happened.
 
 Bytes read by a launch: every tensor it receives, once (views count their own elements, not their whole
 storage), except (a) outputs: tensors freshly allocated (`empty*`) and not yet written, and the written
@@ -128,6 +130,7 @@ class Recorder(TorchDispatchMode):
         self.syncs: list[dict] = []
         self.violations: list[dict] = []
         self.collectives: list[dict] = []
+        self.float64: list[dict] = []  # launches touching a float64 tensor: name, block, where
         self.extra_reads: dict[str, int] = defaultdict(int)  # block -> bytes read through address tables
         self.block = "outside"
         self.paused = 0
@@ -254,6 +257,7 @@ class Recorder(TorchDispatchMode):
             name = getattr(getattr(fn, "fn", None), "__qualname__", type(fn).__name__)
             module = getattr(getattr(fn, "fn", None), "__module__", "")
             recorder._launch("triton", f"{module}.{name}", tensors, (), written=())
+            recorder._note_float64(f"{module}.{name}", tensors)
             recorder.triton_launches += 1
             if recorder.meta:
                 return None
@@ -297,6 +301,11 @@ class Recorder(TorchDispatchMode):
             else:
                 total += nbytes(t)
         self.launches.append(Launch(kind, name, self.block, total))
+
+    def _note_float64(self, name: str, tensors: list) -> None:
+        if self.recording and any(t.dtype == torch.float64 and storage_key(t) not in self.host_scalars
+                                  for t in tensors):
+            self.float64.append({"name": name, "block": self.block, "where": self._where()})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -369,6 +378,7 @@ class Recorder(TorchDispatchMode):
             src = args[1] if func is aten.embedding.default else args[0]
             gathers = ((src, outs[0].numel()),)
         self._launch("torch", func.name().removeprefix("aten::"), ins, gathers, written)
+        self._note_float64(func.name().removeprefix("aten::"), ins + outs)
         for o in outs:
             self.fresh.discard(storage_key(o))
 
@@ -391,7 +401,7 @@ class Recorder(TorchDispatchMode):
         triton = Counter(la.name.rpartition(".")[2] for la in self.launches if la.kind == "triton")
         return {"launches": len(self.launches), "torch_launches": sum(torch_ops.values()),
                 "triton_launches": sum(triton.values()), "host_syncs": len(self.syncs),
-                "collectives": len(self.collectives),
+                "collectives": len(self.collectives), "float64_launches": len(self.float64),
                 "bytes_read": sum(la.bytes_read for la in self.launches),
                 "by_block": dict(by_block), "torch_ops": dict(torch_ops.most_common()),
                 "triton_kernels": dict(triton.most_common())}

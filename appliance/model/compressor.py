@@ -61,7 +61,7 @@ class Compressor:
         before_start = (q < 0).unsqueeze(-1)
         kappa = kappa.masked_fill(before_start, 0.0)
         zeta = zeta.masked_fill(before_start, float("-inf"))
-        weights = torch.softmax(zeta.double(), dim=1)
-        latent = (weights * kappa.double()).sum(1).float().to(self.rt.dtype)
+        weights = torch.softmax(zeta.to(self.rt.wide), dim=1)
+        latent = (weights * kappa.to(self.rt.wide)).sum(1).float().to(self.rt.dtype)
         complete = (positions + 1) % m == 0
         return self.norm(latent), complete

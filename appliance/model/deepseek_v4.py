@@ -26,12 +26,13 @@ from .step import Output, Step, begin, finish
 from .weights import Checkpoint
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Sylvester-ordered Walsh-Hadamard transform of the last dim, scaled by 1/sqrt(n) (n a power of 2)."""
+def hadamard(x: torch.Tensor, wide: torch.dtype = torch.float64) -> torch.Tensor:
+    """Sylvester-ordered Walsh-Hadamard transform of the last dim, scaled by 1/sqrt(n) (n a power of 2), its
+    sums in `wide` (Runtime.wide), rounded once to x's dtype."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
-    y = x.double()
+    y = x.to(wide)
     h = 1
     while h < n:
         y = y.unflatten(-1, (n // (2 * h), 2, h))
@@ -99,7 +100,7 @@ class V4Attention(AttentionProjections):
         return nope_quant(k, self.cfg.rope_head_dim) if self.rt.num.official else k
 
     def _index_quant(self, x: torch.Tensor) -> torch.Tensor:
-        return q4_e8m0(hadamard(x), 32).to(x.dtype) if self.rt.num.official else x
+        return q4_e8m0(hadamard(x, self.rt.wide), 32).to(x.dtype) if self.rt.num.official else x
 
     def kv_quant(self, k: torch.Tensor) -> torch.Tensor:
         return self._nope_quant(k)

@@ -48,7 +48,7 @@ class MTP:
     def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
         h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
-        return (e.unsqueeze(1).double() + h.double()).to(self.rt.dtype)
+        return (e.unsqueeze(1).to(self.rt.wide) + h.to(self.rt.wide)).to(self.rt.dtype)
 
     def _forward(self, state, streams, tokens, start) -> torch.Tensor:
         """`start` a host int: eager (must equal the state's length); a device scalar: static."""

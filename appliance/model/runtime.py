@@ -35,6 +35,13 @@ class Runtime:
     def dtype(self) -> torch.dtype:
         return self.num.dtype
 
+    @property
+    def wide(self) -> torch.dtype:
+        """Where the model's own torch arithmetic widens past the activation dtype (a Hadamard butterfly, a
+        pooling softmax, a sum of two rounded inputs): float64 on the reference path (the oracle), float32 on
+        the fast path (its numerics allow no float64: within the fast path's stated tolerance)."""
+        return torch.float64 if self.ops.path == "reference" else torch.float32
+
 
 
 def parse_device(devices: str) -> torch.device:
