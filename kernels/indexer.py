@@ -215,9 +215,7 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
         RD=_ROUND[round_dtype], FINAL=reduce is None, DOT_BF16=bf16 and not INTERPRET, BN=bn,
         BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32))
     if reduce is not None:  # -inf past a row's visible keys on every rank: the sum keeps it
-        out = reduce(out)
-        if round_dtype is not None:
-            out = out.to(round_dtype).float()
+        out = reduce(out, round_to=round_dtype)  # the sum rounded once, kept as float32
     return out
 
 

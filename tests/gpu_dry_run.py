@@ -222,8 +222,9 @@ def drive_benchmark_cases(failures: list):
 def drive_split_specializations(failures: list):
     """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine)
-    and the indexer's partial head sums (the sums over ranks are stand-ins: nothing runs)."""
-    from kernels import bench, indexer, moe
+    and the indexer's partial head sums, each summed over four ranks by the rank-order sum (the gathers
+    are stand-ins: nothing runs)."""
+    from kernels import bench, indexer, moe, rank_sum
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -232,7 +233,10 @@ def drive_split_specializations(failures: list):
     shared = (bench.fp8_weight(quarter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, quarter, (s.block,) * 2),
               bench.fp8_weight(quarter, s.dim, (s.block,) * 2))
     gate = bench.dense_weight(s.experts, s.dim)
-    split = types.SimpleNamespace(sum=lambda t: t, shared_split=True)  # appliance/parallel/sharding.py's
+    def four(t, out_dtype=torch.float32, round_to=None):
+        return rank_sum.fast([t] * 4, out_dtype, round_to)
+
+    split = types.SimpleNamespace(sum=four, shared_split=True)  # appliance/parallel/sharding.py's
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
             try:
@@ -241,7 +245,7 @@ def drive_split_specializations(failures: list):
                              shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=split)
                 q, w = torch.randn(m, s.index_heads // 4, s.index_dim).to(dt), torch.randn(m, s.index_heads // 4)
                 indexer.fast_scores(q, w.to(dt), torch.randn(4096, s.index_dim).to(dt), torch.full((m,), 4095), 1,
-                                    dt if dt != torch.float32 else None, reduce=lambda t: t)
+                                    dt if dt != torch.float32 else None, reduce=four)
             except Exception:
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
 

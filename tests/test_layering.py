@@ -17,7 +17,8 @@ ALLOWED = {
     "appliance.options": {"appliance.errors"},
     "appliance.chat": {"appliance.errors"},
     "appliance.model": {"appliance.errors", "appliance.chat", "kernels"},
-    "appliance.parallel": {"appliance.errors", "appliance.model"},
+    # kernels: the sums over ranks are a kernel's (kernels/rank_sum.py), launched by the collectives
+    "appliance.parallel": {"appliance.errors", "appliance.model", "kernels"},
     "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model",
                          "appliance.chat", "graphs", "kernels"},
     # parallel: the measure wing builds split models from a config (shapes.py) with the real split

@@ -94,11 +94,12 @@ class ShapeComm:
         shape[dim] *= self.world
         return self._received(shape, t)
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def sum(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+            round_to: torch.dtype | None = None) -> torch.Tensor:
         """The fast path's fixed-order sum as `--allreduce nccl` runs it: an all-gather of the partials, then
-        the adds in rank order (launches of their own)."""
+        the adds in rank order (one launch)."""
         self._record("allgather_", t)
-        return ordered_sum(self._received([self.world, *t.shape], t))
+        return ordered_sum(list(self._received([self.world, *t.shape], t)), out_dtype, round_to)
 
     @staticmethod
     def _received(shape: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -172,19 +173,19 @@ def warm_meta_model(cfg: ModelConfig, dtype: str = "bfloat16", world: int = 1,
 def _warm_up(mm: MetaModel) -> None:
     long = dict(dtype=torch.long, device=META)
     state = mm.model.new_state(64, 16, device=META)
-    state.journal.begin()
     start = torch.zeros((), **long)
     tokens = torch.zeros(2, **long)
     keep = mm.drafter is not None and mm.drafter.kind == "mtp"
-    mm.model.forward(tokens, state, logits="all", start=start, bound=63, keep_streams=keep)
+    with state.journal.off():  # as a decode cycle runs (no host read of a position)
+        mm.model.forward(tokens, state, logits="all", start=start, bound=63, keep_streams=keep)
     if mm.drafter is not None:
         d = mm.drafter
         dstate = d.new_state(64, 16, device=META)
-        dstate.journal.begin()
         row = torch.zeros(d.row_shape, dtype=mm.runtime.dtype, device=META)
         params = torch.zeros(3, dtype=torch.float32, device=META)
         key = torch.zeros(2, **long)
-        d.draft(dstate, start + 1, tokens[:1], row, 1, params, key)
+        with dstate.journal.off():
+            d.draft(dstate, start + 1, tokens[:1], row, 1, params, key)
 
 
 @dataclass

@@ -4,8 +4,8 @@ A split layer's partial sums must add up to the same bits on every rank (each ra
 samples identically) and for every batch shape (a verify of k+1 rows must equal k+1 single steps). NCCL's
 all-reduce guarantees neither: its ring and tree algorithms, chunking and protocol change the order of the
 additions with the payload size. So the partials are gathered and added in rank order, ((p0 + p1) + p2) +
-p3, elementwise: the result depends only on the four partials. Two ways to gather, chosen by
-`--allreduce`:
+p3, elementwise, in one launch (kernels/rank_sum.py): the result depends only on the four partials. Two
+ways to gather, chosen by `--allreduce`:
 
 - `nccl` (gloo on CPU): an all-gather into [world, n], then the ordered adds. Captured in a CUDA graph with
   the cycle (NCCL 2.9.6+ supports graph capture).
@@ -19,20 +19,18 @@ p3, elementwise: the result depends only on the four partials. Two ways to gathe
 import torch
 import torch.distributed as dist
 
+from kernels import rank_sum
+
 MODES = ("nccl", "symm", "auto")
 # the one-tensor all-gather: all_gather_single in newer torch, all_gather_into_tensor before it
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
-    """parts [world, ...] -> parts[0] + parts[1] + ... in that order (world - 1 elementwise adds: launches
-    of their own, which one fused kernel would save)."""
-    if parts.shape[0] == 1:
-        return parts[0].clone()
-    out = parts[0] + parts[1]
-    for r in range(2, parts.shape[0]):
-        out += parts[r]
-    return out
+def ordered_sum(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
+                round_to: torch.dtype | None = None) -> torch.Tensor:
+    """parts (world float32 tensors of one shape) -> parts[0] + parts[1] + ... in that order, rounded to
+    `round_to`, as `out_dtype`, in one launch (kernels/rank_sum.py: bitwise the torch adds, read in place)."""
+    return rank_sum.fast(list(parts), out_dtype, round_to)
 
 
 class GatherSum:
@@ -43,10 +41,11 @@ class GatherSum:
     def __init__(self, world: int, group=None):
         self.world, self.group = world, group
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
         parts = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         _all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
-        return ordered_sum(parts.view(self.world, *t.shape))
+        return ordered_sum(list(parts.view(self.world, *t.shape)), out_dtype, round_to)
 
 
 class SymmSum:
@@ -63,15 +62,16 @@ class SymmSum:
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.peers = [self.handle.get_buffer(r, (capacity,), torch.float32) for r in range(world)]
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
         n = t.numel()
         if n > self.capacity:
             raise ValueError(f"symmetric all-reduce of {n} values: its buffers hold {self.capacity}")
         self.buffer[:n].copy_(t.reshape(-1).float())
         self.handle.barrier(channel=0)  # every partial is written
-        out = ordered_sum(torch.stack([p[:n] for p in self.peers]))
+        out = ordered_sum([p[:n] for p in self.peers], out_dtype, round_to)  # read in place from every peer
         self.handle.barrier(channel=1)  # every peer has read: the buffers may be written again
-        return out.view(t.shape).to(t.dtype)
+        return out.view(t.shape)
 
 
 def peers_reachable(world: int) -> bool:

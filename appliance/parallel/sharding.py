@@ -66,13 +66,22 @@ class RowParallel:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
-        return self.sum(y).to(out_dtype or self.rt.dtype)
+        return self.sum(y, out_dtype=out_dtype or self.rt.dtype)
 
 
 def partial_sum(rt, comm: Comm):
     """(dtype, sum) of the partial results a split op adds over ranks on `rt`'s path: the reference path's
-    float64 all-reduce, the fast path's fixed-order float32 sum."""
-    return (torch.float64, comm.all_reduce) if rt.ops.path == "reference" else (torch.float32, comm.sum)
+    float64 all-reduce, the fast path's fixed-order float32 sum (one launch, rounding included). Either sum
+    takes `out_dtype` (default: the partials' dtype) and `round_to` (round once to it before storing)."""
+    if rt.ops.path != "reference":
+        return torch.float32, comm.sum
+
+    def wide_sum(t: torch.Tensor, out_dtype: torch.dtype = torch.float64,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
+        s = comm.all_reduce(t)
+        return (s if round_to is None else s.to(round_to)).to(out_dtype)
+
+    return torch.float64, wide_sum
 
 
 class VocabParallel:
