@@ -13,8 +13,9 @@ Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next t
   1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B;
   2. verify (`VerifyStep`, width k+1): one target forward over [anchor, d_1..d_k] at positions N..N+k;
   3. accept: j drafts and the next token b (kernels.acceptance: greedy prefix, or min(1, p/r));
-  4. commit: every write made for positions after N+j is rolled back on the device (the state journal's
-     transaction); the drafter keeps the rows of N..N+j-1.
+  4. commit: the drafter's rows of N..N+k-1 are written; the host then counts N+j+1 positions. The writes
+     for rejected positions stay where no reader reaches them (appliance/model/state.py, `Journal`):
+     nothing is copied or rolled back, as in a plain cycle.
 A fixed draft length runs 1-4 as one step (one graph). `--draft adaptive` runs the draft step, reads the
 confidences (a second small copy), and replays the verify step of the width it chose.
 The host then sets the states' lengths from `count`: nothing else crosses to the host.
@@ -95,18 +96,17 @@ class PlainCycle:
 
     def __init__(self, target: Target, buf: CycleBuffers, reach: int):
         self.target, self.buf, self.reach = target, buf, reach
-        self.result = torch.zeros(3, dtype=torch.long, device=buf.anchor.device)
+        # count 1 and no accepted drafts, always: the cycle writes only the token
+        self.result = torch.tensor([1, 0, 0], dtype=torch.long, device=buf.anchor.device)
 
     def inputs(self) -> dict[str, torch.Tensor]:
         return {**self.buf.tensors(), **self.target.inputs()}
 
     def __call__(self) -> dict[str, torch.Tensor]:
         target, buf = self.target, self.buf
-        with target.state.journal.off():  # a plain cycle keeps all it writes
+        with target.state.journal.off():  # a cycle's writes are not journaled (state.py, `Journal`)
             out = target.forward(buf.anchor, buf.start, self.reach, logits="last")
-        token = target.ops.sample(out.logits[-1:], buf.params, buf.key)
-        one = torch.ones(1, dtype=torch.long, device=token.device)
-        self.result.copy_(torch.cat((one, 0 * one, token)))
+        self.result[2:].copy_(target.ops.sample(out.logits[-1:], buf.params, buf.key))
         return {"result": self.result}
 
 
@@ -121,12 +121,10 @@ class DraftStep:
 
     def __call__(self) -> dict[str, torch.Tensor]:
         spec, buf, k = self.spec, self.buf, self.k
-        dstate = spec.state
         N = buf.start
-        dstate.journal.begin()
         row_q = spec.rows_at((N - 1).reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
-        d = spec.drafter.draft(dstate, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
-        dstate.journal.rollback_from(N)  # chained rows (MTP) were speculative
+        with spec.state.journal.off():  # chained rows (MTP) of N.. are speculative: rewritten before read
+            d = spec.drafter.draft(spec.state, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
         buf.drafts[:k].copy_(d.ids)
         buf.draft_logits[:k].copy_(d.logits)
         if d.confidence is not None:
@@ -151,18 +149,17 @@ class VerifyStep:
         N = buf.start
         drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
         tokens = torch.cat((buf.anchor, drafts))
-        state.journal.begin()
-        out = target.forward(tokens, N, self.reach)
-        rows = spec.drafter.rows(out)
-        spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
-        j, b = target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
-        forced = buf.force.clamp(max=k)
-        j = torch.where(buf.force >= 0, forced, j)
-        b = torch.where(buf.force >= 0, out.logits.argmax(-1).gather(0, forced.clamp(min=0).view(1))[0], b)
-        state.journal.rollback_from(N + j + 1)
-        spec.state.journal.begin()
-        spec.drafter.commit(spec.state, rows[:k], drafts, N)
-        spec.state.journal.rollback_from(N + j)
+        # not journaled (state.py, `Journal`): the writes for rejected positions, the drafter's rows of N+j..
+        # included, are rewritten before anything reads them
+        with state.journal.off(), spec.state.journal.off():
+            out = target.forward(tokens, N, self.reach)
+            rows = spec.drafter.rows(out)
+            spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
+            j, b = target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
+            forced = buf.force.clamp(max=k)
+            j = torch.where(buf.force >= 0, forced, j)
+            b = torch.where(buf.force >= 0, out.logits.argmax(-1).gather(0, forced.clamp(min=0).view(1))[0], b)
+            spec.drafter.commit(spec.state, rows[:k], drafts, N)
         idx = torch.arange(k + 1, device=N.device)
         ids = torch.where(idx < j, torch.cat((drafts, drafts[:1])), torch.where(idx == j, b, torch.zeros_like(b)))
         self.result.copy_(torch.cat(((j + 1).view(1), j.view(1), ids)))

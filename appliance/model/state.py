@@ -7,9 +7,10 @@ All state is indexed by absolute position, so it is rewindable without snapshots
 - a `RowCache` holds compressed rows (row j covers positions [j*m, (j+1)*m)); rows past the current
   length are never visible (visibility is derived from the position) and are overwritten when regenerated;
 - `tokens` is the committed token history (Engram's n-grams, prefix reuse).
-Every write also goes to a `Journal` that keeps the overwritten values of the last `spare` positions, so
-`rewind(p)` restores the buffers exactly (not only what stays reachable): after a rejected draft the state
-is tensor for tensor what plain decoding of the accepted tokens leaves.
+Every eager write also goes to a `Journal` that keeps the overwritten values of the last `spare` positions,
+so `rewind(p)` after eager calls restores the buffers exactly. Decode cycles write without it: a rejected
+draft's writes are left where no reader reaches (see `Journal`), so the live state after a cycle is what
+plain decoding of the accepted tokens leaves.
 
 Further back, a state is rewound from a copy of its rings (appliance/decode/checkpoint.py): the rings are
 the only buffers that forget, so copying them in, keeping the rows and ids below the new length and
@@ -25,18 +26,21 @@ from appliance.errors import StateError
 
 
 class Journal:
-    """Overwritten values, per written position, for the last `keep` positions.
+    """Overwritten values, per written position, for the last `keep` positions, for host-driven rewinds of
+    eager calls: every write is kept (with its newest position read back to the host) until it is `keep`
+    positions old, and `undo(p)` restores from the host.
 
-    Two ways to use it. Eager: every write is kept (with its newest position read back to the host) until
-    it is `keep` positions old, and `undo(p)` restores from the host. In a transaction (a decode cycle that
-    may be captured as a CUDA graph), writes go to a scratch log without any host sync, and
-    `rollback_from(p)` restores on the device with `p` a tensor."""
+    Decode cycles (captured as CUDA graphs) write with the journal off: what they overwrite is never read
+    again, rejected drafts included. A ring slot a write of position p takes held p - size, out of every
+    reader's reach once the length is within `spare` of p; compressed rows and ids past the length are
+    invisible until rewritten. So after a cycle, and after a rewind of at most `spare` positions, the live
+    state (`DecodeState.live_buffers`) is the one plain decoding leaves; only the unreachable slots may
+    differ."""
 
     def __init__(self, keep: int):
         self.keep = keep
         # (buffer, written indices, overwritten values, their positions, the newest position as an int)
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-        self.transaction: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.paused = False
 
     @property
@@ -45,8 +49,8 @@ class Journal:
 
     @contextmanager
     def off(self):
-        """Writes inside are not journaled: a plain decode cycle, which keeps everything it writes (its
-        writes cost no copy of what they overwrite; the positions it wrote cannot be undone from the journal)."""
+        """Writes inside are not journaled: a decode cycle (its writes cost no copy of what they overwrite;
+        the positions it wrote cannot be restored exactly from the journal, only out of reach)."""
         self.paused = True
         try:
             yield
@@ -56,24 +60,7 @@ class Journal:
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
         if self.paused:
             return
-        if self.transaction is not None:
-            self.transaction.append((data, index, data[index].clone(), positions))
-            return
-        self.entries.append((data, index.clone(), data[index].clone(), positions.clone(), int(positions.max())))
-
-    def begin(self) -> None:
-        self.transaction = []
-
-    def rollback_from(self, position: torch.Tensor) -> None:
-        """End the transaction: restore every value written for a position >= `position` (device tensor)."""
-        for data, index, old, pos in reversed(self.transaction):
-            restore = (pos >= position).view(-1, *([1] * (old.dim() - 1)))
-            data[index] = torch.where(restore, old, data[index])
-        self.transaction = None
-
-    def commit(self) -> None:
-        """End the transaction keeping everything it wrote."""
-        self.transaction = None
+        self.entries.append((data, index.clone(), data[index], positions.clone(), int(positions.max())))
 
     def undo(self, position: int) -> None:
         """Restore every value overwritten by a write for a position >= `position`, newest first."""
