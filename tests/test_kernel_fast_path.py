@@ -11,6 +11,9 @@
   a few such flips moved rows by up to 6e-2 of their largest |logit| (one in a thousand rows past 2^-5),
   so OFFICIAL_TOL is one e4m3 code step. In both, the greedy token is the reference's wherever its top-2
   margin exceeds twice the tolerance (each of the two logits can move by it).
+- The DSpark drafter on the fast path (its V4.1 stages on the backbone's fused products and row work):
+  its draft logits within PLAIN_TOL of the reference drafter's (oracle-checked against the official
+  reference in tests/test_v41_fixture.py), the same drafts where the margins are clear.
 - Batch invariance of the whole forward: a verify block of M rows (M = 1..6) equals M single steps bit for
   bit (logits, DSpark inputs, final streams and every state buffer).
 - Whole cycles (tests/test_graph_replay.py, beside the capture stand-in): greedy decoding with each family's
@@ -94,6 +97,29 @@ def _teacher_forced_until_the_choices_part(models: dict, seed: int) -> tuple[tor
         same &= (v == picks["fast"][k]).flatten(1).all(-1)
     rows = int(same.long().cumprod(0).sum())
     return out["reference"][:rows], out["fast"][:rows]
+
+
+def test_the_dspark_drafter_on_the_fast_path_gives_the_reference_drafts_within_the_stated_tolerance(tiny_dirs):
+    seed = random.randrange(1 << 30)
+    prompt = torch.randint(0, 512, (PROMPT,), generator=torch.Generator().manual_seed(seed))
+    drafts = {}
+    for path in ("reference", "fast"):
+        lm = load(tiny_dirs["deepseek_v41"], path=path, numerics="plain", draft="auto")
+        out = lm.model.forward(prompt, lm.model.new_state(64), logits="last")
+        dstate = lm.drafter.new_state(64)
+        lm.drafter.commit(dstate, out.hidden[:-1], prompt[1:], 0)  # the ring rows of positions 0 .. P-2
+        greedy, key = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([seed, 0])
+        drafts[path] = lm.drafter.draft(dstate, PROMPT - 1, out.logits.argmax(-1), out.hidden[-1], 4, greedy, key)
+    want, got = drafts["reference"], drafts["fast"]
+    scale = want.logits.abs().amax(-1)
+    top2 = want.logits.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1] > 2 * PLAIN_TOL * scale).cumprod(0).bool()  # a chain: up to the first tie
+    same_input = torch.cat((torch.ones(1, dtype=torch.bool), clear[:-1]))  # draft i reads draft i - 1
+    err = (got.logits - want.logits).abs().amax(-1) / scale
+    assert (err[same_input] <= PLAIN_TOL).all(), f"(seed {seed}) draft rows over {PLAIN_TOL:.3g}: {err.tolist()}"
+    assert torch.equal(got.ids[clear], want.ids[clear]), f"(seed {seed}): {got.ids.tolist()} != {want.ids.tolist()}"
+    conf = (got.confidence - want.confidence).abs()[same_input]
+    assert (conf <= PLAIN_TOL * want.confidence.abs()[same_input].clamp(min=1)).all(), f"(seed {seed})"
 
 
 @pytest.mark.slow

@@ -223,7 +223,7 @@ class V41Model:
         self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
         self.head = Dense.load(rt, ckpt, "head.weight", c.vocab_size, c.dim)
         self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
-        plain = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))
+        self.plain_rope = plain = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))  # DSpark's too
         compressed = RopeTable(frequencies(c.rope_head_dim, c.compress_rope_theta, c.rope_factor,
                                            c.original_seq_len, c.beta_fast, c.beta_slow))
         self.engram_hash = None
@@ -251,8 +251,9 @@ class V41Model:
 
     @property
     def ropes(self) -> list:
-        """The distinct RoPE tables of the layers (layers of one kind share theirs)."""
-        return list({id(layer.attn.rope): layer.attn.rope for layer in self.layers}.values())
+        """The distinct RoPE tables of the layers (layers of one kind share theirs) and DSpark's (the plain one)."""
+        ropes = [self.plain_rope] + [layer.attn.rope for layer in self.layers]
+        return list({id(rope): rope for rope in ropes}.values())
 
     def embed_tokens(self, tokens: torch.Tensor):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.formats import q8_pow2
+from kernels.linear import Product
 
 from .blocks import AttentionProjections, Dense, Linear, RMSNorm
 from .config import ModelConfig, V41Config
 from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
 from .deepseek_v41 import StaggeredBlock, moe_for
-from .rope import RopeTable, frequencies
+from .rope import RopeTable
 from .runtime import Runtime
 from .state import DecodeState, new_state
 from .step import Draft
@@ -36,6 +37,11 @@ class DraftStep:
     positions: torch.Tensor
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
+    # what every stage shares, made once a draft: cos/sin of the block's positions, and the rows of
+    # [ring, block] each query attends to (`DraftAttention.rows`)
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 class DraftAttention(AttentionProjections):
@@ -57,22 +63,44 @@ class DraftAttention(AttentionProjections):
         return nope_quant(k, self.cfg.rope_head_dim) if self.v4 else q8_pow2(k, 32).to(k.dtype)
 
     def write(self, state: DecodeState, x: torch.Tensor, positions: torch.Tensor) -> None:
-        cos, sin = self.rope(positions)
-        state.rings[self.name].write(positions, self.window_keys(x, cos, sin))
+        ring = state.rings[self.name]
+        if self.v4:
+            cos, sin = self.rope(positions)
+            ring.write(positions, self.window_keys(x, cos, sin))
+            return
+        # V4.1: kv_norm, RoPE, the FP8 fake quantization and the ring write in one op (the backbone's row
+        # work, with no query heads)
+        ring.record(positions)
+        kv = self.wkv(x)
+        none = kv.new_empty((kv.shape[0], 0, kv.shape[1]))
+        self.rt.ops.attn_inputs(none, kv, positions, self.rope.tables, self.kv_norm.weight, self.kv_norm.eps,
+                                ring.data, True, self.rt.num.official)
+
+    def rows(self, step: DraftStep, B: int) -> torch.Tensor:
+        """[B, W + B]: for every query, the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then
+        the block rows (in the [ring, block] keys, block row i is ring.size + i)."""
+        c, ring = self.cfg, step.state.rings[self.name]
+        t = step.q - (c.window_size - 1) + torch.arange(c.window_size, device=step.positions.device)
+        ring_rows = torch.where(t >= 0, torch.remainder(t, ring.size), -1)
+        rows = torch.cat((ring_rows, ring.size + torch.arange(B, device=step.positions.device)))
+        return rows.unsqueeze(0).expand(B, -1).contiguous()
 
     def __call__(self, x: torch.Tensor, step: DraftStep) -> torch.Tensor:
-        c = self.cfg
         B = x.shape[0]
-        cos, sin = self.rope(step.positions)
-        _, q = self.queries(x, cos, sin)
-        block = self.window_keys(x, cos, sin)
         ring = step.state.rings[self.name]
+        if self.v4:
+            _, q = self.queries(x, step.cos, step.sin)
+            block = self.window_keys(x, step.cos, step.sin)
+        else:  # V4.1: the backbone's products and row work (two products, one op for RoPE, norm, quantization)
+            ops, dt = self.rt.ops, self.rt.dtype
+            ys = ops.linear_multi(x, [Product(self.wq_a.weight, self.wq_a.act_block, dt),
+                                      Product(self.wkv.weight, self.wkv.act_block, dt)])
+            q = ops.linear_multi(ys[0], [Product(self.wq_b.weight, self.wq_b.act_block, dt)],
+                                 (self.q_norm.weight, self.q_norm.eps))[0].view(B, self.heads, self.cfg.head_dim)
+            q, block, _, _ = ops.attn_inputs(q, ys[1], step.positions, self.rope.tables, self.kv_norm.weight,
+                                             self.kv_norm.eps, ring.data, False, self.rt.num.official)
         kv = torch.cat((ring.data.to(block.dtype), block))
-        # every query: the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then the block rows
-        t = step.q - (c.window_size - 1) + torch.arange(c.window_size, device=x.device)
-        ring_rows = torch.where(t >= 0, torch.remainder(t, ring.size), -1)
-        rows = torch.cat((ring_rows, ring.size + torch.arange(B, device=x.device)))
-        return self.attend(q, kv, rows.unsqueeze(0).expand(B, -1).contiguous(), None, None, cos, sin)
+        return self.attend(q, kv, step.rows, None, None, step.cos, step.sin)
 
 
 class DSpark:
@@ -80,13 +108,13 @@ class DSpark:
 
     kind = "dspark"
 
-    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense):
+    def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, rope: RopeTable):
+        """`rope`: the plain frequencies' table (theta = rope_theta, no YaRN): on V4.1 the backbone's, shared."""
         d = cfg.dspark
         c = cfg
-        self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
+        self.cfg, self.rt, self.embed, self.head, self.rope = cfg, rt, embed, head, rope
         self.v41 = isinstance(cfg, V41Config)
         self.block_size, self.noise = d.block_size, d.noise_token_id
-        rope = RopeTable(frequencies(c.rope_head_dim, c.rope_theta))
         n_targets = len(d.target_layer_ids)
         self.main_proj = Linear.load(rt, ckpt, "mtp.0.main_proj.weight", c.dim, c.dim * n_targets,
                                      c.weight_block, c.act_block)
@@ -111,8 +139,11 @@ class DSpark:
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it
-        without allocating)."""
-        return new_state(capacity, spare, device or self.rt.device, [stage.attn for stage in self.stages])
+        without allocating); the RoPE table grows to cover a draft block past the last position."""
+        device = device or self.rt.device
+        if self.v41 and torch.device(device) == torch.device(self.rt.device):  # not a sizing-only state
+            self.rope.ensure(capacity + self.block_size, device)
+        return new_state(capacity, spare, device, [stage.attn for stage in self.stages])
 
     @staticmethod
     def rows(out) -> torch.Tensor:
@@ -145,6 +176,8 @@ class DSpark:
         ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
         X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = DraftStep(state, q, q + 1 + torch.arange(B, device=anchor.device), ids)
+        step.cos, step.sin = self.rope(step.positions)
+        step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
         if self.v41:
             pre = torch.zeros(B, c.hc_mult, device=anchor.device)
             pre[:, 0] = 1.0

@@ -22,8 +22,13 @@ def build_drafter(cfg: ModelConfig, ckpt, rt: Runtime, model):
     """The checkpoint's own drafter: DSpark (V4.1, V4-Flash-0731), MTP (V4-Flash April), or None."""
     if cfg.dspark is not None:
         from .dspark import DSpark
+        from .rope import RopeTable, frequencies
 
-        return DSpark(cfg, ckpt, rt, model.embed, model.head)
+        # V4.1's stages read the backbone's plain table in their fused row work; 0731's V4 stages compute
+        # cos/sin per call, unrounded (the V4 backbone's plain table rounds them for transformers' numerics)
+        rope = model.plain_rope if isinstance(cfg, V41Config) else RopeTable(frequencies(cfg.rope_head_dim,
+                                                                                          cfg.rope_theta))
+        return DSpark(cfg, ckpt, rt, model.embed, model.head, rope)
     if cfg.n_mtp_layers and not isinstance(cfg, V41Config):
         from .mtp import MTP
 
