@@ -4,12 +4,14 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
 `count_cycle(session, context)` runs the session's cycle steps (plain, or draft + verify) once to warm up
 (caches a first call makes, as a capture's warm-up would) and once under the `Recorder`, with
 - every backbone layer and drafter stage tagged, so what happens inside is attributed to it;
-- the registry's `attention` and `moe` wrapped to declare what they read that the recorder cannot see from
-  the tensors a kernel receives: the compressed-row cache is read at the distinct rows the index selects
-  (not the whole cache), and the fused MoE kernels read each distinct routed expert this rank holds once,
-  through the table of expert addresses. On the meta device (no values) the distinct counts are their
-  expected values: every selected compressed row distinct (at most the visible rows), and the routed
-  experts of W rows under uniform routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).
+- the registry's `attention`, `attn_inputs`, `compress` and `ffn` wrapped to declare what they read that the
+  recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at the distinct
+  rows the index selects (not the whole cache), rings at the slots in reach, the RoPE tables at the rows
+  of the call's positions (not the whole capacity), and the fused MoE kernels read each distinct routed
+  expert this rank holds once, and the shared expert (this rank's share), through tables of expert
+  addresses. On the meta device (no values) the distinct counts are their expected values: every selected
+  compressed row distinct (at most the visible rows), and the routed experts of W rows under uniform
+  routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).
 
 The ideal (`ideal_bytes`): each weight the cycle touches read once in its stored format (this rank's
 share of the split ones; embeddings and Engram tables at the rows gathered; routed experts as counted) plus
@@ -19,14 +21,14 @@ the distinct compressed rows each attention selects, in the format the state sto
 """
 
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from appliance.model.config import ModelConfig, V41Config
 
 from .costs import inventory, split_share
-from .recorder import Recorder, unique_violations
+from .recorder import Recorder, storage_key, unique_violations
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
@@ -112,6 +114,19 @@ class DeclaredReads:
         with rec.gather(comp_kv, rows * row_bytes):
             yield
 
+    @contextmanager
+    def _table_rows(self, rope, rows: int):
+        """Inside, a launch reads `rows` rows of the RoPE tables (cos, sin) [P, r/2], one per position it
+        rotates, not the tables (which cover the whole capacity)."""
+        cos, sin = rope
+        with ExitStack() as stack:
+            if storage_key(cos) == storage_key(sin):  # one storage: one declaration for both
+                stack.enter_context(self.rec.gather(cos, 2 * rows * _row(cos)))
+            else:
+                stack.enter_context(self.rec.gather(cos, rows * _row(cos)))
+                stack.enter_context(self.rec.gather(sin, rows * _row(sin)))
+            yield
+
     def _attention(self, attention):
         def call(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype=None):
             with self._rows_read(comp_kv, comp_index):
@@ -124,15 +139,16 @@ class DeclaredReads:
         rec = self.rec
 
         def call(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope):
-            with self._rows_read(comp_kv, comp_index), rec.gather(ring, min(ring.shape[0], window) * _row(ring)):
+            with self._rows_read(comp_kv, comp_index), rec.gather(ring, min(ring.shape[0], window) * _row(ring)), \
+                    self._table_rows(rope, q.shape[0]):
                 return attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope)
 
         return call
 
     def _attn_inputs(self, attn_inputs):
-        """The window ring is written, not read."""
+        """The window ring is written, not read; the RoPE tables at the call's positions."""
         def call(q, kv, positions, rope, kv_norm, eps, ring, *rest):
-            with self.rec.gather(ring, 0):
+            with self.rec.gather(ring, 0), self._table_rows(rope, positions.numel()):
                 return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
 
         return call
@@ -143,7 +159,7 @@ class DeclaredReads:
 
         def call(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows, *rest):
             with rec.gather(ring, min(ring.shape[0], ratio) * _row(ring)), rec.gather(kv_rows, 0), \
-                    rec.gather(key_rows, 0):
+                    rec.gather(key_rows, 0), self._table_rows(rope, positions.numel()):
                 return compress(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows,
                                 *rest)
 
@@ -183,8 +199,8 @@ class DeclaredReads:
             if rec.recording:
                 self.routed[rec.block] += routed
             fused = [la for la in rec.launches[first:] if la.kind == "triton" and "gate_up" in la.name]
-            if fused and rec.recording:  # the kernels read the experts through their address table
-                fused[0].bytes_read += routed
+            if fused and rec.recording:  # the kernels read the experts, the shared one too, through address tables
+                fused[0].bytes_read += routed + (sum(w.nbytes for w in shared) if shared is not None else 0)
             return out
 
         return call
@@ -263,6 +279,8 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
         "launches_outside_layers": s["by_block"].get("outside", {}).get("launches", 0),
         "torch_launches": s["torch_launches"], "triton_launches": s["triton_launches"],
         "host_syncs_per_cycle": s["host_syncs"],
+        "float64_launches_per_cycle": s["float64_launches"],
+        "float64_sites": float64_sites(rec.float64),
         "host_reads_between_steps": len(keys),  # each step's result copied back (by design)
         "collectives": {"per_cycle": s["collectives"],
                         "per_layer": max((v["collectives"] for v in layers.values()), default=0),
@@ -272,6 +290,15 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
         "capture_violations": unique_violations(rec.violations),
         "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
     }
+
+
+def float64_sites(entries: list[dict]) -> list[dict]:
+    """Float64 launches grouped by (operation, place), with how many of each a cycle makes."""
+    groups: dict[tuple, int] = defaultdict(int)
+    for e in entries:
+        groups[(e["name"], e["block"].partition(" ")[0], tuple(e["where"][-2:]))] += 1
+    return [{"op": op, "block": block, "where": list(where), "count": n}
+            for (op, block, where), n in sorted(groups.items())]
 
 
 def payloads(collectives: list[dict]) -> list[dict]:
