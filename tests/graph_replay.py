@@ -6,7 +6,9 @@ and only writes to tensors happen again. `ReplayRunner` does the same on the CPU
 a capture makes, it runs the step once while recording every tensor operation and every Triton kernel
 launch (the fast path, under the interpreter) with the very tensors they used, and `run()` replays that
 record: operations that write their arguments run again on them, operations that made a new tensor run
-again and write into the tensor they made at capture, views are already in place. A step that depends on
+again and write into the tensor they made at capture, views are already in place, and collectives (c10d
+operations, which CUDA graphs capture with NCCL) are issued again on the same tensors and waited for, so
+the ranks of a group replay their cycles in lockstep. A step that depends on
 host state between calls gives different results here than called eagerly, as it would on a GPU.
 """
 
@@ -37,8 +39,11 @@ def _storages(tree) -> set[int]:
 
 def _replay_mode(func, args, kwargs, out) -> str:
     """"write": the op writes its arguments (run it again); "view": its output shares an argument's storage
-    (nothing to redo: the view exists); "compute": a new tensor (run again, copy into the captured one).
-    Views are told by storage, not by the schema: `reshape` may copy."""
+    (nothing to redo: the view exists); "compute": a new tensor (run again, copy into the captured one);
+    "collective": a c10d operation (run it again and wait for it: its schema marks no write, yet it fills
+    its output). Views are told by storage, not by the schema: `reshape` may copy."""
+    if func.namespace == "c10d":
+        return "collective"
     if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return "write"
     outs = _storages(out)
@@ -81,6 +86,10 @@ class ReplayRunner:
                 InterpretedFunction.run(func, *args, **kwargs)
             elif mode == "write":
                 func(*args, **kwargs)
+            elif mode == "collective":
+                for work in tree_flatten(func(*args, **kwargs))[0]:
+                    if hasattr(work, "wait") and not isinstance(work, torch.Tensor):
+                        work.wait()
             elif mode == "compute":
                 new = func(*args, **kwargs)
                 for dst, src in zip(tree_flatten(out)[0], tree_flatten(new)[0]):

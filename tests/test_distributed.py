@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 APPLIANCE = [sys.executable, "-m", "appliance"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, APPLIANCE_THREADS="1")
 TOKENS = 24  # greedy tokens per run: four runs a family (single and four ranks, with and without drafting)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(*args, timeout=300):
@@ -46,13 +54,11 @@ FAST_SPLIT_TOL = 2.0**-16  # relative to a row's largest |logit|: float32 sums o
 
 
 @pytest.mark.slow
-def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_rounding_and_drafting_their_tokens(
-        tiny_dirs, tmp_path):
+def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_rounding(tiny_dirs, tmp_path):
     """The fused kernels over each rank's share (the expert-parallel MoE included), partial sums in float32
     added in rank order. `--numerics plain` for the logits: no activation quantization, whose rounding
     boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics"); measured ~2e-7 of the row
-    maximum. Greedy with DSpark equals greedy without on four ranks: each rank's sums are the same bits for
-    a verify block as for single steps. Short (the interpreter, four ranks on two cores: minutes)."""
+    maximum. Short (the interpreter, four ranks on two cores: minutes)."""
     model = tiny_dirs["deepseek_v41"]
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(torch.randint(0, 512, (12,)).tolist()))
@@ -68,14 +74,32 @@ def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_roundi
     top2 = want.topk(2, -1).values
     clear = top2[:, 0] - top2[:, 1] > 2 * FAST_SPLIT_TOL * want.abs().amax(-1)
     assert ((want.argmax(-1) == got.argmax(-1)) | ~clear).all()
-    ids.write_text(json.dumps(torch.randint(0, 512, (8,)).tolist()))
-    runs = {}
-    for draft in ("none", "dspark"):
-        p = run("generate", "--model", model, "--ids", ids, "--max-tokens", 2, "--ignore-eos", "--json", "--draft",
-                draft, "--draft-tokens", 3, "--devices", "cpu:4", "--path", "fast")
-        runs[draft] = json.loads(p.stdout)
-    assert runs["dspark"]["ids"] == runs["none"]["ids"] and len(runs["none"]["ids"]) == 2
-    assert runs["dspark"]["speculative"]["cycles"] > 0
+
+
+@pytest.mark.slow
+def test_on_every_rank_the_cycles_capture_cleanly_and_replayed_with_their_collectives_give_the_eager_tokens(
+        tiny_dirs, tmp_path):
+    """Four gloo ranks on the fast path, each running tests/rank_replay.py in lockstep: greedy tokens from
+    eager plain cycles, then from cycles replayed from their captures (the collectives replayed with them)
+    without and with DSpark (a verify of k + 1 rows equals k + 1 single steps on every rank); no capture
+    reads the host. Three tokens after a 14-token prompt (four interpreters on two cores: minutes)."""
+    prompt = torch.randint(0, 512, (14,)).tolist()
+    env = dict(ENV, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.rank_replay", "--model", str(tiny_dirs["deepseek_v41"]),
+                               "--devices", "cpu:4", "--prompt", json.dumps(prompt), "--tokens", "3",
+                               "--draft", "dspark", "--out", str(tmp_path)],
+                              env=dict(env, RANK=str(r)), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+             for r in range(4)]
+    errors = [p.communicate(timeout=900)[1] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}: {errors[r][-3000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    want = ranks[0]["eager"]
+    assert len(want) == 3
+    for r in ranks:
+        assert r["violations"] == [], f"rank {r['rank']}: {r['violations']}"
+        assert r["eager"] == want, f"rank {r['rank']} eager {r['eager']} != rank 0's {want}"
+        assert r["replayed"] == {"none": want, "dspark": want}, f"rank {r['rank']}: {r['replayed']} != {want}"
 
 
 @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4_0731"])
