@@ -4,15 +4,15 @@ split layers' partial sums add up to on every rank (appliance/parallel/collectiv
 Reference (`reference`): the adds as torch operations, world - 1 launches. Kernel (`fast`): one launch, the
 same float32 adds in the same order per element (no contraction, no reassociation), so bitwise equal to the
 reference, then rounded once where the caller asks (a split linear's output dtype, the indexer's bfloat16
-scores kept as float32); each partial given by its own pointer, so a rank's gathered rows [world, n] and peers' buffers
-in symmetric memory (one tensor each, on as many devices) are read in place.
+scores kept as float32); each partial given by its own pointer, so a rank's gathered rows [world, n] and
+peers' buffers in symmetric memory (one tensor each, on as many devices) are read in place.
 """
 
 import torch
 
 from ._triton import INTERPRET, bf16_value, require, require_dtype, round_out, tl, triton
 
-MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs)
+MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs; each count compiles its own)
 BLOCK = 4096 if INTERPRET else 1024  # elements per program (the interpreter's cost is per program)
 
 
@@ -29,26 +29,14 @@ def reference(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
 
 
 @triton.jit
-def _kernel(p0, p1, p2, p3, p4, p5, p6, p7,  # float32 [n] each, the first WORLD used
+def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
             out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
             n, WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    acc = tl.load(p0 + offs, mask=m)
-    if WORLD > 1:
-        acc = acc + tl.load(p1 + offs, mask=m)
-    if WORLD > 2:
-        acc = acc + tl.load(p2 + offs, mask=m)
-    if WORLD > 3:
-        acc = acc + tl.load(p3 + offs, mask=m)
-    if WORLD > 4:
-        acc = acc + tl.load(p4 + offs, mask=m)
-    if WORLD > 5:
-        acc = acc + tl.load(p5 + offs, mask=m)
-    if WORLD > 6:
-        acc = acc + tl.load(p6 + offs, mask=m)
-    if WORLD > 7:
-        acc = acc + tl.load(p7 + offs, mask=m)
+    acc = tl.load(parts[0] + offs, mask=m)
+    for r in tl.static_range(1, WORLD):  # unrolled: rank order, one rounding per add
+        acc = acc + tl.load(parts[r] + offs, mask=m)
     if ROUND_BF16:
         acc = bf16_value(acc)
     tl.store(out_ptr + offs, round_out(acc, OUT_BF16), mask=m)
@@ -71,7 +59,6 @@ def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
     out = torch.empty(shape, dtype=out_dtype, device=parts[0].device)
     n = out.numel()
     if n:
-        ptrs = list(parts) + [parts[0]] * (MAX_WORLD - world)
-        _kernel[(triton.cdiv(n, BLOCK),)](*ptrs, out, n, WORLD=world, ROUND_BF16=round_to == torch.bfloat16,
+        _kernel[(triton.cdiv(n, BLOCK),)](tuple(parts), out, n, WORLD=world, ROUND_BF16=round_to == torch.bfloat16,
                                           OUT_BF16=out_dtype == torch.bfloat16, BLOCK=BLOCK)
     return out

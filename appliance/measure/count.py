@@ -21,14 +21,14 @@ the distinct compressed rows each attention selects, in the format the state sto
 """
 
 from collections import defaultdict
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 
 from appliance.model.config import ModelConfig, V41Config
 
 from .costs import inventory, split_share
-from .recorder import Recorder, storage_key, unique_violations
+from .recorder import Recorder, unique_violations
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
@@ -119,12 +119,7 @@ class DeclaredReads:
         """Inside, a launch reads `rows` rows of the RoPE tables (cos, sin) [P, r/2], one per position it
         rotates, not the tables (which cover the whole capacity)."""
         cos, sin = rope
-        with ExitStack() as stack:
-            if storage_key(cos) == storage_key(sin):  # one storage: one declaration for both
-                stack.enter_context(self.rec.gather(cos, 2 * rows * _row(cos)))
-            else:
-                stack.enter_context(self.rec.gather(cos, rows * _row(cos)))
-                stack.enter_context(self.rec.gather(sin, rows * _row(sin)))
+        with self.rec.gather(cos, rows * _row(cos)), self.rec.gather(sin, rows * _row(sin)):
             yield
 
     def _attention(self, attention):

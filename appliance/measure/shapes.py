@@ -28,9 +28,9 @@ from appliance.model.engram import EngramHash
 from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
-from appliance.parallel.collectives import ordered_sum
 from appliance.parallel.placement import HOST_TABLE_BYTES, place
 from appliance.parallel.sharding import shard
+from kernels import rank_sum
 from kernels.linear import PackedWeight
 from kernels.registry import resolve
 
@@ -99,7 +99,7 @@ class ShapeComm:
         """The fast path's fixed-order sum as `--allreduce nccl` runs it: an all-gather of the partials, then
         the adds in rank order (one launch)."""
         self._record("allgather_", t)
-        return ordered_sum(list(self._received([self.world, *t.shape], t)), out_dtype, round_to)
+        return rank_sum.fast(list(self._received([self.world, *t.shape], t)), out_dtype, round_to)
 
     @staticmethod
     def _received(shape: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -26,15 +26,8 @@ MODES = ("nccl", "symm", "auto")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def ordered_sum(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
-                round_to: torch.dtype | None = None) -> torch.Tensor:
-    """parts (world float32 tensors of one shape) -> parts[0] + parts[1] + ... in that order, rounded to
-    `round_to`, as `out_dtype`, in one launch (kernels/rank_sum.py: bitwise the torch adds, read in place)."""
-    return rank_sum.fast(list(parts), out_dtype, round_to)
-
-
 class GatherSum:
-    """All-gather over the process group (NCCL or gloo), then the ordered adds."""
+    """All-gather over the process group (NCCL or gloo), then the ordered adds (one launch)."""
 
     kind = "nccl"
 
@@ -45,7 +38,7 @@ class GatherSum:
                  round_to: torch.dtype | None = None) -> torch.Tensor:
         parts = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         _all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
-        return ordered_sum(list(parts.view(self.world, *t.shape)), out_dtype, round_to)
+        return rank_sum.fast(list(parts.view(self.world, *t.shape)), out_dtype, round_to)
 
 
 class SymmSum:
@@ -69,7 +62,7 @@ class SymmSum:
             raise ValueError(f"symmetric all-reduce of {n} values: its buffers hold {self.capacity}")
         self.buffer[:n].copy_(t.reshape(-1).float())
         self.handle.barrier(channel=0)  # every partial is written
-        out = ordered_sum([p[:n] for p in self.peers], out_dtype, round_to)  # read in place from every peer
+        out = rank_sum.fast([p[:n] for p in self.peers], out_dtype, round_to)  # read in place from every peer
         self.handle.barrier(channel=1)  # every peer has read: the buffers may be written again
         return out.view(t.shape)
 
