@@ -38,15 +38,9 @@ MMA_ROWS = 16
 
 
 if INTERPRET:
-    # The interpreter checks every int32 add, sub and mul for overflow with extra operations and an assert
-    # (a fifth of its time on these kernels). Offsets that can pass 2^31 at real sizes are int64 by
-    # construction here, and CPU test sizes are far below 2^31; the GPU compiler never checks.
-    import dataclasses as _dc
+    from . import _interpreter_speed
 
-    from triton.runtime import interpreter as _interpreter
-
-    _interpreter.interpreter_builder.options = _dc.replace(_interpreter.interpreter_builder.options,
-                                                           sanitize_overflow=False)
+    _interpreter_speed.apply()
     # tl.sum/max/min/cumsum are jit functions of triton's standard library: each call re-patches the
     # language in the interpreter. The same reductions through tl.reduce / tl.associative_scan with the
     # standard combine functions run as single numpy calls.

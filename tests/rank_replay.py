@@ -24,8 +24,9 @@ from .graph_replay import ReplayRunner
 
 
 def greedy(lm, options: RunOptions, prompt: list[int], tokens: int) -> list[int]:
-    # one reach (capacity = reach floor): every step is made, warmed up and captured now, each once
-    loop = RequestLoop(DecodeSession(lm, options, capacity=64, reach_floor=64), lm.tokenizer, lm.model_dir)
+    # one reach for the whole run (capacity = reach floor): every step is made, warmed up and captured once
+    reach = max(64, 1 << (len(prompt) + tokens + 8).bit_length())
+    loop = RequestLoop(DecodeSession(lm, options, capacity=reach, reach_floor=reach), lm.tokenizer, lm.model_dir)
     ids = []
     for event in loop.run(Request(input_ids=prompt, max_tokens=tokens, ignore_eos=True)):
         ids += getattr(event, "ids", [])
