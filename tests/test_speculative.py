@@ -56,15 +56,36 @@ def test_partially_accepted_drafts_still_give_the_plain_greedy_output(drafter_mo
     lm = drafter_models[family]
     prompt = torch.randint(0, lm.cfg.vocab_size, (17,)).tolist()
     want, _ = greedy(lm, prompt, 48)
-    oracle = OracleDrafter(lm, corrupt=0.3, seed=random.randrange(1 << 20))
-    g = open_loop(dataclasses.replace(lm, drafter=oracle), draft="auto", draft_tokens=4)
-    oracle.bind(g.session.state)
-    got = []
-    for event in g.run(Request(input_ids=prompt, max_tokens=48, ignore_eos=True)):
-        got += getattr(event, "ids", [])
+    got, stats = _greedy_with_oracle(lm, lm, prompt, 48)
     assert got == want
-    stats = g.session.stats
     assert stats.accepted > 0 and sum(stats.histogram[1:-1]) > 0, f"no partial acceptance exercised: {stats}"
+
+
+def _greedy_with_oracle(target, drafts_from, prompt, n):
+    """Greedy ids and the session's drafting stats with an oracle drafter (the greedy tokens of
+    `drafts_from`, 30% of them corrupted) proposing k=4 drafts a cycle to `target`."""
+    oracle = OracleDrafter(drafts_from, corrupt=0.3, seed=random.randrange(1 << 20))
+    g = open_loop(dataclasses.replace(target, drafter=oracle), draft="auto", draft_tokens=4)
+    oracle.bind(g.session.state)
+    ids = []
+    for event in g.run(Request(input_ids=prompt, max_tokens=n, ignore_eos=True)):
+        ids += getattr(event, "ids", [])
+    return ids, g.session.stats
+
+
+@pytest.mark.slow
+def test_on_the_fast_path_partially_accepted_drafts_still_give_the_plain_greedy_output(tiny_dirs, drafter_models):
+    """Verify blocks whose drafts are accepted in part, on the fast path: the accepted rows of a k + 1-row
+    verify are the single steps' rows, so the tokens are plain greedy decoding's (the tiny models' random
+    drafters are almost never right, so their runs reject nearly every draft). The oracle drafts from the
+    reference model (its guesses only decide what is proposed; the fast path's verify decides what is kept).
+    Short: the interpreter costs seconds a forward."""
+    lm = load(tiny_dirs["deepseek_v41"], path="fast")
+    prompt = torch.randint(0, lm.cfg.vocab_size, (15,)).tolist()
+    want, _ = greedy(lm, prompt, 16)
+    got, stats = _greedy_with_oracle(lm, drafter_models["deepseek_v41"], prompt, 16)
+    assert got == want
+    assert stats.accepted > 0, f"no draft accepted: {stats}"
 
 
 def test_an_oracle_drafter_that_proposes_the_targets_own_samples_is_always_accepted(drafter_models):
