@@ -31,7 +31,11 @@ import torch
 TIMEOUT = datetime.timedelta(seconds=20)  # one collective, inside a request
 STARTUP = datetime.timedelta(seconds=300)  # the ranks meeting: processes start and import torch first
 BEAT_S = 0.5  # every rank bumps its heartbeat this often
-DEAD_AFTER_S = 3.0  # a peer whose heartbeat has not moved for this long is dead (or hung)
+# A peer whose heartbeat has not moved for this long is hung. Long enough that a rank starved of CPU is not
+# taken for one (3 s once ended a working four-rank run on two cores shared by ten busy processes); a rank
+# that dies is found sooner: by the process watch (rank 0's children, a follower's parent: 0.2 s), or inside
+# a request by the collective its closed connection fails.
+DEAD_AFTER_S = 10.0
 EXIT_WAIT_S = 15.0  # at a normal exit, the longest wait for the watcher threads to leave their store calls
 FOREVER = datetime.timedelta(days=3650)  # how long a follower waits for the next request
 
