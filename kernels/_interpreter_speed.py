@@ -8,6 +8,7 @@ then run as before, slower). Never used on a GPU: compiled kernels do none of th
 """
 
 import dataclasses
+import functools
 import inspect
 
 import triton.language as tl
@@ -39,8 +40,12 @@ def _patch_language_once_per_launch() -> None:
     launch = interpreter.GridExecutor.__call__
     patched: set[int] = set()  # ids of the language modules the running launch patched
 
+    @functools.cache
+    def langs_of(fn) -> frozenset[int]:  # the language modules a function's globals hold: fixed per function
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
     def patch_once(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = langs_of(fn)
         if patched and langs <= patched:
             return interpreter._LangPatchScope()  # nothing to restore
         patched.update(langs)

@@ -19,6 +19,12 @@ from torch.utils._pytree import tree_flatten
 from kernels import _triton  # noqa: F401  (before Triton: it chooses the interpreter without a GPU)
 
 
+def one_reach(prompt: int, tokens: int) -> int:
+    """A capacity that is also the reach floor for a run of `prompt` + `tokens` ids (and a verify block past
+    them): every cycle step of the run is made, warmed up and captured once, at one reach."""
+    return max(64, 1 << (prompt + tokens + 8).bit_length())
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tape: list):
         super().__init__()

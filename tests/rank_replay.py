@@ -20,12 +20,11 @@ from appliance.measure.recorder import Recorder, unique_violations
 from appliance.options import RunOptions
 from appliance.parallel.world import start
 
-from .graph_replay import ReplayRunner
+from .graph_replay import ReplayRunner, one_reach
 
 
 def greedy(lm, options: RunOptions, prompt: list[int], tokens: int) -> list[int]:
-    # one reach for the whole run (capacity = reach floor): every step is made, warmed up and captured once
-    reach = max(64, 1 << (len(prompt) + tokens + 8).bit_length())
+    reach = one_reach(len(prompt), tokens)
     loop = RequestLoop(DecodeSession(lm, options, capacity=reach, reach_floor=reach), lm.tokenizer, lm.model_dir)
     ids = []
     for event in loop.run(Request(input_ids=prompt, max_tokens=tokens, ignore_eos=True)):

@@ -14,7 +14,7 @@ from appliance.api import Request
 from appliance.decode.speculator import Speculator
 
 from .conftest import load, open_loop
-from .graph_replay import ReplayRunner
+from .graph_replay import ReplayRunner, one_reach
 
 
 def test_a_replay_repeats_device_work_and_keeps_host_values_from_the_capture():
@@ -34,12 +34,13 @@ def test_a_replay_repeats_device_work_and_keeps_host_values_from_the_capture():
 # each family's drafters: the cycle step kinds are draft + verify in one step (DSpark on V4.1 and V4-0731, and
 # adaptive's trimmed drafts) and a chained drafter (V4's MTP); V4.1 also replays its plain cycle
 DRAFTS = {"deepseek_v41": ("dspark", "adaptive"), "deepseek_v4": ("mtp",), "deepseek_v4_0731": ("dspark",)}
-# greedy tokens per run: 3 in the suite (the interpreter: ~4 s per forward of a tiny model); the long check
-# (BENCHMARKS.md) sets APPLIANCE_REPLAY_TOKENS=128 and then runs every drafter of a family
-GENERATE = int(os.environ.get("APPLIANCE_REPLAY_TOKENS", "3"))
+# greedy tokens per run: 3 in the suite (the interpreter costs seconds a forward of a tiny model); the long
+# check (BENCHMARKS.md) sets APPLIANCE_REPLAY_TOKENS=128, and a longer run than the suite's takes every
+# drafter of a family
+SUITE_TOKENS = 3
+GENERATE = int(os.environ.get("APPLIANCE_REPLAY_TOKENS", SUITE_TOKENS))
 PROMPT = 14  # the window ring (16) wraps inside the first verify block (positions 14..17 at k = 3)
-# one reach for the whole run (capacity = reach floor): every step is made, warmed up and captured once
-CAPACITY = max(64, 1 << (PROMPT + GENERATE + 8).bit_length())
+CAPACITY = one_reach(PROMPT, GENERATE)
 
 
 def _greedy(lm, prompt: list[int], draft: str, replayed: bool, monkeypatch) -> tuple[list[int], object]:
@@ -72,7 +73,7 @@ def test_replayed_cycles_with_and_without_drafting_give_the_eager_tokens_without
     want, _ = _greedy(lm, prompt, "none", False, monkeypatch)
     assert len(want) == GENERATE
     # in the suite one drafter, drawn per run (a run of each costs minutes under the interpreter)
-    drafters = DRAFTS[family] if GENERATE > 3 else (random.Random(seed).choice(DRAFTS[family]),)
+    drafters = DRAFTS[family] if GENERATE > SUITE_TOKENS else (random.Random(seed).choice(DRAFTS[family]),)
     for draft in ("none", *drafters) if family == "deepseek_v41" else drafters:
         got, stats = _greedy(lm, prompt, draft, True, monkeypatch)
         assert got == want, f"{family} --draft {draft}, replayed (seed {seed}): {got} != {want}"
