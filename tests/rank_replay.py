@@ -1,14 +1,19 @@
-"""One rank of a group the test starts (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun sets them):
+"""One rank of a group in lockstep (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun sets them):
 greedy tokens on the fast path from eager cycles without drafting, then from cycles replayed from their
 captures (tests/graph_replay.py: the collectives replayed with the rest), without and with the drafter, and
 what each capture did that a CUDA graph refuses (the cycle recorder: host reads, host data). Every rank runs
-the same request in lockstep; each writes rank<r>.json into --out.
+the same request; each writes rank<r>.json (and its output, rank<r>.log) into --out. Started without RANK,
+it starts the ranks itself (`launch`) and says whether they agree.
 
     python -m tests.rank_replay --model DIR --devices cpu:4 --prompt '[3, 4, ...]' --tokens 3 --draft dspark --out DIR
 """
 
 import argparse
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import graphs.runner
@@ -32,6 +37,48 @@ def greedy(lm, options: RunOptions, prompt: list[int], tokens: int) -> list[int]
     return ids
 
 
+def launch(argv: list[str], out: Path, world: int, timeout: float | None = None) -> list[dict]:
+    """Start `world` ranks of this harness with `argv` (its --out: `out`) on a free port and wait for them: each
+    rank's result. A rank that fails raises with the end of its output (out/rank<r>.log: a file, because a
+    rank blocked on a full pipe would stall the others in their next collective)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    root = Path(__file__).resolve().parent.parent
+    procs = []
+    for r in range(world):
+        with open(out / f"rank{r}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.rank_replay", *argv],
+                                          env=dict(env, RANK=str(r)), cwd=root, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for r, p in enumerate(procs):
+            if p.wait(timeout=timeout) != 0:
+                raise RuntimeError(f"rank {r} failed: {(out / f'rank{r}.log').read_text()[-3000:]}")
+    finally:  # a failed or hung rank leaves the others waiting in a collective
+        for p in procs:
+            p.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def agreement(ranks: list[dict]) -> list[str]:
+    """What the ranks' results say, one line a run: its tokens on every rank and against the replayed plain
+    run's (the drafter must not change them, nor capture), then the capture violations."""
+    lines = []
+    plain = ranks[0]["replayed"].get("none")
+    for run in ["eager", *ranks[0]["replayed"]]:
+        tokens = [r["eager"] if run == "eager" else r["replayed"][run] for r in ranks]
+        if tokens[0] is None:
+            continue
+        same = all(t == tokens[0] for t in tokens)
+        line = f"{run}: {len(tokens[0])} tokens, {'the same' if same else 'DIFFERENT'} on every rank"
+        if plain is not None and run != "none":
+            line += ", " + ("equal to" if tokens[0] == plain else "DIFFERENT from") + " replayed plain (none)"
+        lines.append(line)
+    lines.append(f"capture violations: {sum(len(r['violations']) for r in ranks)}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -39,14 +86,26 @@ def main() -> None:
     ap.add_argument("--prompt", required=True, help="JSON list of token ids")
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--draft", default="dspark")
+    ap.add_argument("--runs", default="eager,plain,drafted",
+                    help="which runs, in this order: eager (plain cycles, not captured), plain (replayed without "
+                         "drafting), drafted (replayed with --draft); long runs may leave out eager (the suite's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    runs = args.runs.split(",")
+    if set(runs) - {"eager", "plain", "drafted"}:
+        ap.error(f"--runs {args.runs}: a comma-separated choice of eager, plain, drafted")
+    if "RANK" not in os.environ:  # started by hand: start the ranks
+        args.out.mkdir(parents=True, exist_ok=True)
+        world = int(args.devices.partition(":")[2] or 1)
+        print("\n".join(agreement(launch(sys.argv[1:], args.out, world))))
+        return
     world = start(args.devices)
     prompt = json.loads(args.prompt)
     options = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft=args.draft, draft_tokens=3)
     lm = load_model(options, notice=None, world=world)
     plain = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft="none")
-    result = {"rank": world.rank, "eager": greedy(lm, plain, prompt, args.tokens), "replayed": {}, "violations": []}
+    eager = greedy(lm, plain, prompt, args.tokens) if "eager" in runs else None
+    result = {"rank": world.rank, "eager": eager, "replayed": {}, "violations": []}
 
     def checked_replay(step, device, graphs=True, pool=None, check_inputs=False):
         step()  # the warm-up a capture makes (first calls build caches: the MoE's expert address tables)
@@ -56,9 +115,11 @@ def main() -> None:
         return runner
 
     graphs.runner.make_runner = checked_replay
-    for opts in (plain, options):
-        result["replayed"][opts.draft] = greedy(lm, opts, prompt, args.tokens)
-    (args.out / f"rank{world.rank}.json").write_text(json.dumps(result))
+    for run, opts in (("plain", plain), ("drafted", options)):
+        if run in runs:
+            result["replayed"][opts.draft] = greedy(lm, opts, prompt, args.tokens)
+        # written after every run: a long run's finished parts survive an interrupted one
+        (args.out / f"rank{world.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

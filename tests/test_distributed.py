@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from .rank_replay import launch
+
 APPLIANCE = [sys.executable, "-m", "appliance"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, APPLIANCE_THREADS="1")
 TOKENS = 24  # greedy tokens per run: four runs a family (single and four ranks, with and without drafting)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*args, timeout=300):
@@ -84,16 +78,8 @@ def test_on_every_rank_the_cycles_capture_cleanly_and_replayed_with_their_collec
     without and with DSpark (a verify of k + 1 rows equals k + 1 single steps on every rank); no capture
     reads the host. Three tokens after a 14-token prompt (four interpreters on two cores: minutes)."""
     prompt = torch.randint(0, 512, (14,)).tolist()
-    env = dict(ENV, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.rank_replay", "--model", str(tiny_dirs["deepseek_v41"]),
-                               "--devices", "cpu:4", "--prompt", json.dumps(prompt), "--tokens", "3",
-                               "--draft", "dspark", "--out", str(tmp_path)],
-                              env=dict(env, RANK=str(r)), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-             for r in range(4)]
-    errors = [p.communicate(timeout=900)[1] for p in procs]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r}: {errors[r][-3000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    ranks = launch(["--model", str(tiny_dirs["deepseek_v41"]), "--devices", "cpu:4", "--prompt", json.dumps(prompt),
+                    "--tokens", "3", "--draft", "dspark", "--out", str(tmp_path)], tmp_path, world=4, timeout=900)
     want = ranks[0]["eager"]
     assert len(want) == 3
     for r in ranks:
