@@ -23,7 +23,7 @@ from appliance.decode.session import DecodeSession
 from appliance.loader import load_model
 from appliance.measure.recorder import Recorder, unique_violations
 from appliance.options import RunOptions
-from appliance.parallel.world import start
+from appliance.parallel.world import parse_devices, start
 
 from .graph_replay import ReplayRunner, one_reach
 
@@ -96,8 +96,7 @@ def main() -> None:
         ap.error(f"--runs {args.runs}: a comma-separated choice of eager, plain, drafted")
     if "RANK" not in os.environ:  # started by hand: start the ranks
         args.out.mkdir(parents=True, exist_ok=True)
-        world = int(args.devices.partition(":")[2] or 1)
-        print("\n".join(agreement(launch(sys.argv[1:], args.out, world))))
+        print("\n".join(agreement(launch(sys.argv[1:], args.out, len(parse_devices(args.devices))))))
         return
     world = start(args.devices)
     prompt = json.loads(args.prompt)

@@ -78,9 +78,8 @@ def test_on_the_fast_path_partially_accepted_drafts_still_give_the_plain_greedy_
     """Verify blocks whose drafts are accepted (in part where a corrupted draft ends the run), on the fast
     path: the accepted rows of a k + 1-row verify are the single steps' rows, so the tokens are plain greedy
     decoding's (the tiny models' random drafters are almost never right, so their runs reject nearly every
-    draft). The oracle drafts from the
-    reference model (its guesses only decide what is proposed; the fast path's verify decides what is kept).
-    Short: the interpreter costs seconds a forward."""
+    draft). The oracle drafts from the reference model (its guesses only decide what is proposed; the fast
+    path's verify decides what is kept). Short: the interpreter costs seconds a forward."""
     lm = load(tiny_dirs["deepseek_v41"], path="fast")
     prompt = torch.randint(0, lm.cfg.vocab_size, (15,)).tolist()
     want, _ = greedy(lm, prompt, 16)
