@@ -70,7 +70,7 @@ def load_model(options: RunOptions, notice=print, world=None) -> LoadedModel:
     if rt.device.type != "cpu":
         kept: list[tuple[str, object]] = []
         place((model, drafter), rt.device, kept=kept)
-        for _, table in kept:  # the gather kernel reads host tables in place; the reference gathers on the host
+        for _, table in kept:  # the lookup kernel reads host tables in place; the reference gathers on the host
             if rt.ops.path == "fast":
                 map_to_device(table)
     return LoadedModel(cfg, model, tokenizer, ckpt, rt, model_dir, drafter, world, blockers)

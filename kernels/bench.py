@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import attention, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from . import attention, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
 from .formats import encode_fp4, encode_fp8
 from .linear import PackedWeight
 
@@ -68,12 +68,17 @@ class Shapes:
     hc: int = 4
     vocab: int = 129280
     block: int = 32
+    engram_layers: int = 2
+    engram_ngram: int = 4  # n-grams of 2..4 tokens, each hashed by engram_heads heads: 24 rows a position
+    engram_heads: int = 8
+    engram_dim: int = 256
+    engram_rows: int = 1 << 22  # a 1 GB table a layer stands in for the released ~384M rows (lookups are random)
 
 
 V41 = Shapes()
 TINY = Shapes(dim=64, heads=4, head_dim=64, rope_dim=16, q_lora=64, o_groups=2, o_lora=32, experts=8, top_k=2,
               inter=64, index_heads=4, index_dim=32, index_topk=8, index_rows=100, window=16, comp_rows=100,
-              vocab=300)
+              vocab=300, engram_heads=2, engram_dim=32, engram_rows=1000)
 
 
 @dataclass
@@ -232,6 +237,48 @@ def _bench_indexer(s, m, dev, dt, iters, tiny):
     return out
 
 
+def _bench_engram(s, m, dev, dt, iters, tiny):
+    """The lookup of every Engram layer for m positions, from tables in host memory (pinned: the device reads
+    them in place, as it reads the registered checkpoint pages) and, beside it, from the same tables on the
+    device: the difference is what the host link costs a step. Then one Engram layer on looked-up rows.
+    Bytes: the rows a lookup reads (over the host link in the first row); the layer's wkv, rows and streams."""
+    cuda = dev.type == "cuda"
+    L, hd, rows = s.engram_layers, s.engram_dim, s.engram_rows
+    C = (s.engram_ngram - 1) * s.engram_heads
+    host = []
+    for _ in range(L):  # random bytes: the lookup copies codes and scales, whatever they encode
+        pair = (torch.randint(0, 256, (rows, hd), dtype=torch.uint8), torch.randint(0, 256, (rows, hd // 32),
+                                                                                     dtype=torch.uint8))
+        host.append(tuple(t.pin_memory() for t in pair) if cuda else pair)
+    primes = torch.full((L, C), rows // C, device=dev)  # each column its own range of rows (offsets)
+    offsets = torch.cumsum(primes, 1) - primes
+    mult = torch.randint(1, 2**40, (L, s.engram_ngram), device=dev) * 2 + 1
+    token_map = torch.randint(0, s.vocab, (s.vocab,), device=dev)
+    history = torch.randint(0, s.vocab, (4096,), device=dev)
+    sets = [(torch.arange(m, device=dev) + 64 * (i + 1),) for i in range(32)]  # other positions, other rows
+    out = []
+    for where in ("host", "device"):
+        tables = [t.view(torch.float8_e4m3fn).to(dev if where == "device" else t.device) for t, _ in host]
+        scales = [sc.to(dev if where == "device" else sc.device) for _, sc in host]
+
+        def lookup(pos, tables=tables, scales=scales):
+            return engram.fast_lookup(history, pos, token_map, 0, mult, primes, offsets, s.engram_heads, tables, scales)
+
+        t = _time(lookup, sets, iters, cuda)
+        out.append((f"engram lookup, {where} tables", f"{L} layers x {C} rows of {hd} B", t,
+                    L * m * C * (hd + hd // 32)))
+    _, codes, scales = lookup(*sets[0])
+    n = (s.hc + 1) * s.dim
+    wkv = [fp8_weight(n, C * hd, (s.block,) * 2, dev) for _ in range(_copies(n * C * hd, tiny))]
+    omega = torch.randn(s.hc, s.dim, device=dev)
+    layer_sets = [(torch.randn(m, s.hc, s.dim, device=dev).to(dt), w) for w in wkv]
+    t = _time(lambda X, w: engram.fast_layer(X, codes[0], scales[0], w, s.block, omega, 1e-20), layer_sets, iters,
+              cuda)
+    out.append(("engram layer", f"[{n}, {C * hd}] fp8", t,
+                wkv[0].nbytes + _nbytes(codes[0], scales[0]) + 2 * m * s.hc * s.dim * dt.itemsize))
+    return out
+
+
 def _bench_small(s, m, dev, dt, iters, tiny):
     cuda = dev.type == "cuda"
     out = []
@@ -265,7 +312,7 @@ def _bench_small(s, m, dev, dt, iters, tiny):
     return out
 
 
-BENCHES = (_bench_linear, _bench_moe, _bench_attention, _bench_indexer, _bench_small)
+BENCHES = (_bench_linear, _bench_moe, _bench_attention, _bench_indexer, _bench_engram, _bench_small)
 
 
 def run(device: str | None = None, ms=(1, 6), iters: int = 50, tiny: bool | None = None, notice=print) -> list[Result]:

@@ -1,16 +1,19 @@
-"""Engram: the row gather (the rows a step needs from an Engram table, FP8 e4m3 [rows, d] with one E8M0 scale
-per 32 values, dequantized into a device tensor) and the whole layer (the gathered rows through wkv, the
-gated add into the streams) in one launch on the fast path. The tables of the released V4.1-Flash are
-~100 GB each and stay in host memory; the kernels read the few rows a token needs straight from there
-(host memory registered with the device: a captured decode cycle gathers without a host round trip), and
-on CPU they read an ordinary tensor, so the tests exercise the same kernels.
+"""Engram: the lookup (the row ids a step's positions hash to in every Engram layer, and those rows copied
+from the tables, FP8 e4m3 [rows, d] with one E8M0 scale per 32 values, into a small device buffer) and the
+layer (the looked-up rows through wkv, the gated add into the streams), one launch each on the fast path.
+The tables of the released V4.1-Flash are ~100 GB each and stay in host memory; the lookup reads the few
+rows a step needs straight from there (host memory registered with the device: a captured decode cycle
+gathers without a host round trip) and on CPU reads an ordinary tensor, so the tests exercise the same
+kernels. The rows cross the host link once a step, in the cycle's first kernel: the layer kernel's many
+programs each read every row they multiply, and read them from device memory.
 
-The gather's reference and kernel are exact: an e4m3 value times a power of two fits float32 and bfloat16
-without rounding. The layer: the kernel's product is the linear kernel's (float32 sums of exact products)
-and its gates float32, the reference's float64; within one rounding of the activation dtype of it (and,
-where a product sits at an FP8 boundary of the official activation quantization, one e4m3 step of that
-input). A lookup moves, per token and Engram layer, n_cols rows of d + d/32 bytes over the host link
-(V4.1-Flash: 24 rows of 264 B = 6.3 KB per layer, 12.7 KB per token for its two Engram layers).
+The lookup is exact (a copy of the rows' bytes); the layer's dequantization too (an e4m3 value times a
+power of two fits float32 and bfloat16 without rounding). The layer: the kernel's product is the linear
+kernel's (float32 sums of exact products) and its gates float32, the reference's float64; within one
+rounding of the activation dtype of it (and, where a product sits at an FP8 boundary of the official
+activation quantization, one e4m3 step of that input). A lookup moves, per token and Engram layer, n_cols
+rows of d + d/32 bytes over the host link (V4.1-Flash: 24 rows of 264 B = 6.3 KB per layer, 12.7 KB per
+token for its two Engram layers).
 """
 
 import torch
@@ -21,6 +24,7 @@ from ._triton import (
     counters,
     device_function,
     device_of,
+    e8m0_f32,
     pow2,
     require,
     require_dtype,
@@ -33,27 +37,22 @@ from .formats import e8m0_to_float
 from .linear import PackedWeight, check_act_block, check_weight, kernel_args, mma_parts, quant_tile, weight_tile
 
 
-def reference(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """ids [T, C] (int64, rows of `table`) -> [T, C * d] in out_dtype on ids' device. The gather happens
-    where the table lives (a host table: a host round trip, which a CUDA graph cannot capture).
-
-    Bytes moved: T * C * (d + d / 32) read, T * C * d * out_dtype size written."""
-    flat = ids.reshape(-1).to(table.device)
-    w = table[flat].float()
-    s = e8m0_to_float(scale[flat]).repeat_interleave(32, dim=-1)
-    return (w * s).reshape(ids.shape[0], -1).to(device=ids.device, dtype=out_dtype)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Looked-up rows, codes [T, C, d] e4m3 and scales [T, C, d / 32] E8M0 -> [T, C * d] in out_dtype (exact)."""
+    s = e8m0_to_float(scales).repeat_interleave(32, dim=-1)
+    return (codes.float() * s).reshape(codes.shape[0], -1).to(out_dtype)
 
 
-def layer_reference(X: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
-                    wkv: PackedWeight, act_block: int | None, omega: torch.Tensor, eps: float) -> torch.Tensor:
-    """One Engram layer on the streams X [T, hc, D]: the rows of `ids` [T, C] through `wkv` give hc keys and
-    a value, and each copy adds the value through its gate:
+def layer_reference(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: PackedWeight,
+                    act_block: int | None, omega: torch.Tensor, eps: float) -> torch.Tensor:
+    """One Engram layer on the streams X [T, hc, D]: its looked-up rows (codes [T, C, d] e4m3, scales
+    [T, C, d / 32] E8M0) through `wkv` give hc keys and a value, and each copy adds the value through its gate:
         rho_j = rsqrt(mean(X_j^2) + eps) rsqrt(mean(key_j^2) + eps)
         delta_j = sum(X_j omega_j key_j) rho_j / sqrt(D),  gate_j = sigmoid(sign(delta_j) sqrt(max(|delta_j|, 1e-6)))
         X_j' = X_j + gate_j value
     in float64, rounded once to X's dtype (the official float32 interior)."""
     hc, d = X.shape[1], X.shape[2]
-    kv = linear.reference(reference(table, scale, ids, X.dtype), wkv, act_block, X.dtype).double()
+    kv = linear.reference(dequantize(codes, scales, X.dtype), wkv, act_block, X.dtype).double()
     keys = kv[:, : hc * d].view(-1, hc, d)
     value = kv[:, hc * d:]
     x = X.double()
@@ -63,47 +62,44 @@ def layer_reference(X: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, i
     return (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(X.dtype)
 
 
-# One launch: programs (output tile, row block) compute kv = wkv(rows) for their tile, the act tiles gathered
-# from the table by the ids (dequantized, then the official FP8 quantization); the row block's last program
-# (a counter) computes each row's gates from the whole kv row and writes X'. float32 throughout; per row.
+# One launch: programs (output tile, row block) compute kv = wkv(rows) for their tile, the act tiles read from
+# the looked-up rows (dequantized, then the official FP8 quantization); the row block's last program (a
+# counter) computes each row's gates from the whole kv row and writes X'. float32 throughout; per row.
 
 
 @device_function
-def _gathered_tile(table_ptr, scale_ptr, ids_ptr, rows, row_mask, k0, K, C, HD,
-                   ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Columns [k0, k0 + BK) of the rows' gathered table rows (column k: row ids[m, k // HD], element k mod
-    HD), dequantized exactly, FP8-quantized per ACT_BLOCK, float32 [BM, BK]."""
+def _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, ACT_BLOCK: tl.constexpr, BM: tl.constexpr,
+               BK: tl.constexpr):
+    """Columns [k0, k0 + BK) of the rows' looked-up table rows (each position's C rows of HD, one row of
+    K = C HD), dequantized exactly, FP8-quantized per ACT_BLOCK, float32 [BM, BK]."""
     cols = k0 + tl.arange(0, BK)
-    m2 = row_mask[:, None] & (cols[None, :] < K)
-    c = cols // HD
-    j = cols % HD
-    rid = tl.load(ids_ptr + rows[:, None].to(tl.int64) * C + c[None, :], mask=m2, other=0)
-    code = tl.load(table_ptr + rid * HD + j[None, :], mask=m2, other=0.0).to(tl.float32)
-    e = tl.load(scale_ptr + rid * (HD // 32) + (j // 32)[None, :], mask=m2, other=127).to(tl.int32)
-    v = code * tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)
+    r64 = rows[:, None].to(tl.int64)
+    code = tl.load(codes_ptr + r64 * K + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+    blocks = k0 // 32 + tl.arange(0, BK // 32)  # BK is a multiple of 32: the tile holds whole scale blocks
+    e = tl.load(scale_ptr + r64 * (K // 32) + blocks[None, :], mask=row_mask[:, None] & (blocks[None, :] * 32 < K),
+                other=127)
+    v = tl.reshape(tl.reshape(code.to(tl.float32), (BM, BK // 32, 32)) * e8m0_f32(e)[:, :, None], (BM, BK))
     if ACT_BLOCK > 0:
         v = quant_tile(v, BM, BK, ACT_BLOCK)
     return v
 
 
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
-def _layer_kernel(table_ptr,  # e4m3 [rows, HD] (host memory registered with the device, or any tensor on CPU)
-                  scale_ptr,  # E8M0 bytes [rows, HD / 32]
-                  ids_ptr,    # int64 [T, C] the table rows of each position
+def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memory: read by every program)
+                  scale_ptr,  # E8M0 bytes [T, C, HD / 32]
                   w_ptr, s_ptr,  # wkv weight data and scale bytes [(hc + 1) D, C HD] (linear.weight_tile)
                   kv_ptr,     # scratch [T, (hc + 1) D] in X's dtype: the product
                   X_ptr,      # streams [T, hc, D]
                   om_ptr,     # float32 [hc, D] omega
                   out_ptr,    # out [T, hc, D]
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
-                  T, C, HD, hc, D, stride_wn, stride_sn, eps,
+                  T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
                   DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
     N = (hc + 1) * D
-    K = C * HD
     rows = pid_m * BM + tl.arange(0, BM)
     row_mask = rows < T
     offs_n = tile * BN + tl.arange(0, BN)
@@ -113,7 +109,7 @@ def _layer_kernel(table_ptr,  # e4m3 [rows, HD] (host memory registered with the
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(0, K, BK):
         w = weight_tile(w_rows, s_rows, n_mask, k0, K, FMT, BI, BN, BK)
-        a = _gathered_tile(table_ptr, scale_ptr, ids_ptr, rows, row_mask, k0, K, C, HD, ACT_BLOCK, BM, BK)
+        a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, ACT_BLOCK, BM, BK)
         acc = mma_parts(w, a, acc, 1, DOT_BF16)
     r64 = rows.to(tl.int64)
     tl.store(kv_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16),
@@ -155,29 +151,26 @@ def _layer_kernel(table_ptr,  # e4m3 [rows, HD] (host memory registered with the
         tl.atomic_xchg(cnt_ptr + pid_m, 0)  # ready for the next launch (a graph replays this one)
 
 
-def fast_layer(X: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, wkv: PackedWeight,
+def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: PackedWeight,
                act_block: int | None, omega: torch.Tensor, eps: float) -> torch.Tensor:
-    """The kernel for `layer_reference` (same signature; within one rounding of X's dtype of it): one launch,
-    the table read in place wherever it lives."""
+    """The kernel for `layer_reference` (same signature; within one rounding of X's dtype of it): one launch."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([T, hc, D])")
     t, hc, d = X.shape
-    require_dtype(table, "table", (torch.float8_e4m3fn,))
-    require_dtype(scale, "scale", (torch.float8_e8m0fnu, torch.uint8))
-    rows, hd = table.shape
-    require(hd % 32 == 0, "table.shape[1]", hd, "must be a multiple of 32 (one scale per 32)")
-    require(tuple(scale.shape) == (rows, hd // 32), "scale.shape", tuple(scale.shape), f"must be {(rows, hd // 32)}")
-    require(table.is_contiguous() and scale.is_contiguous(), "table", "strided", "table and scale must be contiguous")
-    require_dtype(ids, "ids", (torch.int64,))
-    require(ids.dim() == 2 and ids.shape[0] == t, "ids.shape", tuple(ids.shape), f"must be [{t}, C]")
+    require_dtype(codes, "codes", (torch.float8_e4m3fn,))
+    require_dtype(scales, "scales", (torch.float8_e8m0fnu, torch.uint8))
+    require(codes.dim() == 3 and codes.shape[0] == t, "codes.shape", tuple(codes.shape), f"must be [{t}, C, d]")
+    _, c, hd = codes.shape
+    require(hd % 32 == 0, "codes.shape[2]", hd, "must be a multiple of 32 (one scale per 32)")
+    require(tuple(scales.shape) == (t, c, hd // 32), "scales.shape", tuple(scales.shape),
+            f"must be {(t, c, hd // 32)}")
     n, k = check_weight(wkv, "wkv")
-    require(n == (hc + 1) * d and k == ids.shape[1] * hd, "wkv.shape", wkv.shape,
-            f"must be {((hc + 1) * d, ids.shape[1] * hd)}")
+    require(n == (hc + 1) * d and k == c * hd, "wkv.shape", wkv.shape, f"must be {((hc + 1) * d, c * hd)}")
     require(tuple(omega.shape) == (hc, d) and omega.dtype == torch.float32, "omega", tuple(omega.shape),
             f"must be float32 {(hc, d)}")
     ab = check_act_block(act_block, k)
-    dev = device_of(X, ids, wkv.data, omega)
-    X, ids, omega = X.contiguous(), ids.contiguous(), omega.contiguous()
+    dev = device_of(X, codes, scales, wkv.data, omega)
+    X, codes, scales, omega = X.contiguous(), codes.contiguous(), scales.contiguous(), omega.contiguous()
     out = torch.empty_like(X)
     if t == 0:
         return out
@@ -186,15 +179,17 @@ def fast_layer(X: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids: t
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
+    # the gates' tiles are [BM, hc, BD] float32, several live at once: 2048 elements keep them in registers
+    bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
-        table, scale.view(torch.uint8), ids, data, sc, kv, X, omega, out, cnt, t, ids.shape[1], hd, hc, d, swn, ssn,
+        codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, t, k, hc, d, swn, ssn,
         float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET,
-        OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=min(pow2(d), 4096 if INTERPRET else 256),
+        OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
         BHC=pow2(hc))
     return out
 
 
-# --- row ids ---------------------------------------------------------------------------------------------
+# --- the lookup: row ids, then the rows ---------------------------------------------------------------------
 
 
 def hash_ids(taus: torch.Tensor, pad: int, mult: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
@@ -227,16 +222,36 @@ def ids_reference(tokens: torch.Tensor, positions: torch.Tensor, token_map: torc
     return hash_ids(torch.stack(taus, dim=-1), pad, mult, primes, offsets, n_heads)
 
 
+def lookup_reference(tokens: torch.Tensor, positions: torch.Tensor, token_map: torch.Tensor, pad: int,
+                     mult: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor, n_heads: int,
+                     tables: list[torch.Tensor], scales: list[torch.Tensor]):
+    """The lookup of every Engram layer for `positions` [T]: (ids [L, T, C] as `ids_reference`, codes
+    [L, T, C, d] e4m3, scales [L, T, C, d / 32] E8M0), the rows of layer l's `tables[l]` [rows, d] and
+    `scales[l]` [rows, d / 32] at its ids, on the ids' device. The rows are gathered where a table lives
+    (a host table: a host round trip, which a CUDA graph cannot capture).
+
+    Bytes moved: L T C (d + d / 32) read from the tables, as many written."""
+    ids = ids_reference(tokens, positions, token_map, pad, mult, primes, offsets, n_heads)
+    codes = torch.stack([t[i.to(t.device)].to(ids.device) for t, i in zip(tables, ids)])
+    rows_scales = torch.stack([s[i.to(s.device)].to(ids.device) for s, i in zip(scales, ids)])
+    return ids, codes, rows_scales
+
+
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
-def _ids_kernel(tok_ptr,    # int64 token history
-                pos_ptr,    # int64 [T]
-                map_ptr,    # int64 [V] compressed id of each token
-                mult_ptr,   # int64 [L, NG] multipliers
-                prime_ptr,  # int64 [L, COLS]
-                off_ptr,    # int64 [L, COLS]
-                out_ptr,    # out int64 [L, T, COLS]
-                T, V, L, pad, COLS, n_heads,
-                NG: tl.constexpr, BNG: tl.constexpr, BCOLS: tl.constexpr):
+def _lookup_kernel(tok_ptr,    # int64 token history
+                   pos_ptr,    # int64 [T]
+                   map_ptr,    # int64 [V] compressed id of each token
+                   mult_ptr,   # int64 [L, NG] multipliers
+                   prime_ptr,  # int64 [L, COLS]
+                   off_ptr,    # int64 [L, COLS]
+                   tables,     # L pointers: uint8 [rows_l, HD] the e4m3 tables (host memory registered with the
+                   scales,     #   device, or any tensor on CPU); L pointers: uint8 [rows_l, HD / 32] E8M0
+                   ids_ptr,    # out int64 [L, T, COLS]
+                   codes_ptr,  # out uint8 [L, T, COLS, HD]
+                   rs_ptr,     # out uint8 [L, T, COLS, HD / 32]
+                   T, V, pad, COLS, n_heads, HD,
+                   L: tl.constexpr, NG: tl.constexpr, BNG: tl.constexpr, BCOLS: tl.constexpr, BHD: tl.constexpr,
+                   BHS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t)
     i = tl.arange(0, BNG)
@@ -247,7 +262,10 @@ def _ids_kernel(tok_ptr,    # int64 token history
     cols = tl.arange(0, BCOLS)
     cm = cols < COLS
     gram = cols // n_heads  # n-gram size gram + 2
-    for layer in range(L):
+    j = tl.arange(0, BHD)
+    js = tl.arange(0, BHS)
+    HS = HD // 32
+    for layer in tl.static_range(L):  # unrolled: each layer's table is its own pointer
         m = tl.load(mult_ptr + layer * NG + i, mask=i < NG, other=0)
         term = c * m  # int64, wrapping like torch's
         r = tl.zeros((BCOLS,), dtype=tl.int64)
@@ -257,14 +275,23 @@ def _ids_kernel(tok_ptr,    # int64 token history
         prime = tl.load(prime_ptr + layer * COLS + cols, mask=cm, other=1)
         h = r % prime
         h = tl.where(h < 0, h + prime, h)  # torch's remainder takes the divisor's sign
-        tl.store(out_ptr + (layer * T + t) * COLS + cols, h + tl.load(off_ptr + layer * COLS + cols, mask=cm, other=0),
-                 mask=cm)
+        rid = h + tl.load(off_ptr + layer * COLS + cols, mask=cm, other=0)
+        out_row = (layer * T + t) * COLS + cols  # int64
+        tl.store(ids_ptr + out_row, rid, mask=cm)
+        mc = cm[:, None] & (j[None, :] < HD)
+        code = tl.load(tables[layer] + rid[:, None] * HD + j[None, :], mask=mc, other=0)
+        tl.store(codes_ptr + out_row[:, None] * HD + j[None, :], code, mask=mc)
+        ms = cm[:, None] & (js[None, :] < HS)
+        e = tl.load(scales[layer] + rid[:, None] * HS + js[None, :], mask=ms, other=0)
+        tl.store(rs_ptr + out_row[:, None] * HS + js[None, :], e, mask=ms)
 
 
-def fast_ids(tokens: torch.Tensor, positions: torch.Tensor, token_map: torch.Tensor, pad: int, mult: torch.Tensor,
-             primes: torch.Tensor, offsets: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The kernel for `ids_reference` (same signature and result, bit for bit): one launch for every
-    Engram layer, no host read (capturable)."""
+def fast_lookup(tokens: torch.Tensor, positions: torch.Tensor, token_map: torch.Tensor, pad: int,
+                mult: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor, n_heads: int,
+                tables: list[torch.Tensor], scales: list[torch.Tensor]):
+    """The kernel for `lookup_reference` (same signature and result, bit for bit): one launch for every
+    Engram layer, no host read (capturable); the tables are read in place wherever they live (on CUDA, host
+    memory registered with the device), only at the rows looked up."""
     for name, t in (("tokens", tokens), ("positions", positions), ("token_map", token_map), ("mult", mult),
                     ("primes", primes), ("offsets", offsets)):
         require_dtype(t, name, (torch.int64,))
@@ -272,11 +299,27 @@ def fast_ids(tokens: torch.Tensor, positions: torch.Tensor, token_map: torch.Ten
     cols = (ng - 1) * n_heads
     require(primes.shape == (layers, cols) and offsets.shape == (layers, cols), "primes.shape", tuple(primes.shape),
             f"must be {(layers, cols)}, as offsets")
+    require(len(tables) == layers and len(scales) == layers, "len(tables)", len(tables),
+            f"must be {layers} (one table and one scale table a layer), as len(scales) ({len(scales)})")
+    hd = tables[0].shape[-1]
+    for n, (table, scale) in enumerate(zip(tables, scales)):
+        require_dtype(table, f"tables[{n}]", (torch.float8_e4m3fn,))
+        require_dtype(scale, f"scales[{n}]", (torch.float8_e8m0fnu, torch.uint8))
+        require(table.dim() == 2 and table.shape[1] == hd and hd % 32 == 0, f"tables[{n}].shape", tuple(table.shape),
+                f"must be [rows, {hd}], a multiple of 32 wide, as tables[0]")
+        require(tuple(scale.shape) == (table.shape[0], hd // 32), f"scales[{n}].shape", tuple(scale.shape),
+                f"must be {(table.shape[0], hd // 32)} (one scale per 32 of tables[{n}])")
+        require(table.is_contiguous() and scale.is_contiguous(), f"tables[{n}]", "strided",
+                "tables and scales must be contiguous")
     dev = device_of(tokens, positions, token_map, mult, primes, offsets)
     t = positions.numel()
-    out = torch.empty((layers, t, cols), dtype=torch.int64, device=dev)
+    ids = torch.empty((layers, t, cols), dtype=torch.int64, device=dev)
+    codes = torch.empty((layers, t, cols, hd), dtype=torch.float8_e4m3fn, device=dev)
+    row_scales = torch.empty((layers, t, cols, hd // 32), dtype=scales[0].dtype, device=dev)
     if t:
-        _ids_kernel[(t,)](tokens, positions.contiguous(), token_map, mult.contiguous(), primes.contiguous(),
-                          offsets.contiguous(), out, t, token_map.numel(), layers, int(pad), cols, n_heads, NG=ng,
-                          BNG=pow2(ng), BCOLS=pow2(cols))
-    return out
+        _lookup_kernel[(t,)](tokens, positions.contiguous(), token_map, mult.contiguous(), primes.contiguous(),
+                             offsets.contiguous(), tuple(x.view(torch.uint8) for x in tables),
+                             tuple(x.view(torch.uint8) for x in scales), ids, codes.view(torch.uint8),
+                             row_scales.view(torch.uint8), t, token_map.numel(), int(pad), cols, n_heads, hd,
+                             L=layers, NG=ng, BNG=pow2(ng), BCOLS=pow2(cols), BHD=pow2(hd), BHS=pow2(hd // 32))
+    return ids, codes, row_scales

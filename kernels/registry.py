@@ -34,7 +34,7 @@ class Ops:
     index_select: Callable
     ffn: Callable
     engram: Callable
-    engram_ids: Callable
+    engram_lookup: Callable
     sample: Callable
     accept: Callable
 
@@ -75,7 +75,7 @@ REFERENCE = Ops(
     index_select=indexer.select,
     ffn=moe.reference_ffn,
     engram=engram.layer_reference,
-    engram_ids=engram.ids_reference,
+    engram_lookup=engram.lookup_reference,
     sample=sampling.sample,
     accept=sampling.accept,
 )
@@ -100,7 +100,7 @@ FAST = Ops(
     index_select=indexer.fast_select,
     ffn=moe.fast_ffn,
     engram=engram.fast_layer,
-    engram_ids=engram.fast_ids,
+    engram_lookup=engram.fast_lookup,
     sample=sampling.fast_sample,
     accept=sampling.fast_accept,
 )

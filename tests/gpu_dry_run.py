@@ -209,7 +209,7 @@ def drive_benchmark_cases(failures: list):
 
     bench._copies = lambda nbytes, tiny: 1  # no rotation: nothing is timed
     bench.fp4_weight = functools.lru_cache(maxsize=None)(bench.fp4_weight)  # 8 experts share 3 weights
-    shapes = dataclasses.replace(bench.V41, experts=8, index_rows=8192)
+    shapes = dataclasses.replace(bench.V41, experts=8, index_rows=8192, engram_rows=4096)
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
             for case in bench.BENCHES:

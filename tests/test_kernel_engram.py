@@ -1,9 +1,10 @@
-"""The Engram layer kernel (kernels/engram.py: the rows a step needs, gathered from the table where it lives,
-through wkv, and the gated add into the streams) against the reference, on odd sizes, for float32 and
-bfloat16; rows together equal rows one at a time; on CUDA (skipped without one) it reads a table in
-registered host memory in place, leaving the table where it is.
+"""The Engram kernels (kernels/engram.py) against their references: the lookup (row ids hashed from the token
+history, and those rows copied from each layer's table where it lives) bit for bit, on odd sizes and tables
+of different lengths; the layer (the looked-up rows through wkv, and the gated add into the streams) on odd
+sizes, for float32 and bfloat16; rows together equal rows one at a time; on CUDA (skipped without one) the
+lookup reads tables in registered host memory in place, leaving them where they are.
 
-Tolerance: one rounding of the activation dtype (the float32 product and gates against float64)."""
+Tolerance of the layer: one rounding of the activation dtype (the float32 product and gates against float64)."""
 
 import pytest
 import torch
@@ -22,67 +23,109 @@ def table(rows: int, d: int, device="cpu"):
     return data, scale
 
 
-def layer(t, hc, d, rows, hd, cols, dt, act_block, device=DEVICE, table_device="cpu"):
-    data, scale = table(rows, hd, table_device)
-    ids = torch.randint(0, rows, (t, cols), device=device)
-    ids[0, 0] = rows - 1  # the last row
+def looked_up(t: int, cols: int, hd: int, device=DEVICE):
+    """Rows as a lookup returns them for one layer: codes [t, cols, hd] e4m3, scales [t, cols, hd / 32]."""
+    data, scale = table(t * cols, hd, device)
+    return data.view(t, cols, hd), scale.view(t, cols, hd // 32)
+
+
+def layer(t, hc, d, hd, cols, dt, act_block, device=DEVICE):
+    codes, scales = looked_up(t, cols, hd, device)
     X = torch.randn(t, hc, d, device=device).to(dt)
     wkv = fp8_weight((hc + 1) * d, cols * hd, (32, 32), device)
     omega = torch.randn(hc, d, device=device)
-    return X, data, scale, ids, wkv, act_block, omega, 1e-20
+    return X, codes, scales, wkv, act_block, omega, 1e-20
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,hc,d,rows,hd,cols,act_block", [(3, 4, 64, 97, 64, 5, 32), (1, 2, 96, 1000, 32, 3, None),
-                                                            (7, 3, 32, 13, 32, 2, 32)])
-def test_the_engram_layer_matches_the_reference(t, hc, d, rows, hd, cols, act_block, dt):
+@pytest.mark.parametrize("t,hc,d,hd,cols,act_block", [(3, 4, 64, 64, 5, 32), (1, 2, 96, 32, 3, None),
+                                                       (7, 3, 32, 32, 2, 32)])
+def test_the_engram_layer_matches_the_reference(t, hc, d, hd, cols, act_block, dt):
     s = seed()
-    X, data, scale, *rest = layer(t, hc, d, rows, hd, cols, dt, act_block)
-    want = engram.layer_reference(X, data, scale, *rest)
-    got = run(engram.fast_layer, X, data.to(DEVICE), scale.to(DEVICE), *rest)
+    args = layer(t, hc, d, hd, cols, dt, act_block)
+    want = engram.layer_reference(*args)
+    got = run(engram.fast_layer, *args)
     assert_close("streams", want, got, TOL[dt], context=f"(seed {s}, {dt}, T={t} hc={hc} D={d})")
 
 
 def test_an_engram_row_does_not_depend_on_the_other_rows():
     s = seed()
-    X, data, scale, ids, *rest = layer(6, 4, 64, 50, 32, 4, torch.bfloat16, 32)
-    assert_rows_invariant("streams", lambda sl: run(engram.fast_layer, X[sl], data, scale, ids[sl], *rest),
+    X, codes, scales, *rest = layer(6, 4, 64, 32, 4, torch.bfloat16, 32)
+    assert_rows_invariant("streams", lambda sl: run(engram.fast_layer, X[sl], codes[sl], scales[sl], *rest),
                           context=f"(seed {s})")
 
 
-def test_the_engram_layer_refuses_a_table_without_whole_scale_blocks():
-    X, data, scale, *rest = layer(1, 2, 32, 4, 64, 1, torch.float32, None)
-    with pytest.raises(ValueError, match="scale.shape"):
-        engram.fast_layer(X, data, scale[:, :1].contiguous(), *rest)
+def test_the_engram_layer_refuses_rows_without_whole_scale_blocks():
+    X, codes, scales, *rest = layer(1, 2, 32, 64, 1, torch.float32, None)
+    with pytest.raises(ValueError, match="scales.shape"):
+        engram.fast_layer(X, codes, scales[:, :, :1].contiguous(), *rest)
+
+
+def hashing(g: torch.Generator, device=DEVICE):
+    """A token history and hash constants for three layers: multipliers near 2^62 (the products wrap, some
+    hashes are negative before the prime's remainder), two heads a column, n-grams up to 4."""
+    tokens = torch.randint(0, 700, (64,), generator=g).to(device)
+    token_map = torch.randint(0, 300, (600,), generator=g).to(device)  # tokens past it clamp to its last
+    mult = (torch.randint(0, 2**61, (3, 4), generator=g) * 2 + 1).to(device)
+    primes = torch.tensor([[7, 11, 13, 17, 19, 23], [29, 31, 37, 41, 43, 47], [53, 59, 61, 67, 71, 73]], device=device)
+    offsets = torch.cumsum(primes, 1) - primes
+    return tokens, token_map, 5, mult, primes, offsets, 2
+
+
+def tables_for(primes: torch.Tensor, hd: int, device="cpu"):
+    """One table a layer, each as long as its columns' primes add up to (so every id is a row)."""
+    pairs = [table(int(p.sum()), hd, device) for p in primes]
+    return [d for d, _ in pairs], [s for _, s in pairs]
+
+
+def test_the_lookup_equals_the_reference_bit_for_bit_ids_and_rows():
+    """Positions at the start of the sequence (the pad id) and past it, every layer at once, each layer's
+    rows from its own table; the ids within each column's range."""
+    s = seed()
+    g = torch.Generator().manual_seed(s)
+    tokens, token_map, pad, mult, primes, offsets, heads = hashing(g)
+    tables, scales = tables_for(primes, 64, DEVICE)
+    positions = torch.tensor([0, 1, 2, 3, 40, 41, 63], device=DEVICE)
+    args = (tokens, positions, token_map, pad, mult, primes, offsets, heads, tables, scales)
+    want = engram.lookup_reference(*args)
+    got = run(engram.fast_lookup, *args)
+    for name, w, o in zip(("ids", "codes", "scales"), want, got):
+        assert w.dtype == o.dtype and w.shape == o.shape, f"{name}: {o.dtype} {tuple(o.shape)} (seed {s})"
+        w8, o8 = (w, o) if name == "ids" else (w.view(torch.uint8), o.view(torch.uint8))
+        assert torch.equal(w8, o8), f"{name} (seed {s}): {(w8 != o8).nonzero()[:5].tolist()}"
+    ids = got[0]
+    assert (ids >= offsets[:, None, :]).all() and (ids < (offsets + primes)[:, None, :]).all()
+    assert torch.equal(ids, engram.ids_reference(*args[:8]))
+
+
+def test_the_lookup_refuses_a_table_list_that_does_not_match_the_layers():
+    tokens, token_map, pad, mult, primes, offsets, heads = hashing(torch.Generator().manual_seed(0))
+    tables, scales = tables_for(primes, 32, DEVICE)
+    positions = torch.tensor([5], device=DEVICE)
+    with pytest.raises(ValueError, match=r"len\(tables\)"):
+        engram.fast_lookup(tokens, positions, token_map, pad, mult, primes, offsets, heads, tables[:2], scales[:2])
+    with pytest.raises(ValueError, match=r"scales\[1\].shape"):
+        engram.fast_lookup(tokens, positions, token_map, pad, mult, primes, offsets, heads, tables,
+                           [scales[0], scales[1][:, :0].contiguous(), scales[2]])
 
 
 @requires_cuda
 class TestEngramFromHostMemoryOnCuda:
-    def test_the_kernel_reads_a_registered_host_table_in_place(self):
+    def test_the_lookup_reads_registered_host_tables_in_place(self):
         from appliance.parallel.placement import map_to_device
 
-        X, data, scale, *rest = layer(2, 4, 5120, 5000, 256, 24, torch.bfloat16, 32, torch.device("cuda"))
-        where = (data.data_ptr(), scale.data_ptr())
-        map_to_device(data)
-        map_to_device(scale)
-        got = engram.fast_layer(X, data, scale, *rest)
-        assert got.device.type == "cuda" and data.device.type == "cpu" and (data.data_ptr(), scale.data_ptr()) == where
-        want = engram.layer_reference(X, data, scale, *rest)  # the reference gathers on the host
-        assert_close("streams", want, got, TOL[torch.bfloat16])
-
-
-def test_the_row_ids_kernel_equals_the_reference_hash_bit_for_bit():
-    """Multipliers near 2^62 (the products wrap, some hashes are negative before the prime's remainder),
-    positions at the start of the sequence (the pad id) and past it, every layer at once."""
-    s = seed()
-    g = torch.Generator().manual_seed(s)
-    tokens = torch.randint(0, 700, (64,), generator=g).to(DEVICE)
-    token_map = torch.randint(0, 300, (600,), generator=g).to(DEVICE)  # tokens past it clamp to its last
-    mult = (torch.randint(0, 2**61, (3, 4), generator=g) * 2 + 1).to(DEVICE)
-    primes = torch.tensor([[7, 11, 13, 17, 19, 23], [29, 31, 37, 41, 43, 47], [53, 59, 61, 67, 71, 73]], device=DEVICE)
-    offsets = torch.cumsum(primes, 1) - primes
-    positions = torch.tensor([0, 1, 2, 3, 40, 41, 63], device=DEVICE)
-    want = engram.ids_reference(tokens, positions, token_map, 5, mult, primes, offsets, 2)
-    got = run(engram.fast_ids, tokens, positions, token_map, 5, mult, primes, offsets, 2)
-    assert torch.equal(want, got), f"(seed {s}) {(want != got).nonzero()[:5].tolist()}"
-    assert (got >= offsets[:, None, :]).all() and (got < (offsets + primes)[:, None, :]).all()
+        tokens, token_map, pad, mult, primes, offsets, heads = hashing(torch.Generator().manual_seed(seed()))
+        tables, scales = tables_for(primes * 1000, 256)  # on the host
+        where = [t.data_ptr() for t in (*tables, *scales)]
+        for t in (*tables, *scales):
+            map_to_device(t)
+        positions = torch.arange(64, device=DEVICE)
+        args = (tokens, positions, token_map, pad, mult, primes * 1000, offsets * 1000, heads, tables, scales)
+        got = engram.fast_lookup(*args)
+        assert all(o.device.type == "cuda" for o in got)
+        assert all(t.device.type == "cpu" for t in (*tables, *scales))
+        assert [t.data_ptr() for t in (*tables, *scales)] == where
+        want = engram.lookup_reference(*args)  # gathers on the host
+        for w, o in zip(want, got):
+            assert torch.equal(w.view(torch.uint8) if w.dtype != torch.int64 else w,
+                               o.view(torch.uint8) if o.dtype != torch.int64 else o)

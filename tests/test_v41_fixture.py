@@ -51,10 +51,10 @@ def test_each_segment_from_the_fixture_cuts_meets_the_float32_gate(fixture_model
     cuts = expected["cut_layers"].tolist()
     for k, first in enumerate(cuts):
         step = begin(m.new_state(1024), toks, None, "own", None)
-        ids = m.engram_ids(step)
+        rows = m.engram_rows(step)
         last = cuts[k + 1] if k + 1 < len(cuts) else m.cfg.n_layers
         X, pre = m.run_layers(expected["cut_h"][k].clone(), expected["cut_pre_mix"][k].clone(), step, first, last,
-                              ids)
+                              rows)
         if k + 1 < len(cuts):
             r = rel(X, expected["cut_h"][k + 1]).median().item()
             assert r <= 1e-4, f"segment {first}..{last}: median per-token relative error {r:.3g}"

@@ -295,7 +295,7 @@ def _model_table(report: dict, device):
                f"{c['kernel_fraction']:.2f} = {c['effective_bytes_per_s'] / 1e12:.2f} TB/s effective; "
                f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; all-reduce "
                f"{c['allreduce_latency_s'] * 1e6:.0f} us + payload over NVLink "
-               f"{device.nvlink_bytes_per_s / 1e9:.0f} GB/s")
+               f"{device.nvlink_bytes_per_s / 1e9:.0f} GB/s; host memory over {c['host_link']}")
     for cyc in report["cycles"]:
         n, p = cyc["count"], cyc["prediction"]
         name = "plain" if not cyc["draft_tokens"] else f"k={cyc['draft_tokens']}"
@@ -303,11 +303,13 @@ def _model_table(report: dict, device):
         click.echo(f"{name} cycle ({n['cycle']}, {n['width']} rows): {n['launches_per_cycle']} launches "
                    f"({n['launches_per_layer']} per layer at most), {n['collectives']['per_cycle']} collectives, "
                    f"{b['total'] / 1e9:.2f} GB read per rank (ideal {b['ideal'] / 1e9:.2f}, {b['ratio']:.2f}x), "
-                   f"{n['host_syncs_per_cycle']} host syncs")
+                   f"{n['host_syncs_per_cycle']} host syncs, {n['host_link']['bytes_per_cycle'] / 1e3:.1f} KB read "
+                   f"from host memory in {n['host_link']['launches_per_cycle']} launches")
         for label, q in p.items():
             t = q["terms_s"]
             click.echo(f"  {label:<31} bytes {t['bytes'] * 1e3:6.3f} + launches {t['launches'] * 1e3:6.3f} + "
-                       f"collectives {t['collectives'] * 1e3:6.3f} = {q['cycle_s'] * 1e3:6.3f} ms/cycle, "
+                       f"collectives {t['collectives'] * 1e3:6.3f} + host link {t['host_link'] * 1e3:6.4f} = "
+                       f"{q['cycle_s'] * 1e3:6.3f} ms/cycle, "
                        f"{q['tokens_per_cycle']:.2f} tok/cycle, {q['tokens_per_s']:7.1f} tok/s "
                        f"(dominant: {q['dominant']})")
 

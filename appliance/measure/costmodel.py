@@ -12,7 +12,10 @@ Assumptions (each constant below names its source):
   here has over 100 FLOP/byte of bf16/fp8 tensor throughput, and the kernels' fp32 accumulation does not
   use float64). A kernel whose arithmetic is not hidden (FP64 on a B300) is outside this model.
 - Bytes are what the cycle's kernels read, counted (not the ideal); writes are small next to reads in
-  decode and are not counted. Engram rows (about 12 KB per token) are priced as device bytes.
+  decode and are not counted. The bytes read from host memory (the Engram rows the lookup copies, ~12.7 KB
+  per token on V4.1-Flash) are priced over the host link instead: each launch that reads host memory waits
+  one round trip (`HOST_READ_LATENCY_S`; its loads are issued together, none depends on another host load)
+  plus its bytes at the link's bandwidth.
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Ranks are symmetric (experts and heads split evenly, routing uniform on average): the cycle of rank 0 is
@@ -31,6 +34,7 @@ class GPU:
     memory_bytes: float
     nvlink_bytes_per_s: float  # per GPU, one direction
     source: str
+    host_link_bytes_per_s: float = 50e9  # the device reading host memory: PCIe Gen5 x16 (see HOST_LINK)
 
 
 GPUS = {
@@ -53,6 +57,12 @@ KERNEL_FRACTION = 0.80
 # Per kernel inside a captured graph: the lower end of issue 13's estimate (10-25 ms of launch latency for
 # ~4,560 launches: 2.2-5.5 us each), rounded down; `scripts/device-check.sh` measures it (`launch_us`).
 LAUNCH_S = 2.0e-6
+# The device's reads of host memory (zero-copy loads of registered pages) on an HGX board: PCIe Gen5 x16 to
+# the host, 64 GB/s per direction raw, taken as 50 GB/s after protocol overhead (a pinned host-to-device copy
+# reaches about that); a round trip of about 1.5 us per dependent load. Both are assumptions until
+# `appliance bench kernels` on the device (its "engram lookup, host tables" row) measures them.
+HOST_LINK = "PCIe Gen5 x16, 50 GB/s, 1.5 us a round trip (assumed; bench kernels measures the lookup)"
+HOST_READ_LATENCY_S = 1.5e-6
 # NCCL all-reduce of a small payload inside a CUDA graph on one NVLink node: about 6 us measured on 2 x
 # H100 with NVLSTree and graphs (NVIDIA/nccl issue #1259); taken for 4 GPUs of any of these generations.
 ALLREDUCE_LATENCY_S = 6.0e-6
@@ -70,11 +80,14 @@ def cycle_time(count: dict, gpu: GPU, world: int, bytes_key: str = "total") -> d
     """The terms of one cycle (seconds) from a count (count.count_cycle)."""
     bw = gpu.hbm_bytes_per_s * COPY_FRACTION * KERNEL_FRACTION
     nbytes = count["bytes_per_step"][bytes_key]
+    host = count.get("host_link", {"bytes_per_cycle": 0, "launches_per_cycle": 0})
     terms = {
-        "bytes": nbytes / bw,
+        "bytes": (nbytes - host["bytes_per_cycle"]) / bw,
         "launches": count["launches_per_cycle"] * LAUNCH_S,
         "collectives": sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
                            for c in count["collectives"]["payloads"]),
+        "host_link": host["launches_per_cycle"] * HOST_READ_LATENCY_S
+        + host["bytes_per_cycle"] / gpu.host_link_bytes_per_s,
     }
     total = sum(terms.values())
     return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get), "bytes": nbytes}
@@ -83,7 +96,8 @@ def cycle_time(count: dict, gpu: GPU, world: int, bytes_key: str = "total") -> d
 def constants(gpu: GPU) -> dict:
     return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION, "kernel_fraction": KERNEL_FRACTION,
             "effective_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION * KERNEL_FRACTION,
-            "launch_s": LAUNCH_S, "allreduce_latency_s": ALLREDUCE_LATENCY_S}
+            "launch_s": LAUNCH_S, "allreduce_latency_s": ALLREDUCE_LATENCY_S,
+            "host_read_latency_s": HOST_READ_LATENCY_S, "host_link": HOST_LINK}
 
 
 def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float) -> dict:

@@ -21,11 +21,12 @@ the distinct compressed rows each attention selects, in the format the state sto
 """
 
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from appliance.model.config import ModelConfig, V41Config
+from appliance.parallel.placement import HOST_TABLE_BYTES
 
 from .costs import inventory, split_share
 from .recorder import Recorder, unique_violations
@@ -82,6 +83,7 @@ class DeclaredReads:
         self.rt, self.rec, self.meta = rt, rec, meta
         self.rows_read: dict[str, int] = defaultdict(int)  # block -> compressed-row bytes the attention reads
         self.routed: dict[str, int] = defaultdict(int)  # block -> routed expert bytes (distinct, held)
+        self.host_reads: list[int] = []  # bytes each launch of the cycle reads from host memory (Engram rows)
 
     @contextmanager
     def installed(self):
@@ -92,7 +94,7 @@ class DeclaredReads:
                                           attend=self._attend(ops.attend),
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
-                                          engram=self._engram(ops.engram))
+                                          engram_lookup=self._engram_lookup(ops.engram_lookup))
         try:
             yield
         finally:
@@ -160,15 +162,23 @@ class DeclaredReads:
 
         return call
 
-    def _engram(self, engram):
-        """The layer reads the rows of `ids` from the table (~100 GB in host memory), not the table."""
+    def _engram_lookup(self, lookup):
+        """The lookup reads each table (~100 GB in host memory) at the rows it looks up, not the table, and
+        the token history and the token map at the n-gram's positions."""
         rec = self.rec
 
-        def call(X, table, scale, ids, wkv, act_block, omega, eps):
-            rows = ids.numel()
-            with rec.gather(table, rows * table.shape[-1] * table.element_size()), \
-                    rec.gather(scale, rows * scale.shape[-1] * scale.element_size()):
-                return engram(X, table, scale, ids, wkv, act_block, omega, eps)
+        def call(tokens, positions, token_map, pad, mult, primes, offsets, n_heads, tables, scales):
+            rows = positions.numel() * primes.shape[1]
+            grams = positions.numel() * mult.shape[1]
+            with ExitStack() as declared:
+                for t in (*tables, *scales):
+                    declared.enter_context(rec.gather(t, rows * _row(t)))
+                for t in (tokens, token_map):
+                    declared.enter_context(rec.gather(t, grams * t.element_size()))
+                host = sum(rows * _row(t) for t in (*tables, *scales) if _on_host(t, positions))
+                if rec.recording and host:
+                    self.host_reads.append(host)
+                return lookup(tokens, positions, token_map, pad, mult, primes, offsets, n_heads, tables, scales)
 
         return call
 
@@ -203,6 +213,14 @@ class DeclaredReads:
 
 def _row(t: torch.Tensor) -> int:
     return t.shape[-1] * t.element_size()
+
+
+def _on_host(table: torch.Tensor, beside: torch.Tensor) -> bool:
+    """Whether `table` is read from host memory by a device holding `beside`: it is on the host while the
+    model is not, or (a CPU or meta build) placement would leave it there."""
+    if table.device.type == "cpu" and beside.device.type not in ("cpu", "meta"):
+        return True
+    return beside.device.type in ("cpu", "meta") and table.numel() * table.element_size() > HOST_TABLE_BYTES
 
 
 def _reach_for(reaches: list[int], end: int) -> int:
@@ -277,6 +295,8 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
         "float64_launches_per_cycle": s["float64_launches"],
         "float64_sites": float64_sites(rec.float64),
         "host_reads_between_steps": len(keys),  # each step's result copied back (by design)
+        # the device's reads of host memory inside the cycle (the Engram rows), over the host link
+        "host_link": {"bytes_per_cycle": sum(reads.host_reads), "launches_per_cycle": len(reads.host_reads)},
         "collectives": {"per_cycle": s["collectives"],
                         "per_layer": max((v["collectives"] for v in layers.values()), default=0),
                         "payloads": payloads(rec.collectives)},

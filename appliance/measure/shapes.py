@@ -146,7 +146,7 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
     d = build_drafter(cfg, ckpt, rt, model) if drafter else None
     blockers = ["(meta build) " + b for b in shard(model, d, ShapeComm(rank, world))] if world > 1 else []
     # what placement moves (RoPE tables, Engram's hash constants); host tables stay where they are and the
-    # gather kernel reads their rows in place (kernels/engram.py), so they block no capture
+    # lookup kernel reads their rows in place (kernels/engram.py), so they block no capture
     place((model, d), META)
     return MetaModel(cfg, model, d, rt, ckpt, world=_World(rank, world), capture_blockers=blockers)
 

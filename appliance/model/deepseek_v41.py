@@ -193,11 +193,11 @@ class StaggeredBlock:
         self.hc_ffn = HyperSite(rt, ckpt, f"{prefix}.hc_ffn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
                                 c.hc_sinkhorn_iters)
 
-    def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_ids=None):
-        """X [T, hc, D] entering the layer (before Engram), `pre` the collapse weights the previous
-        sub-block produced -> (X, pre for the next layer)."""
+    def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_rows=None):
+        """X [T, hc, D] entering the layer (before Engram, whose looked-up rows are `engram_rows`), `pre` the
+        collapse weights the previous sub-block produced -> (X, pre for the next layer)."""
         if self.engram is not None:
-            X = self.engram(X, engram_ids)
+            X = self.engram(X, engram_rows)
         # DSpark reads the stream entering a captured layer, averaged over the copies
         xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
         if self.captured:
@@ -263,17 +263,20 @@ class V41Model:
         pre[:, 0] = 1.0
         return X, pre
 
-    def engram_ids(self, step: Step) -> dict[int, torch.Tensor]:
+    def engram_rows(self, step: Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each Engram layer's looked-up rows for the step's positions (codes, scales), by layer."""
         if self.engram_hash is None:
             return {}
-        every = self.engram_hash.ids_at(self.rt.ops, step.state.tokens, step.positions)  # [layers, T, cols]
+        layer_ids = self.cfg.engram.layer_ids
+        ids, codes, scales = self.engram_hash.lookup(self.rt.ops, step.state.tokens, step.positions,
+                                                     [self.layers[L].engram for L in layer_ids])
         if step.probe is not None:
-            step.probe["engram_ids"] = every.transpose(0, 1)
-        return dict(zip(self.cfg.engram.layer_ids, every))
+            step.probe["engram_ids"] = ids.transpose(0, 1)
+        return dict(zip(layer_ids, zip(codes, scales)))
 
-    def run_layers(self, X, pre, step: Step, first: int, last: int, engram_ids: dict):
+    def run_layers(self, X, pre, step: Step, first: int, last: int, engram_rows: dict):
         for L in range(first, last):
-            X, pre = self.layers[L](X, pre, step, engram_ids.get(L))
+            X, pre = self.layers[L](X, pre, step, engram_rows.get(L))
         return X, pre
 
     def final(self, X, pre, rows: slice = slice(None)) -> torch.Tensor:
@@ -288,7 +291,7 @@ class V41Model:
         past `bound`) into the state."""
         step = begin(state, tokens, start, index_keys, probe, bound)
         X, pre = self.embed_tokens(tokens)
-        X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_ids(step))
+        X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))
         finish(step)
         hidden = torch.cat(step.captures, dim=-1) if step.captures else None

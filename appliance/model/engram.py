@@ -4,8 +4,9 @@ Token ids are first mapped to a compressed vocabulary built from tokenizer.json 
 dense ids in order of first appearance). For position p the last n compressed ids (n = 2..max_ngram) are
 hashed with per-layer multipliers and per-(n, head) primes into rows of an FP8 table; the gathered rows go
 through `wkv` to keys (one per residual copy) and a shared value, and a per-copy gate adds the value.
-The tables (~100 GB each for the released model) stay memory-mapped in host memory: a step gathers only the
-24 rows it needs, and the ids depend only on token ids, so rows can be fetched before the layer runs.
+The tables (~100 GB each for the released model) stay memory-mapped in host memory: the ids depend only on
+token ids, so a step looks up the 24 rows per position each layer needs before the first layer runs (one
+launch for every Engram layer, the rows copied to the device), and each layer reads them from there.
 """
 
 import json
@@ -128,11 +129,12 @@ class EngramHash:
                             for i in range(self.max_ngram)], dim=-1)
         return hash_ids(taus, self.pad, self.mult.cpu(), self.primes.cpu(), self.offsets.cpu(), self.n_heads)
 
-    def ids_at(self, ops, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row ids [layers, T, n_cols] for `positions` from the raw token history buffer (one launch on the
-        fast path, no host reads: capturable)."""
-        return ops.engram_ids(tokens, positions, self.token_map, self.pad, self.mult, self.primes, self.offsets,
-                              self.n_heads)
+    def lookup(self, ops, tokens: torch.Tensor, positions: torch.Tensor, layers: list["Engram"]):
+        """For `positions` from the raw token history buffer: row ids [layers, T, n_cols] and the rows of
+        each layer's table at them (codes [layers, T, n_cols, d], scales [layers, T, n_cols, d / 32]) on the
+        positions' device (one launch on the fast path, no host reads: capturable)."""
+        return ops.engram_lookup(tokens, positions, self.token_map, self.pad, self.mult, self.primes, self.offsets,
+                                 self.n_heads, [e.table for e in layers], [e.table_scale for e in layers])
 
 
 class Engram:
@@ -154,8 +156,8 @@ class Engram:
         kw = ckpt.tensor(f"{prefix}.k_weight", (cfg.hc_mult, cfg.dim))
         self.omega = None if qw is None or kw is None else (qw.float() * kw.float())
 
-    def __call__(self, X: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """X [T, hc, D] -> X + gate * value, the rows of `ids` [T, n_cols] gathered wherever the table lives
-        (kernels/engram.py: one launch on the fast path, a host table read in place by the device)."""
-        return self.rt.ops.engram(X, self.table, self.table_scale, ids, self.wkv.weight, self.wkv.act_block,
-                                  self.omega, self.norm_eps)
+    def __call__(self, X: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """X [T, hc, D] -> X + gate * value, from this layer's looked-up rows (codes [T, n_cols, d], scales
+        [T, n_cols, d / 32]: `EngramHash.lookup`)."""
+        codes, scales = rows
+        return self.rt.ops.engram(X, codes, scales, self.wkv.weight, self.wkv.act_block, self.omega, self.norm_eps)

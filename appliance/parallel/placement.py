@@ -1,7 +1,7 @@
 """Moving a loaded model to its device. Weights load memory-mapped on the host; `place` moves every tensor
 the model holds to the device, except the Engram tables above `HOST_TABLE_BYTES`, which stay memory-mapped
 in host memory (~100 GB each in the released model): a step gathers only the rows it needs, and on the fast
-path the gather kernel reads them in place once `map_to_device` has registered the table with the GPU."""
+path the lookup kernel reads them in place once `map_to_device` has registered the table with the GPU."""
 
 import dataclasses
 
