@@ -200,7 +200,8 @@ def gather_ranks(world, rows: list[dict]) -> list | None:
 
 
 def rank_summary(rank: int, row: dict) -> dict:
-    keys = ("launches_per_cycle", "launches_per_layer", "host_syncs_per_cycle", "collectives", "capture_blockers")
+    keys = ("launches_per_cycle", "launches_per_layer", "host_syncs_per_cycle", "float64_launches_per_cycle",
+            "collectives", "host_link", "capture_blockers")
     b = row.get("bytes_per_step", {})
     return {"rank": rank, **{k: row.get(k) for k in keys},
             "bytes_per_step": {k: b.get(k) for k in ("total", "ideal", "ratio")}}
