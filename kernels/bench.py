@@ -72,7 +72,7 @@ class Shapes:
     engram_ngram: int = 4  # n-grams of 2..4 tokens, each hashed by engram_heads heads: 24 rows a position
     engram_heads: int = 8
     engram_dim: int = 256
-    engram_rows: int = 1 << 22  # a 1 GB table a layer stands in for the released ~384M rows (lookups are random)
+    engram_rows: int = 1 << 20  # 256 MB tables stand in for the released 384M rows (random rows: no cache holds them)
 
 
 V41 = Shapes()

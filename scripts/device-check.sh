@@ -7,7 +7,8 @@
 # 450, under the device run's 8 minutes), and each writes its JSON as soon as it is done:
 #   1. device: the GPU, torch/triton versions, the copy bandwidth and the latency of one launch inside a
 #      CUDA graph (the cost model's two hardware terms, measured)
-#   2. bench kernels: every kernel at V4.1-Flash decode shapes, M = 1 and 6, against the copy bandwidth
+#   2. bench kernels: every kernel at V4.1-Flash decode shapes, M = 1 and 6, against the copy bandwidth,
+#      and the Engram lookup from pinned host tables beside device tables (what the host link costs a step)
 #      (dry: toy shapes under the Triton interpreter)
 #   3. slice: 4 layers of V4.1-Flash at full width, written on the GPU (about 5 GB), then its decode cycle
 #      captured as CUDA graphs: forward time, launches, host syncs, bytes read against the ideal and the
