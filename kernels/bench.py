@@ -256,18 +256,19 @@ def _bench_engram(s, m, dev, dt, iters, tiny):
     token_map = torch.randint(0, s.vocab, (s.vocab,), device=dev)
     history = torch.randint(0, s.vocab, (4096,), device=dev)
     sets = [(torch.arange(m, device=dev) + 64 * (i + 1),) for i in range(32)]  # other positions, other rows
+    on_host = [(t.view(torch.float8_e4m3fn), sc) for t, sc in host]
+    on_device = [(t.to(dev), sc.to(dev)) for t, sc in on_host]
+
+    def lookup(pos, pairs):
+        return engram.fast_lookup(history, pos, token_map, 0, mult, primes, offsets, s.engram_heads,
+                                  [t for t, _ in pairs], [sc for _, sc in pairs])
+
     out = []
-    for where in ("host", "device"):
-        tables = [t.view(torch.float8_e4m3fn).to(dev if where == "device" else t.device) for t, _ in host]
-        scales = [sc.to(dev if where == "device" else sc.device) for _, sc in host]
-
-        def lookup(pos, tables=tables, scales=scales):
-            return engram.fast_lookup(history, pos, token_map, 0, mult, primes, offsets, s.engram_heads, tables, scales)
-
-        t = _time(lookup, sets, iters, cuda)
+    for where, pairs in (("host", on_host), ("device", on_device)):
+        t = _time(lookup, [(pos, pairs) for (pos,) in sets], iters, cuda)
         out.append((f"engram lookup, {where} tables", f"{L} layers x {C} rows of {hd} B", t,
                     L * m * C * (hd + hd // 32)))
-    _, codes, scales = lookup(*sets[0])
+    _, codes, scales = lookup(*sets[0], on_device)
     n = (s.hc + 1) * s.dim
     wkv = [fp8_weight(n, C * hd, (s.block,) * 2, dev) for _ in range(_copies(n * C * hd, tiny))]
     omega = torch.randn(s.hc, s.dim, device=dev)

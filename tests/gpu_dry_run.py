@@ -9,7 +9,7 @@
    rank of four's split MoE and indexer at those shapes, and the tiny models' fast path launch. The tiny
    models' specializations of a kernel the benchmark cases reach compile for the last target only (the
    B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), those of the
-   kernels only the cycles reach (the fused layer-input kernels, Engram) for every target. Nothing is
+   kernels only the cycles reach (the fused layer-input kernels) for every target. Nothing is
    executed: outputs are zero-filled allocations, enough to keep the host code going.
 2. Every decode-cycle step of every tiny family and drafter mode is capturable in a CUDA graph: after the
    warm-up calls a capture would do, a step runs under the product's cycle recorder

@@ -80,7 +80,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, bytes_key: str = "total") -> d
     """The terms of one cycle (seconds) from a count (count.count_cycle)."""
     bw = gpu.hbm_bytes_per_s * COPY_FRACTION * KERNEL_FRACTION
     nbytes = count["bytes_per_step"][bytes_key]
-    host = count.get("host_link", {"bytes_per_cycle": 0, "launches_per_cycle": 0})
+    host = count["host_link"]
     terms = {
         "bytes": (nbytes - host["bytes_per_cycle"]) / bw,
         "launches": count["launches_per_cycle"] * LAUNCH_S,
