@@ -25,7 +25,7 @@ from pathlib import Path
 from appliance.decode.loop import RequestLoop
 from appliance.decode.session import DecodeSession
 from appliance.measure.memory import plan_context
-from appliance.parallel.world import Cancel, start
+from appliance.parallel.world import start
 
 from .api import Done, Error, Progress, Request, Started, Tokens
 from .errors import ApplianceError
@@ -52,6 +52,7 @@ class _Job:
     request: Request
     cancel: threading.Event
     emit: Callable
+    warmup: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -88,21 +89,22 @@ class Engine:
                           vocab_size=lm.cfg.vocab_size, draft=options.draft, device=options.devices)
         loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
         if not world.main:
-            follow(loop, world)  # the other ranks run rank 0's requests in lockstep until it stops
+            session.follow()  # the other ranks run rank 0's jobs in lockstep until it stops
             sys.exit(0)
         say("warming up")
         return cls(loop, info, warmup=warmup)
 
     def _warmup(self) -> None:
-        """One real generation end to end (readiness means a request has gone through)."""
+        """One real generation end to end (readiness means a request has gone through); as a job that leaves
+        nothing behind on any rank (not filed in the prefix cache, the state reset at its end)."""
         req = Request(id="warmup", input_ids=[self.session.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
-        self.session.timeline.caching = False  # not a conversation: keep it out of the prefix cache
-        events = list(self.generate(req))
-        self.wait_idle()  # the engine thread finishes the request after its Done
-        self.session.timeline.caching = True
-        if not isinstance(events[-1], Done):
-            raise ApplianceError(f"warm-up generation failed: {events[-1]}", code="internal")
-        self.session.reset()
+        events = queue.Queue()
+        self._inbox.put(_Job(req, threading.Event(), events.put, warmup=True))
+        while not isinstance(event := events.get(), Done | Error):
+            pass
+        self.wait_idle()  # the engine thread ends the job after its Done
+        if not isinstance(event, Done):
+            raise ApplianceError(f"warm-up generation failed: {event}", code="internal")
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -168,33 +170,21 @@ class Engine:
 
     def _serve(self, job: _Job) -> None:
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
-        world = self.session.world
-        cancel = job.cancel
-        if world is not None and world.distributed:  # every rank runs the request; rank 0's cancel rules
-            world.publish(job.request)
-            cancel = Cancel(world, job.cancel)
+        ended = False
         try:
-            for event in self.loop.run(job.request, cancel):
+            for event in self.loop.run(job.request, job.cancel, warmup=job.warmup):
                 self.heartbeat = time.monotonic()
                 if isinstance(event, Done):
                     event.timings["queue_ms"] = queue_ms
+                ended = ended or isinstance(event, Done | Error)
                 job.emit(event)
         except Exception as e:  # an engine fault must still end the request with exactly one Error
             self.session.reset()
-            job.emit(Error(job.request.id, "internal", f"engine fault: {type(e).__name__}: {e}"))
-
-
-def follow(loop: RequestLoop, world) -> None:
-    """Ranks 1..n-1 of a split model: run every request rank 0 publishes, in lockstep, until it publishes
-    None. Between requests they wait without a timeout (the user may pause for hours). Their events are
-    dropped: rank 0 answers the user."""
-    cancel = Cancel(world)
-    while True:
-        request = world.next_job()
-        if request is None:
-            return
-        for _ in loop.run(request, cancel):
-            pass
+            fault = f"engine fault: {type(e).__name__}: {e}"
+            if ended:  # the request had its one terminal event: the fault is the log's
+                self.session.notice(f"after request {job.request.id!r} ended: {fault}")
+            else:
+                job.emit(Error(job.request.id, "internal", fault))
 
 
 __all__ = ["Engine", "EngineInfo", "RunOptions", "Request", "Started", "Progress", "Tokens", "Done", "Error"]

@@ -45,6 +45,13 @@ class MemoryPlanError(ModelLoadError):
     code = "memory_plan"
 
 
+class RankDivergence(ApplianceError):
+    """Two ranks did not do the same thing (a defect, never a client's fault): found where the ranks compare
+    their plans (decode/plan.py) or, with --check-ranks, their calls before a collective
+    (parallel/collectives.py); raised on every rank at the same point, so every rank ends the request and
+    resets its live state, where the transport would have aborted or hung."""
+
+
 class StateError(ApplianceError):
     """A decode-state operation that its capacity cannot honour (e.g. rewinding past the ring)."""
 

@@ -13,7 +13,7 @@ from appliance.model.runtime import Runtime, make_runtime, set_cpu_threads
 from appliance.model.tokenizer import load_tokenizer
 from appliance.model.weights import Checkpoint
 from appliance.parallel.placement import map_to_device, place
-from appliance.parallel.sharding import shard
+from appliance.parallel.sharding import largest_sum, shard, verify_rows
 
 from .options import RunOptions
 
@@ -66,7 +66,10 @@ def load_model(options: RunOptions, notice=print, world=None) -> LoadedModel:
     if rt.ops.path == "reference":
         blockers.append("the reference ops read values on the host (the MoE's selected experts); use --path fast")
     if world is not None and world.distributed:
-        blockers += shard(model, drafter, world.comm(options.allreduce))
+        if options.check_ranks:
+            world.check_calls()
+        capacity = largest_sum(cfg, verify_rows(cfg, options.load_drafter), options.context or cfg.max_context)
+        blockers += shard(model, drafter, world.comm(options.allreduce, capacity))
     if rt.device.type != "cpu":
         kept: list[tuple[str, object]] = []
         place((model, drafter), rt.device, kept=kept)

@@ -34,6 +34,7 @@ class RunOptions:
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
     allreduce: str = "auto"  # several devices: how partial sums meet (appliance/parallel/collectives.py)
+    check_ranks: bool = False  # several devices: compare every collective's call and every job's end state
     checkpoint_stride: int = 2048  # positions between state checkpoints (0: none; rewinds within 16 only)
     prefix_cache_gb: float = 8.0  # host memory for cached conversations (0: keep only the live state)
     prefix_cache_dir: Path | None = None  # the disk tier: cached conversations that survive a restart

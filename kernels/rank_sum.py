@@ -43,9 +43,10 @@ def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
 
 
 def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
-         round_to: torch.dtype | None = None) -> torch.Tensor:
+         round_to: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `reference` (same signature, bitwise the same result): contiguous float32 partials;
-    out_dtype float32 or bfloat16, round_to None or bfloat16 (float32: nothing to round)."""
+    out_dtype float32 or bfloat16, round_to None or bfloat16 (float32: nothing to round); `out`: where to
+    store (contiguous, the parts' shape and out_dtype), a new tensor when None."""
     world = len(parts)
     require(1 <= world <= MAX_WORLD, "len(parts)", world, f"must be 1..{MAX_WORLD} (ranks)")
     require(out_dtype in (torch.float32, torch.bfloat16), "out_dtype", out_dtype, "must be float32 or bfloat16")
@@ -56,7 +57,10 @@ def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
         require_dtype(p, f"parts[{r}]", (torch.float32,))
         require(p.shape == shape, f"parts[{r}].shape", tuple(p.shape), f"must be {tuple(shape)} (parts[0]'s)")
         require(p.is_contiguous(), f"parts[{r}].is_contiguous()", False, "must be contiguous")
-    out = torch.empty(shape, dtype=out_dtype, device=parts[0].device)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=parts[0].device)
+    require(out.shape == shape and out.dtype == out_dtype and out.is_contiguous(), "out",
+            f"{tuple(out.shape)} {out.dtype}", f"must be contiguous {tuple(shape)} {out_dtype}")
     n = out.numel()
     if n:
         _kernel[(triton.cdiv(n, BLOCK),)](tuple(parts), out, n, WORLD=world, ROUND_BF16=round_to == torch.bfloat16,

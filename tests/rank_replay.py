@@ -1,9 +1,9 @@
 """One rank of a group in lockstep (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun sets them):
 greedy tokens on the fast path from eager cycles without drafting, then from cycles replayed from their
 captures (tests/graph_replay.py: the collectives replayed with the rest), without and with the drafter, and
-what each capture did that a CUDA graph refuses (the cycle recorder: host reads, host data). Every rank runs
-the same request; each writes rank<r>.json (and its output, rank<r>.log) into --out. Started without RANK,
-it starts the ranks itself (`launch`) and says whether they agree.
+what each capture did that a CUDA graph refuses (the cycle recorder: host reads, host data). Rank 0 runs
+the request, the others its job; each writes rank<r>.json (and its output, rank<r>.log) into --out. Started
+without RANK, it starts the ranks itself (tests/ranks.py `launch`) and says whether they agree.
 
     python -m tests.rank_replay --model DIR --devices cpu:4 --prompt '[3, 4, ...]' --tokens 3 --draft dspark --out DIR
 """
@@ -11,54 +11,35 @@ it starts the ranks itself (`launch`) and says whether they agree.
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import graphs.runner
 from appliance.api import Request
 from appliance.decode.loop import RequestLoop
-from appliance.decode.session import DecodeSession
+from appliance.decode.plan import Steer
+from appliance.decode.session import DecodeSession, Sampled
 from appliance.loader import load_model
 from appliance.measure.recorder import Recorder, unique_violations
 from appliance.options import RunOptions
 from appliance.parallel.world import parse_devices, start
 
 from .graph_replay import ReplayRunner, one_reach
+from .ranks import launch
 
 
 def greedy(lm, options: RunOptions, prompt: list[int], tokens: int) -> list[int]:
+    """Rank 0: the request's greedy tokens; the others: the tokens their run of rank 0's job sampled."""
     reach = one_reach(len(prompt), tokens)
-    loop = RequestLoop(DecodeSession(lm, options, capacity=reach, reach_floor=reach), lm.tokenizer, lm.model_dir)
+    session = DecodeSession(lm, options, capacity=reach, reach_floor=reach)
+    if not lm.world.main:
+        steps = session.run(lm.world.next_job(), Steer(lm.world))
+        return [t for step in steps if isinstance(step, Sampled) for t in step.tokens][:tokens]
+    loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
     ids = []
     for event in loop.run(Request(input_ids=prompt, max_tokens=tokens, ignore_eos=True)):
         ids += getattr(event, "ids", [])
     return ids
-
-
-def launch(argv: list[str], out: Path, world: int, timeout: float | None = None) -> list[dict]:
-    """Start `world` ranks of this harness with `argv` (its --out: `out`) on a free port and wait for them: each
-    rank's result. A rank that fails raises with the end of its output (out/rank<r>.log: a file, because a
-    rank blocked on a full pipe would stall the others in their next collective)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    root = Path(__file__).resolve().parent.parent
-    procs = []
-    for r in range(world):
-        with open(out / f"rank{r}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.rank_replay", *argv],
-                                          env=dict(env, RANK=str(r)), cwd=root, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for r, p in enumerate(procs):
-            if p.wait(timeout=timeout) != 0:
-                raise RuntimeError(f"rank {r} failed: {(out / f'rank{r}.log').read_text()[-3000:]}")
-    finally:  # a failed or hung rank leaves the others waiting in a collective
-        for p in procs:
-            p.kill()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def agreement(ranks: list[dict]) -> list[str]:
@@ -96,7 +77,8 @@ def main() -> None:
         ap.error(f"--runs {args.runs}: a comma-separated choice of eager, plain, drafted")
     if "RANK" not in os.environ:  # started by hand: start the ranks
         args.out.mkdir(parents=True, exist_ok=True)
-        print("\n".join(agreement(launch(sys.argv[1:], args.out, len(parse_devices(args.devices))))))
+        ranks = launch("tests.rank_replay", sys.argv[1:], args.out, len(parse_devices(args.devices)))
+        print("\n".join(agreement(ranks)))
         return
     world = start(args.devices)
     prompt = json.loads(args.prompt)

@@ -18,8 +18,10 @@ import random
 import threading
 import time
 
+from appliance.api import Sampling
 from appliance.chat.dialects import EOS
 from appliance.decode.loop import RequestLoop
+from appliance.decode.session import Prefilled, Restored, Sampled
 from appliance.engine import Engine, EngineInfo
 from appliance.loader import default_model_dir
 from appliance.model.config import load_config
@@ -27,13 +29,13 @@ from appliance.model.tokenizer import load_tokenizer
 
 
 class ScriptedSession:
-    """The DecodeSession calls the request loop makes (prepare, prefill, start_sampling, sample_first,
-    cycle, reset, restored, finish), answered from scripts."""
+    """The DecodeSession calls the request loop makes (plan, run, reset, restored), answered from scripts:
+    `run` goes through a job's steps as the real session does, asking the steer before each prefill chunk
+    and each cycle."""
 
     def __init__(self, cfg, tokenizer, capacity: int = 4096, chunk: int = 16):
         self.cfg, self.tokenizer, self.capacity, self.chunk = cfg, tokenizer, capacity, chunk
         self.world = self.spec = self.stats = None
-        self.logits = None
         self.scripts: collections.deque[list[int]] = collections.deque()
         self.state: list[int] = []  # the ids the "decode state" holds
         self.prompts: list[list[int]] = []
@@ -44,7 +46,7 @@ class ScriptedSession:
         self.chunks = 0  # prefill chunks run, over all requests
         self.lock = threading.Lock()
         self._out: list[int] = []
-        self.cached = 0  # what the last prepare kept
+        self.cached = 0  # what the last restore kept
 
     def script(self, text: str, eos: bool = True) -> list[int]:
         """The model's next output: `text` (special tokens as single ids), then EOS unless `eos` is False."""
@@ -57,46 +59,40 @@ class ScriptedSession:
 
     # --- what the request loop calls ---
 
-    def prepare(self, ids: list[int]) -> int:
-        common = 0
-        while common < min(len(ids) - 1, len(self.state)) and ids[common] == self.state[common]:
-            common += 1
-        self.state = self.state[:common]
-        self.cached = common
-        self.prompts.append(list(ids))
-        return common
+    def plan(self, ids: list[int]) -> None:
+        return None  # the stand-in keeps the common prefix with its last prompt, decided in `run`
 
     @property
     def restored(self) -> dict:
         n = self.cached
         return {"source": "device" if n else "none", "matched_tokens": n, "cached_tokens": n}
 
-    def finish(self) -> None:
-        pass
-
-    def prefill(self, ids: list[int], cancel=None):
-        self.logits = None
+    def run(self, job, steer):
+        ids = list(job.ids)
+        common = 0
+        while common < min(len(ids) - 1, len(self.state)) and ids[common] == self.state[common]:
+            common += 1
+        self.state = self.state[:common]
+        self.cached = common
+        self.prompts.append(ids)
+        self.samplings.append(Sampling(job.temperature, job.top_p, job.top_k, job.seed))
+        yield Restored(common)
         while len(self.state) < len(ids):
-            if cancel is not None and cancel.is_set():
+            if not steer.proceed():
                 return
             time.sleep(self.chunk_delay_s)
-            self.state = list(ids[:len(self.state) + self.chunk])
+            self.state = ids[:len(self.state) + self.chunk]
             self.chunks += 1
-            yield len(self.state)
-        self.logits = object()
+            yield Prefilled(len(self.state))
         self._out = self.scripts.popleft() if self.scripts else [self.cfg.eos_token_id]
-
-    def start_sampling(self, sampling, seed: int) -> None:
-        self.samplings.append(sampling)
-
-    def sample_first(self, logits) -> int:
-        return self._next()
-
-    def cycle(self, token: int) -> list[int]:
-        time.sleep(self.token_delay_s)
-        self.cycles += 1
-        self.state.append(token)
-        return [self._next()]
+        tokens = [self._next()]
+        yield Sampled(tokens)
+        while steer.proceed():
+            time.sleep(self.token_delay_s)
+            self.cycles += 1
+            self.state.append(tokens[-1])
+            tokens = [self._next()]
+            yield Sampled(tokens)
 
     def _next(self) -> int:
         return self._out.pop(0) if self._out else self.cfg.eos_token_id

@@ -33,6 +33,14 @@ def test_a_directory_that_is_not_a_model_is_one_line_and_exit_2(tmp_path):
     assert_one_line_error(run("generate", "--model", tmp_path, "--prompt", "hi"), "config.json")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA has GPUs to name")
+@pytest.mark.parametrize("devices", ["0,1,2,3", "cuda", "3"])
+def test_gpus_on_a_machine_without_cuda_are_one_line_and_exit_2_before_any_rank_starts(devices):
+    p = run("generate", "--devices", devices, "--prompt", "hi")
+    assert_one_line_error(p, f"--devices {devices}: ")
+    assert "CUDA" in p.stderr and "started rank" not in p.stderr
+
+
 def test_ids_outside_the_vocabulary_are_one_line_and_exit_2(tiny_dirs, tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([1, 2, 99999]))

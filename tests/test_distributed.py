@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .rank_replay import launch
+from .ranks import launch
 
 APPLIANCE = [sys.executable, "-m", "appliance"]
 ENV = dict(os.environ, APPLIANCE_THREADS="1")
@@ -52,17 +52,20 @@ def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_roundi
     """The fused kernels over each rank's share (the expert-parallel MoE included), partial sums in float32
     added in rank order. `--numerics plain` for the logits: no activation quantization, whose rounding
     boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics"); measured ~2e-7 of the row
-    maximum. Short (the interpreter, four ranks on two cores: minutes)."""
+    maximum. The symmetric-memory sum (its CPU stand-in: buffers in shared memory) gives the gathered sum's
+    bits; its buffers hold one decode step's largest call, so the prompt's index scores go in pieces. Short
+    (the interpreter, four ranks on two cores: minutes)."""
     model = tiny_dirs["deepseek_v41"]
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(torch.randint(0, 512, (12,)).tolist()))
     out = {}
-    for devices in ("cpu", "cpu:4"):
-        path = tmp_path / f"{devices.replace(':', '')}.safetensors"
+    for devices, allreduce in (("cpu", "auto"), ("cpu:4", "nccl"), ("cpu:4", "symm")):
+        path = tmp_path / f"{devices.replace(':', '')}-{allreduce}.safetensors"
         run("score", "--model", model, "--ids", ids, "--out", path, "--devices", devices, "--path", "fast",
-            "--numerics", "plain")
-        out[devices] = load_file(str(path))["logits"]
-    want, got = out["cpu"], out["cpu:4"]
+            "--numerics", "plain", "--allreduce", allreduce)
+        out[devices, allreduce] = load_file(str(path))["logits"]
+    want, got = out["cpu", "auto"], out["cpu:4", "nccl"]
+    assert torch.equal(out["cpu:4", "symm"], got), "the symmetric sum must give the gathered sum's bits"
     err = (got - want).abs().amax(-1) / want.abs().amax(-1)
     assert (err <= FAST_SPLIT_TOL).all(), f"rows over {FAST_SPLIT_TOL:.3g}: {err.tolist()}"
     top2 = want.topk(2, -1).values
@@ -78,8 +81,9 @@ def test_on_every_rank_the_cycles_capture_cleanly_and_replayed_with_their_collec
     without and with DSpark (a verify of k + 1 rows equals k + 1 single steps on every rank); no capture
     reads the host. Three tokens after a 14-token prompt (four interpreters on two cores: minutes)."""
     prompt = torch.randint(0, 512, (14,)).tolist()
-    ranks = launch(["--model", str(tiny_dirs["deepseek_v41"]), "--devices", "cpu:4", "--prompt", json.dumps(prompt),
-                    "--tokens", "3", "--draft", "dspark", "--out", str(tmp_path)], tmp_path, world=4, timeout=900)
+    argv = ["--model", str(tiny_dirs["deepseek_v41"]), "--devices", "cpu:4", "--prompt", json.dumps(prompt),
+            "--tokens", "3", "--draft", "dspark", "--out", str(tmp_path)]
+    ranks = launch("tests.rank_replay", argv, tmp_path, world=4, timeout=900)
     want = ranks[0]["eager"]
     assert len(want) == 3
     for r in ranks:

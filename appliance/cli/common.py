@@ -59,6 +59,11 @@ _MODEL_OPTIONS = [
         help="several devices: how partial sums meet, always added in rank order (bitwise the same on every rank "
              "and for every batch); nccl: an all-gather (gloo on CPU); symm: symmetric memory, GPU peer-to-peer; "
              "auto: symm where the GPUs reach each other")),
+    ("check_ranks", lambda: click.option(
+        "--check-ranks", is_flag=True, envvar=_env("check_ranks"),
+        help="several devices, for diagnosis: before every collective the ranks compare the call they make, and "
+             "after every request their whole decode state; a difference ends the request with an error naming "
+             "both ranks' calls or states (costs a small collective per collective)")),
     ("dtype", lambda: click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
                                    envvar=_env("dtype"), help="activation dtype that every rounding point rounds to")),
     ("path", lambda: click.option(

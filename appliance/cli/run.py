@@ -33,10 +33,13 @@ def generate(options: RunOptions, prompt, ids_file, max_tokens, temperature, top
     if (prompt is None) == (ids_file is None):
         raise ApplianceError("give exactly one of --prompt or --ids", field="prompt")
     lm = load(options)
-    req = Request(id="cli", input_ids=read_ids(ids_file) if ids_file else None, prompt=prompt,
-                  max_tokens=max_tokens, sampling=Sampling(temperature, top_p, top_k, seed), ignore_eos=ignore_eos)
     say = (lambda m: click.echo(m, err=True)) if lm.world.main else None
     loop = RequestLoop(DecodeSession(lm, options, capacity=options.context, notice=say), lm.tokenizer, lm.model_dir)
+    if not lm.world.main:  # several ranks: the others run rank 0's job
+        loop.session.follow()
+        return
+    req = Request(id="cli", input_ids=read_ids(ids_file) if ids_file else None, prompt=prompt,
+                  max_tokens=max_tokens, sampling=Sampling(temperature, top_p, top_k, seed), ignore_eos=ignore_eos)
     ids, text, done = [], [], None
     for event in loop.run(req):
         if isinstance(event, Tokens):
@@ -45,6 +48,8 @@ def generate(options: RunOptions, prompt, ids_file, max_tokens, temperature, top
             if not as_json:
                 click.echo(event.text, nl=False)
         elif isinstance(event, Error):
+            if lm.world.distributed:
+                lm.world.publish(None)
             raise ApplianceError(event.message, field=event.param, code=event.code)
         elif isinstance(event, Done):
             done = event
@@ -57,6 +62,7 @@ def generate(options: RunOptions, prompt, ids_file, max_tokens, temperature, top
     else:
         click.echo()
     if lm.world.distributed:
+        lm.world.publish(None)  # the others' follow() ends
         lm.world.stop()
 
 

@@ -3,21 +3,21 @@
 For each request the loop
 1. validates it and turns it into token ids (text, ids, or chat messages encoded in the checkpoint's
    dialect: decode/chat.py);
-2. asks the decode session to restore the longest prefix any tier holds (the live state, the prefix
-   cache) and prefill the rest, in chunks, reporting progress and checking `cancel` between chunks;
-3. runs decode cycles (one token each, or a speculative block when a drafter is on), checking `cancel`
-   between cycles, until max_tokens (None: the context's end), EOS or a stop string, turning ids into text
-   as it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls);
-4. after its Done, lets the session file the conversation in the prefix cache.
+2. makes the job every rank runs (plan.py): the restore of the longest prefix any tier holds (the live
+   state, the prefix cache), the sampling seed, the chunk;
+3. reads the job's steps from the session: progress while it prefills, then the tokens of each decode
+   cycle (one token each, or a speculative block when a drafter is on), checking `cancel` between chunks
+   and cycles, until max_tokens (None: the context's end), EOS or a stop string, turning ids into text as
+   it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls);
+4. after its Done, tells the job to stop: the session files the conversation in the prefix cache.
 Stop strings match the model's text as decoded, markup included. Sampling values a request leaves None come
 from the checkpoint (generation_config.json, else the model card: appliance.chat.sampling_defaults).
 The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
 """
 
+import secrets
 import time
 from collections.abc import Iterator
-
-import torch
 
 from appliance.api import Done, Error, Progress, Request, Started, Tokens
 from appliance.chat import dialect_for_model, sampling_defaults
@@ -25,6 +25,8 @@ from appliance.errors import ApplianceError
 from appliance.model.tokenizer import StreamDecoder, check_ids
 
 from .chat import ChatOutput, chat_prompt
+from .plan import Job, Steer
+from .session import Sampled
 
 
 class RequestLoop:
@@ -50,7 +52,18 @@ class RequestLoop:
         check_ids(ids, self.cfg, self.session.capacity, reserve=req.max_tokens or 1)
         return ids, chat
 
-    def run(self, req: Request, cancel=None) -> Iterator:
+    def job(self, req: Request, ids: list[int], warmup: bool = False) -> Job:
+        """Rank 0's decisions for `req`, as every rank runs it: the sampling values and seed, the restore its
+        timeline plans, the chunk; a warm-up leaves nothing behind (not filed in the prefix cache, the live
+        state reset at its end)."""
+        sampling = req.sampling.resolved(self.defaults)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        return Job(req.id, tuple(ids), sampling.temperature, sampling.top_p, sampling.top_k, seed,
+                   self.session.plan(ids), self.session.chunk, commit=not warmup, reset=warmup)
+
+    def run(self, req: Request, cancel=None, warmup: bool = False) -> Iterator:
+        """The request's events. On several ranks this is rank 0's: its job runs on every rank (the
+        followers in `DecodeSession.follow`). `cancel` (an Event or None) is read between chunks and cycles."""
         t0 = time.perf_counter()
         try:
             req.validate()
@@ -58,35 +71,29 @@ class RequestLoop:
         except ApplianceError as e:
             yield Error(req.id, e.code, e.message, e.field)
             return
+        steer = Steer(self.session.world)
+        steps = self.session.run(self.job(req, ids, warmup), steer)
         try:
-            yield from self._run(req, ids, chat, cancel, t0)
+            yield from self._run(req, ids, chat, steps, steer, cancel, t0)
         except ApplianceError as e:
             self.session.reset()
             yield Error(req.id, e.code, e.message, e.field)
+        finally:
+            steps.close()  # a job left half way (this loop failed) is aborted on every rank
 
-    def _seed(self, req: Request) -> int:
-        seed = req.sampling.seed if req.sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        world = self.session.world
-        if world is not None:  # every rank samples with rank 0's seed
-            seed = world.broadcast(seed)
-        return seed
-
-    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, cancel, t0: float) -> Iterator:
+    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, steps, steer: Steer, cancel,
+             t0: float) -> Iterator:
         session = self.session
         max_tokens = req.max_tokens or session.capacity - len(ids)
-        cached = session.prepare(ids)
+        cached = next(steps).cached
         yield Started(req.id, len(ids), cached)
-        session.start_sampling(req.sampling.resolved(self.defaults), self._seed(req))
-        for done in session.prefill(ids, cancel):
-            if done < len(ids):
-                yield Progress(req.id, done, len(ids), (time.perf_counter() - t0) * 1e3)
-        logits = session.logits
-        t_prefill = time.perf_counter()
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": cached}
-        if logits is None:
+        first = yield from _prefill(req.id, len(ids), steps, cancel, t0)
+        t_prefill = time.perf_counter()
+        if first is None:
             yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
                        prefix_cache=session.restored)
-            session.finish()
+            self._finish(req, steps, steer)
             return
         decoder = StreamDecoder(self.tokenizer)
         produced: list[int] = []
@@ -95,7 +102,7 @@ class RequestLoop:
         text_so_far = ""  # emitted
         held = ""  # decoded but not emitted: it may be the start of a stop string
         matched = None
-        pending = [session.sample_first(logits)]
+        pending = first
         while finish == "length":
             now = time.perf_counter()
             t_first = t_first or now
@@ -124,7 +131,7 @@ class RequestLoop:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
-            pending = session.cycle(pending[-1])
+            pending = next(steps).tokens  # every rank runs one more cycle
         tail = held + decoder.flush() if matched is None else ""  # after a stop string nothing more is text
         if chat is not None:
             content, reasoning, calls = chat.finish(tail)
@@ -137,7 +144,31 @@ class RequestLoop:
         spec = session.stats.as_dict() if session.spec is not None else None
         yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec,
                    stop_sequence=matched, prefix_cache=session.restored)
-        session.finish()  # after Done: filing the conversation in the prefix cache is off the client's clock
+        self._finish(req, steps, steer)  # after Done: filing the conversation is off the client's clock
+
+    def _finish(self, req: Request, steps, steer: Steer) -> None:
+        """Rank 0 is done with the request (its Done is out): every rank stops at its next step and ends the
+        job (checkpoint, file the conversation). Nothing that fails now may change the request's outcome or
+        add a second terminal event: it is reported, and the live state reset."""
+        steer.stop()
+        try:
+            for _ in steps:
+                pass
+        except ApplianceError as e:
+            self.session.reset()
+            self.session.notice(f"after request {req.id!r} ended: {e.message}")
+
+
+def _prefill(rid: str, total: int, steps, cancel, t0: float):
+    """Progress events while the job prefills; returns the first tokens, or None when `cancel` was set (the
+    job then stops before its next chunk)."""
+    while cancel is None or not cancel.is_set():
+        step = next(steps)
+        if isinstance(step, Sampled):
+            return step.tokens
+        if step.done < total:
+            yield Progress(rid, step.done, total, (time.perf_counter() - t0) * 1e3)
+    return None
 
 
 def _tokens(rid: str, ids: list[int], piece: str, index: int, t_ms: list[float], chat: ChatOutput | None) -> Tokens:

@@ -159,6 +159,21 @@ class PrefixCache:
                     best = Found(c, n, ref)
         return best
 
+    def checkpoint_at(self, match: Match, position: int) -> Found | None:
+        """The checkpoint at exactly `position` where `checkpoint_for` looks (on the path, or in the subtree
+        of its last node), or None: how a rank finds the checkpoint rank 0's plan chose."""
+        for n in match.path:
+            if position in n.ckpts:
+                return Found(position, n, n.ckpts[position])
+        stack = list(match.path[-1].children.values()) if match.path else []
+        while stack:
+            n = stack.pop()
+            if n.start < position:
+                if position in n.ckpts:
+                    return Found(position, n, n.ckpts[position])
+                stack.extend(n.children.values())
+        return None
+
     # --- data ---------------------------------------------------------------------------------------
 
     def rows_into(self, path: list[Node], lo: int, hi: int, rows: dict[str, torch.Tensor]) -> int:

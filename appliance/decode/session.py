@@ -2,32 +2,50 @@
 
 A `DecodeSession` owns the target's decode state, the speculator (the drafter and its state), the cycle
 buffers, the graph set of cycle steps and the timeline (timeline.py: the ids the state holds, its
-checkpoints and the prefix cache). Its calls, in the order a request makes them:
-    cached = session.prepare(ids)            restore the longest prefix any tier holds
-    for done in session.prefill(ids, cancel): ...   the rest in chunks; `session.logits` after the last
-    session.start_sampling(sampling, seed)   per request: parameters and the device RNG's seed
-    token = session.sample_first(logits)
-    tokens = session.cycle(token)            one decode cycle: one replay, one small copy back
-    session.finish()                         checkpoint and file the conversation in the prefix cache
-The request loop (loop.py) owns ids, stops, text and events; nothing here knows a request.
+checkpoints and the prefix cache). A request reaches it as a `Job` (plan.py: ids, sampling, seed, the
+restore rank 0 planned) and `run(job, steer)` does the device work, on every rank alike:
+    restore the planned prefix; the ranks compare what they did        -> Restored(cached)
+    the sampling parameters and the device RNG's seed
+    prefill the rest in chunks, asking `steer.proceed()` before each    -> Prefilled(done) per chunk
+    sample the first token, then decode cycles, asking before each      -> Sampled(tokens) per cycle
+    checkpoint and file the conversation in the prefix cache (or reset, for the warm-up)
+Rank 0's request loop (loop.py) reads the steps and owns ids, stops, text and events; the followers run
+the jobs rank 0 publishes (`follow`) and read nothing. Nothing here knows a request.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-from appliance.errors import ModelLoadError
+from appliance.errors import ModelLoadError, RankDivergence
 from appliance.options import RunOptions
 from graphs.graph_set import GraphSet
 
 from .checkpoint import ring_buffers
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, Target, VerifyStep, reach_for, reaches
+from .plan import COLD, Aborted, Job, Restore, Steer, Unavailable, agreement, crc, gather, gather_objects
 from .prefix_cache import PrefixCache
 from .prefix_disk import DiskTier, Layout, fingerprint
 from .speculator import DraftStats, make_speculator
 from .timeline import Timeline
 
 SPARE = 16  # positions a state can rewind without re-prefilling (the rings' slack)
+
+
+@dataclass
+class Restored:
+    cached: int  # prompt positions kept (not prefilled)
+
+
+@dataclass
+class Prefilled:
+    done: int  # prompt positions processed so far
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]  # the tokens a step produced (the first token, or a cycle's)
 
 
 class DecodeSession:
@@ -40,6 +58,8 @@ class DecodeSession:
         self.model, self.cfg, self.world = lm.model, lm.cfg, lm.world
         self.device = lm.runtime.device
         self.capacity = capacity or self.cfg.max_context
+        self.notice = notice or (lambda m: None)
+        self.check_ranks = options.check_ranks  # compare every rank's whole live state after each job
         self.chunk = options.chunk
         self.index_keys = options.index_keys
         self.state = self.model.new_state(self.capacity, spare)
@@ -124,9 +144,117 @@ class DecodeSession:
 
     def prepare(self, ids: list[int]) -> int:
         """Restore the longest prefix of `ids` that the live state, its checkpoints or the prefix cache hold
-        (at most len(ids) - 1: the last prompt id always runs, it produces the first logits); returns its
-        length. What it did is in `self.timeline.last`."""
+        (at most len(ids) - 1: the last prompt id always runs, it produces the first logits), deciding here:
+        one rank, benchmarks and tests. Returns its length; what it did is in `self.timeline.last`."""
         return self.timeline.prepare(ids)
+
+    # --- jobs: the same steps on every rank ---------------------------------------------------------
+
+    def plan(self, ids: list[int]) -> Restore:
+        """Rank 0's (or the one rank's) choice of how a job restores the longest cached prefix of `ids`."""
+        return self.timeline.plan(ids)
+
+    def run(self, job: Job, steer: Steer) -> Iterator[Restored | Prefilled | Sampled]:
+        """Run `job` (module docstring). Every step a caller reads is followed, before any other collective,
+        by `steer.proceed()`, so rank 0 can stop or abort the followers wherever its loop is. Closing the
+        generator early (rank 0's loop failed) aborts the job on every rank and resets the state."""
+        world = self.world
+        if world is not None and world.distributed and world.main:
+            world.publish(job)
+        try:
+            yield Restored(self.begin(job))
+            self.start_sampling_params(job.temperature, job.top_p, job.top_k, job.seed)
+            yield from (Prefilled(done) for done in self.prefill(list(job.ids), steer.proceed, job.chunk))
+            if self.logits is not None:
+                tokens = [self.sample_first(self.logits)]
+                yield Sampled(tokens)
+                while steer.proceed():
+                    tokens = self.cycle(tokens[-1], steer)
+                    yield Sampled(tokens)
+        except GeneratorExit:
+            if steer.main:
+                steer.abort_followers()
+            self.reset()
+            raise
+        except RankDivergence as e:
+            if e.field != "collective":
+                self.reset()
+                raise
+            said = gather_objects(self.world, self._describe())  # every rank is here: name their plans too
+            self.reset()
+            raise RankDivergence(f"{e.message}, in rank 0's {said[0]}; rank {e.value}'s {said[e.value]}",
+                                 field=e.field, value=e.value) from None
+        except Aborted:
+            self.reset()
+            raise
+        self.end(job)
+
+    def follow(self) -> None:
+        """Ranks 1..n-1: run every job rank 0 publishes until it publishes None. Between jobs they wait
+        without a timeout (the user may pause for hours). A job that rank 0 aborts, or in which the ranks
+        diverged, ends here too: the state is reset and the next job runs."""
+        world = self.world
+        while (job := world.next_job()) is not None:
+            try:
+                for _ in self.run(job, Steer(world)):
+                    pass
+            except (Aborted, RankDivergence):
+                pass
+
+    def begin(self, job: Job) -> int:
+        """Carry out the job's restore; when any rank cannot (a cache file it could not write or read), every
+        rank starts from the empty state instead. Then the ranks compare what they did."""
+        try:
+            cached, missing = self.timeline.execute(list(job.ids), job.restore), ""
+        except Unavailable as e:
+            cached, missing = 0, str(e)
+        if any(row[0] for row in gather(self.world, [int(bool(missing))])):
+            for r, why in enumerate(gather_objects(self.world, missing)):
+                if why:
+                    self.notice(f"prefix cache (rank {r}): cannot restore {job.restore.how} at "
+                                f"{job.restore.landed}: {why}; starting from the empty state")
+            cached = self.timeline.execute(list(job.ids), COLD)
+        agreement(self.world, self._plan_digest, self._describe)
+        return cached
+
+    def end(self, job: Job) -> None:
+        """The job's end: checkpoint and file the conversation (job.commit), or back to the empty state
+        (job.reset); with --check-ranks every rank's whole live state is compared."""
+        self.timeline.commit(file=job.commit)
+        if job.reset:
+            self.reset()
+        if self.check_ranks:
+            try:
+                agreement(self.world, self.state_digest, lambda: f"job {self.world.jobs}: state digest "
+                                                                    f"{self.state_digest()}")
+            except RankDivergence:
+                self.reset()
+                raise
+
+    def _plan_digest(self) -> list[int]:
+        """What the ranks compare after a restore: the job's number, the restore carried out, the lengths
+        and the ids the state holds."""
+        draft = self.spec.state.length if self.spec is not None else -1
+        return [self.world.jobs, crc(repr(self.timeline.executed).encode()), self.timeline.executed.landed,
+                self.state.length, draft, crc(self.state.tokens[:self.state.length])]
+
+    def _describe(self) -> str:
+        draft = self.spec.state.length if self.spec is not None else None
+        return (f"job {self.world.jobs}: {self.timeline.executed}, state length {self.state.length}, drafter "
+                f"length {draft}")
+
+    def state_digest(self) -> list[int]:
+        """Checksums of everything a reader of the live state can reach (ids, rings, rows; the drafter's
+        too): equal on every rank when their states are."""
+        buffers = dict(self.state.live_buffers())
+        if self.spec is not None:
+            buffers.update({f"draft.{k}": t for k, t in self.spec.state.live_buffers().items()})
+        out = [self.state.length]
+        for name in sorted(buffers):
+            raw = buffers[name].contiguous().view(torch.uint8).reshape(-1)
+            weights = torch.arange(raw.numel(), device=raw.device) % 251 + 1
+            out.append(int((raw.long() * weights).sum()) & 0x7FFFFFFFFFFF)
+        return out
 
     def rewind(self, position: int) -> int:
         """Back to `position` of the current ids, from any tier, prefilling what the nearest checkpoint
@@ -144,23 +272,27 @@ class DecodeSession:
         return dict(self.timeline.last)
 
     def finish(self) -> None:
-        """End of a request: checkpoint the state and file the conversation in the prefix cache."""
+        """End of a request run without a job (benchmarks, tests): checkpoint the state and file the
+        conversation in the prefix cache."""
         self.timeline.commit()
 
     # --- prefill -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], cancel=None) -> Iterator[int]:
-        """Process ids[state.length:] in chunks, yielding the positions done after each chunk; stops early
-        when `cancel` is set. The last chunk's logits end up in `self.logits` (None if cancelled)."""
+    def prefill(self, ids: list[int], proceed: Callable[[], bool] | None = None,
+                chunk: int | None = None) -> Iterator[int]:
+        """Process ids[state.length:] in chunks of `chunk` (default: the session's), yielding the positions
+        done after each chunk; stops early when `proceed()`, asked before each chunk, says no. The last
+        chunk's logits end up in `self.logits` (None if stopped)."""
         self.logits = None
         pos = self.state.length
         out = None
+        chunk = chunk or self.chunk
         cuts = self.timeline.cut_points(pos, len(ids))  # chunks end there, and a checkpoint is taken
         while pos < len(ids):
-            if cancel is not None and cancel.is_set():
+            if proceed is not None and not proceed():
                 return
-            n = min(self.chunk, next(c for c in cuts if c > pos) - pos)
+            n = min(chunk, next(c for c in cuts if c > pos) - pos)
             out = self.forward_out(ids[pos:pos + n], "last")
             if self.spec is not None:
                 self.spec.observe(out, pos)
@@ -207,9 +339,10 @@ class DecodeSession:
         return int(self.target.ops.sample(logits.unsqueeze(0), self.buffers.params, self.buffers.key)[0])
 
     @torch.inference_mode()
-    def cycle(self, token: int) -> list[int]:
+    def cycle(self, token: int, steer: Steer | None = None) -> list[int]:
         """Process `token` at the next position and return the tokens that follow it: one without a drafter;
-        the accepted drafts and one more with one. One cycle = one replay and one small copy back."""
+        the accepted drafts and one more with one. One cycle = one replay and one small copy back (an
+        adaptive draft: two, and the length rank 0 picks, shared through `steer`)."""
         buf, spec = self.buffers, self.spec
         N = self.state.length
         buf.anchor.fill_(token)
@@ -222,6 +355,8 @@ class DecodeSession:
             if spec.adaptive:
                 confidence = self.graphs.run(("draft", spec.block, None))["confidence"]
                 drafted = spec.adaptive_length(confidence.cpu())
+                if steer is not None:  # it shapes the verify's collectives: rank 0's length on every rank
+                    drafted = steer.shared(drafted)
                 reach = reach_for(self.reaches, N + drafted + 1)
                 result = self.graphs.run(("verify", drafted + 1, reach))["result"]
             else:

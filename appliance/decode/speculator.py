@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from appliance.errors import RequestError
+from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 
 
 @dataclass
@@ -160,7 +161,7 @@ def make_speculator(drafter, draft: str, k: int, index_keys: str, model, target_
     if index_keys == "reference":
         raise RequestError("--index-keys reference reproduces the released single-token decode; it cannot be "
                            "verified in blocks: use --draft none with it", field="draft")
-    block = d.cfg.dspark.block_size if d.kind == "dspark" else 8
+    block = d.cfg.dspark.block_size if d.kind == "dspark" else MTP_MAX_DRAFTS
     if not 1 <= k <= block:
         raise RequestError(f"--draft-tokens {k}: must be 1..{block}", field="draft_tokens")
     mode = "adaptive" if draft == "adaptive" else d.kind

@@ -6,6 +6,10 @@ its disk tier prefix_disk.py). Three tiers, tried in this order for the longest 
 - host memory: the rows of the cached path and one checkpoint are copied into the live state;
 - disk: the same, after reading the files into host memory.
 
+Choosing and doing are apart: `plan` reads the tiers and returns a `Restore` (plan.py), `execute` carries one
+out. On several ranks rank 0 plans and every rank executes its plan with its own tiers (a rank never
+decides from its own caches); `prepare` does both in one process.
+
 A restore lands on a checkpoint position c (or on the prompt's match p itself when a checkpoint sits in
 [p, p + spare]); the session then prefills ids[c:] as usual, so `cached_tokens` is exactly the number of
 prompt positions not prefilled. Checkpoints are taken during prefill at every multiple of the stride, at
@@ -22,7 +26,8 @@ import time
 import torch
 
 from . import checkpoint as ckpt
-from .prefix_cache import Found, Match, PrefixCache
+from .plan import COLD, Restore, Unavailable
+from .prefix_cache import Match, PrefixCache
 from .prefix_disk import CacheFileError
 
 
@@ -50,8 +55,8 @@ class Timeline:
         self.history: list[int] = []  # the ids at positions 0 .. state.length - 1
         self.ckpts: dict[int, ckpt.Checkpoint] = {}  # live checkpoints not in the cache (yet)
         self.branch: int | None = None  # a position the running prefill checkpoints (the match point)
-        self.caching = True  # commit requests to the cache (off for warm-up)
-        self.last: dict = {}  # what the last prepare did (Done.prefix_cache)
+        self.last: dict = {}  # what the last restore did (Done.prefix_cache)
+        self.executed: Restore | None = None  # the last restore carried out (the ranks compare it)
 
     # --- the live state -------------------------------------------------------------------------------
 
@@ -93,83 +98,123 @@ class Timeline:
 
     # --- restore --------------------------------------------------------------------------------------
 
-    def prepare(self, ids: list[int]) -> int:
-        """Bring the live state to the longest prefix of `ids` any tier holds (at most len(ids) - 1: the
-        last prompt id is always processed); returns the positions kept (cached_tokens)."""
-        while True:
-            try:
-                return self._prepare(ids)
-            except CacheFileError as e:  # nothing was restored yet: drop what the file held, plan again
-                self.notice(str(e))
-                self.cache.disk.rejected.append(str(e))
-                self.cache.forget_file(e.fid)
+    def plan(self, ids: list[int]) -> Restore:
+        """How to bring the live state to the longest prefix of `ids` any tier holds (at most len(ids) - 1:
+        the last prompt id is always processed). Reads the tiers and changes nothing: on several ranks this
+        is rank 0's decision (plan.py), which every rank then executes."""
+        self.sync()
+        live = common_prefix(self.history, ids, len(ids) - 1)
+        match = self._match(ids)
+        target = max(live, match.length)
+        if target <= live and target == self.state.length:
+            return Restore("keep", target, target, live)
+        if target <= live and self.state.can_undo(target):
+            return Restore("undo", target, target, live)
+        return self._choose(target, live, match)
 
-    def _prepare(self, ids: list[int]) -> int:
+    def execute(self, ids: list[int], plan: Restore) -> int:
+        """Carry out `plan` with this rank's tiers; returns the positions kept (cached_tokens). Raises
+        Unavailable, having changed nothing, when a tier lacks what the plan restores from (a checkpoint
+        or rows it no longer holds, a cache file that cannot be read: the file is then dropped)."""
         t0 = time.perf_counter()
         self.sync()
         self.branch = None
-        limit = len(ids) - 1
-        live = common_prefix(self.history, ids, limit)
-        match = Match()
-        if self.cache is not None and limit > 0:
+        match = self._match(ids)
+        if self.cache is not None and len(ids) > 1:
             self.cache.clock += 1
-            match = self.cache.match(torch.tensor(ids[:limit], dtype=torch.long))
             self.cache.touch(match.path)
-        target = max(live, match.length)
+        landed, live = plan.landed, plan.live
         source, moved = "device", 0
-        if target <= live and target == self.state.length:
-            landed = target
-        elif target <= live and self.state.can_undo(target):
-            self.state.rewind(target)
+        if plan.how == "keep":
+            if self.state.length != landed:
+                raise Unavailable(f"the live state holds {self.state.length} positions, not {landed}")
+        elif plan.how == "undo":
+            if not self.state.can_undo(landed):
+                raise Unavailable(f"the journal cannot rewind {self.state.length} positions to {landed}")
+            self.state.rewind(landed)
             if self.spec is not None:
-                self.spec.sync(target)
-            landed = target
+                self.spec.sync(landed)
+        elif plan.how == "checkpoint":
+            if plan.checkpoint not in self.ckpts:
+                raise Unavailable(f"no live checkpoint at {plan.checkpoint}")
+            moved += self._restore(self.ckpts[plan.checkpoint], landed)
+        elif plan.how == "cache":
+            source, moved = self._from_cache(ids, plan, match)
         else:
-            landed, holder = self._choose(target, live, match)
-            if isinstance(holder, Found):  # rings (and maybe rows) from the cache
-                need = [p for p in match.path if p.end > live and p.start < landed]
-                source = "host" if landed > live else "device"  # where the rows come from
-                if any(not p.on_host for p in need) or holder.ref.host is None:
-                    source = "disk"
-                    self.cache.load(need, [holder.ref])
-                self.cache.touch([holder.node])
-                if landed > live:
-                    moved += self.cache.rows_into(need, live, landed, self.rows)
-                    self.state.tokens[live:landed].copy_(torch.tensor(ids[live:landed], dtype=torch.long))
-                    moved += (landed - live) * 8
-                holder = holder.ref.host
-            moved += self._restore(holder, landed)
-        if landed < target:
-            self.branch = target
+            self._restore(None, 0)
+        if landed < plan.target:
+            self.branch = plan.target
         self.history = self.history[:landed] if landed <= live else list(ids[:landed])
         self.ckpts = {c: k for c, k in self.ckpts.items() if c <= min(landed, live)}
         if self.state.device.type == "cuda" and moved:
             torch.cuda.current_stream().synchronize()  # the restore time includes the copies
-        self.last = {"source": source if landed else "none", "matched_tokens": target, "cached_tokens": landed,
+        self.last = {"source": source if landed else "none", "matched_tokens": plan.target, "cached_tokens": landed,
                      "restored_bytes": moved, "restore_ms": (time.perf_counter() - t0) * 1e3}
+        self.executed = plan
         return landed
 
-    def _choose(self, target: int, live: int, match: Match):
-        """(the position to land on, what holds its rings: a live Checkpoint, a cache Found, or None for
-        the empty state). A checkpoint in [target, target + spare] lands on the target itself, else the
-        last one before it does. A checkpoint serves where its branch agrees with the prompt: the live
-        ones below `live`, the cache's below `match.length`. The live state wins ties (nothing to copy)."""
+    def prepare(self, ids: list[int]) -> int:
+        """Plan and execute in this process alone (one rank, benchmarks, tests); from the empty state when a
+        tier fails to deliver (a damaged file: reported and dropped)."""
+        try:
+            return self.execute(ids, self.plan(ids))
+        except Unavailable:
+            return self.execute(ids, COLD)
+
+    def _match(self, ids: list[int]) -> Match:
+        """The prefix cache's longest match of ids[:-1] (the last prompt id always runs)."""
+        if self.cache is None or len(ids) <= 1:
+            return Match()
+        return self.cache.match(torch.tensor(ids[:-1], dtype=torch.long))
+
+    def _from_cache(self, ids: list[int], plan: Restore, match: Match) -> tuple[str, int]:
+        """Restore from the prefix cache: the rows of positions [live, landed) and the rings of the checkpoint
+        at `plan.checkpoint`. Returns (where the rows came from, bytes copied)."""
+        landed, live = plan.landed, plan.live
+        found = self.cache.checkpoint_at(match, plan.checkpoint) if self.cache is not None else None
+        if found is None or match.length < landed:
+            raise Unavailable(f"the prefix cache holds no checkpoint at {plan.checkpoint} on the prompt's path "
+                              f"(it matches {match.length} positions)")
+        need = [p for p in match.path if p.end > live and p.start < landed]
+        source = "host" if landed > live else "device"  # where the rows come from
+        if any(not p.on_host for p in need) or found.ref.host is None:
+            source = "disk"
+            try:
+                self.cache.load(need, [found.ref])
+            except CacheFileError as e:
+                self.notice(str(e))
+                self.cache.disk.rejected.append(str(e))
+                self.cache.forget_file(e.fid)
+                raise Unavailable(str(e)) from None
+        self.cache.touch([found.node])
+        moved = 0
+        if landed > live:
+            moved += self.cache.rows_into(need, live, landed, self.rows)
+            self.state.tokens[live:landed].copy_(torch.tensor(ids[live:landed], dtype=torch.long))
+            moved += (landed - live) * 8
+        return source, moved + self._restore(found.ref.host, landed)
+
+    def _choose(self, target: int, live: int, match: Match) -> Restore:
+        """The restore that lands nearest `target`, from a checkpoint: one in [target, target + spare] lands
+        on the target itself, else the last one before it does. A checkpoint serves where its branch agrees
+        with the prompt: the live ones below `live`, the cache's below `match.length`. The live state wins
+        ties (nothing to copy); without any checkpoint, the empty state."""
         spare = self.state.spare
-        land, holder = 0, None
-        for c, k in self.ckpts.items():
+        best = Restore("empty", 0, target, live)
+        for c in self.ckpts:
             if target <= live and target <= c <= target + spare:
                 at = target
             elif c <= min(target, live):
                 at = c
             else:
                 continue
-            if at > land:
-                land, holder = at, k
+            if at > best.landed:
+                best = Restore("checkpoint", at, target, live, c)
         if self.cache is not None and match.length:
             found = self.cache.checkpoint_for(match, target, spare)
-            if found is not None and min(found.position, target) > land:
-                land, holder = min(found.position, target), found
-        return land, holder
+            if found is not None and min(found.position, target) > best.landed:
+                best = Restore("cache", min(found.position, target), target, live, found.position)
+        return best
 
     def _restore(self, rings: ckpt.Checkpoint | None, landed: int) -> int:
         """Put the rings of a checkpoint in place and cut the target state to `landed` (its drafter to
@@ -192,12 +237,12 @@ class Timeline:
 
     # --- commit ---------------------------------------------------------------------------------------
 
-    def commit(self) -> None:
-        """End of a request: checkpoint the state and file the whole conversation in the cache."""
+    def commit(self, file: bool = True) -> None:
+        """End of a request: checkpoint the state and (`file`) file the whole conversation in the cache."""
         self.sync()
         self.checkpoint()
         cache = self.cache
-        if cache is None or not self.caching or not self.history:
+        if cache is None or not file or not self.history:
             return
         state = self.state
 

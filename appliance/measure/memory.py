@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from appliance.errors import MemoryPlanError
+from appliance.parallel.sharding import largest_sum, verify_rows
 
 from .costs import rank_weights, state_bytes, weight_bytes
 
@@ -154,6 +155,9 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
         "decode_state": int(per_token * context + constant),
         "rope_tables": context * sum(t.bytes_per_position for t in tables),
         "graph_buffers": GRAPH_BUFFERS if graphs else 0,
+        # several GPUs: a rank's symmetric-memory buffer, one decode step's largest sum (a CPU rank's stand-in
+        # is in host memory)
+        "symmetric_sum": 4 * largest_sum(cfg, verify_rows(cfg, drafter), context) if graphs and world > 1 else 0,
         "headroom": int(capacity * HEADROOM) if graphs else 0,
     }
     plan = MemoryPlan(context, parts, capacity)

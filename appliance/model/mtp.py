@@ -11,6 +11,8 @@ from .runtime import Runtime
 from .state import DecodeState, new_state
 from .step import Draft, begin, finish
 
+MAX_DRAFTS = 8  # the most drafts a chain of the one-layer head proposes a cycle (its errors compound)
+
 
 class MTP:
     """V4-Flash's one-layer MTP head, chained: draft i reads the previous draft's output streams."""

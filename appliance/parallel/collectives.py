@@ -12,18 +12,29 @@ ways to gather, chosen by `--allreduce`:
 - `symm`: symmetric memory (CUDA peer-to-peer over NVLink): each rank writes its partial into its own
   buffer, a device-side barrier, every rank reads all buffers and adds them in rank order, a second barrier
   before a buffer is written again. One kernel's worth of latency for the small per-layer payloads, and no
-  NCCL launch; capturable (the barriers are device-side).
+  NCCL launch; capturable (the barriers are device-side). On CPU ranks the same code runs over buffers in
+  shared memory with the process group's barriers (the tests' stand-in).
 - `auto`: `symm` where every pair of the group's GPUs can reach each other, else `nccl`.
+
+With --check-ranks every collective is preceded by `CallCheck`: the ranks compare the call they are about
+to make, and a difference is named on every rank instead of aborting in the transport.
 """
+
+import os
+import tempfile
+import uuid
+import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from appliance.errors import RankDivergence
 from kernels import rank_sum
 
 MODES = ("nccl", "symm", "auto")
 # the one-tensor all-gather: all_gather_single in newer torch, all_gather_into_tensor before it
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GatherSum:
@@ -37,34 +48,119 @@ class GatherSum:
     def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
         parts = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
-        _all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
+        all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
         return rank_sum.fast(list(parts.view(self.world, *t.shape)), out_dtype, round_to)
 
 
 class SymmSum:
-    """Symmetric-memory buffers of `capacity` float32 values on every rank, peers read in place."""
+    """Buffers of `capacity` float32 values every rank can read, peers read in place: symmetric memory
+    (GPU peer-to-peer, `PeerMemory`) on CUDA, shared memory between the rank processes (`HostMemory`, the
+    CPU stand-in that runs this class's code in the tests) elsewhere. A call of more values than the
+    capacity goes in capacity-sized pieces, each summed in rank order: the same bits as one piece (the sum
+    is elementwise), a barrier pair per piece. The loader sizes the capacity for the largest call of a
+    decode step (parallel/sharding.py `largest_sum`), so a captured cycle sums in one piece and only a
+    prefill chunk's calls are cut."""
 
     kind = "symm"
 
     def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group=None):
+        self.world, self.rank, self.capacity = world, rank, capacity
+        memory = PeerMemory if device.type == "cuda" else HostMemory
+        self.memory = memory(world, rank, capacity, device, group or dist.group.WORLD)
+
+    def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
+        flat = t.reshape(-1)
+        n, mem = flat.numel(), self.memory
+        out = torch.empty(n, dtype=out_dtype, device=t.device)
+        for a in range(0, n, self.capacity):
+            b = min(a + self.capacity, n)
+            mem.buffer[:b - a].copy_(flat[a:b])
+            mem.barrier(0)  # every partial is written
+            rank_sum.fast([p[:b - a] for p in mem.peers], out_dtype, round_to, out=out[a:b])
+            mem.barrier(1)  # every peer has read: the buffers may be written again
+        return out.view(t.shape)
+
+
+class PeerMemory:
+    """CUDA symmetric memory: one buffer per rank, every peer's mapped (NVLink), device-side barriers
+    (capturable in a CUDA graph)."""
+
+    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group):
         import torch.distributed._symmetric_memory as symm_mem
 
-        group = group or dist.group.WORLD
-        self.world, self.rank, self.capacity = world, rank, capacity
         self.buffer = symm_mem.empty(capacity, dtype=torch.float32, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.peers = [self.handle.get_buffer(r, (capacity,), torch.float32) for r in range(world)]
 
+    def barrier(self, channel: int) -> None:
+        self.handle.barrier(channel=channel)
+
+
+class HostMemory:
+    """The CPU stand-in of `PeerMemory`: each rank's buffer is a file in shared memory that every rank's
+    process maps; the barriers are the process group's (gloo). The files are unlinked once every rank has
+    mapped them (the mappings live on), so nothing is left behind, whatever ends the processes."""
+
+    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group):
+        box = [f"appliance-symm-{os.getpid()}-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        paths = self.paths = [root / f"{box[0]}-rank{r}" for r in range(world)]
+        self.group = group
+        self.buffer = torch.from_file(str(paths[rank]), shared=True, size=capacity, dtype=torch.float32)
+        dist.barrier(group=group)  # every rank's file exists
+        self.peers = [self.buffer if r == rank else
+                      torch.from_file(str(paths[r]), shared=True, size=capacity, dtype=torch.float32)
+                      for r in range(world)]
+        dist.barrier(group=group)  # every rank has mapped every file
+        paths[rank].unlink()
+
+    def barrier(self, channel: int) -> None:
+        dist.barrier(group=self.group)
+
+
+class CallCheck:
+    """--check-ranks: before each collective every rank's call (its number in this process's sequence, the
+    operation, dtype and shape) is gathered and compared with rank 0's. A difference raises RankDivergence
+    on every rank, naming both calls, where the transport would abort (sizes that differ) or hang (a call
+    one rank never makes: the others then meet it at its next check, whose number differs). A gather of two
+    ints and a host read per collective: a debugging mode for tests and diagnosis, skipped inside a CUDA
+    graph capture."""
+
+    def __init__(self, world: int, device: torch.device, group=None):
+        self.world, self.device, self.group = world, device, group
+        self.calls = 0
+
+    def __call__(self, op: str, t: torch.Tensor | None = None) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self.calls += 1
+        call = f"#{self.calls} {op}" + ("" if t is None else f" {str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+        mine = torch.tensor([self.calls, zlib.crc32(call.encode())], dtype=torch.long, device=self.device)
+        every = torch.empty(self.world * 2, dtype=torch.long, device=self.device)
+        all_gather(every, mine, group=self.group)
+        rows = every.view(self.world, 2).tolist()
+        differ = [r for r, row in enumerate(rows) if row != rows[0]]
+        if differ:
+            said = [None] * self.world
+            dist.all_gather_object(said, call, group=self.group)
+            self.calls = max(row[0] for row in rows)  # counting on together from here
+            r = differ[0]
+            raise RankDivergence(f"ranks diverged at a collective: rank 0 makes {said[0]}; rank {r} makes {said[r]}",
+                                 field="collective", value=r)
+
+
+class CheckedSum:
+    """A fixed-order sum whose every call `check` compares across ranks first (--check-ranks)."""
+
+    def __init__(self, sum, check: CallCheck):
+        self.sum, self.check, self.kind = sum, check, sum.kind
+
     def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
-        n = t.numel()
-        if n > self.capacity:
-            raise ValueError(f"symmetric all-reduce of {n} values: its buffers hold {self.capacity}")
-        self.buffer[:n].copy_(t.reshape(-1).float())
-        self.handle.barrier(channel=0)  # every partial is written
-        out = rank_sum.fast([p[:n] for p in self.peers], out_dtype, round_to)  # read in place from every peer
-        self.handle.barrier(channel=1)  # every peer has read: the buffers may be written again
-        return out.view(t.shape)
+        self.check(f"{self.kind} sum", t)
+        return self.sum(t, out_dtype, round_to)
 
 
 def peers_reachable(world: int) -> bool:
@@ -74,12 +170,14 @@ def peers_reachable(world: int) -> bool:
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(world) for b in range(world) if a != b)
 
 
-def make_sum(mode: str, world: int, rank: int, device: torch.device, capacity: int = 1 << 20, group=None):
-    """The fixed-order sum for `--allreduce mode` (see the module docstring)."""
+def make_sum(mode: str, world: int, rank: int, device: torch.device, capacity: int = 1 << 20, group=None,
+             check: CallCheck | None = None):
+    """The fixed-order sum for `--allreduce mode` (see the module docstring); `capacity`: values a symmetric
+    sum takes in one piece; `check`: compare every call across ranks first."""
     if mode not in MODES:
         raise ValueError(f"--allreduce {mode}: must be one of {', '.join(MODES)}")
-    if mode == "symm" and device.type != "cuda":
-        raise ValueError("--allreduce symm needs CUDA devices (symmetric memory is GPU peer-to-peer memory)")
     if mode == "symm" or (mode == "auto" and device.type == "cuda" and peers_reachable(world)):
-        return SymmSum(world, rank, capacity, device, group)
-    return GatherSum(world, group)
+        sum = SymmSum(world, rank, capacity, device, group)
+    else:
+        sum = GatherSum(world, group)
+    return sum if check is None else CheckedSum(sum, check)

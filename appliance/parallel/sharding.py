@@ -26,22 +26,28 @@ import torch
 import torch.distributed as dist
 
 from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
+from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 
 
 class Comm:
     """The collectives the shards use (gloo on CPU, NCCL on CUDA). `sum`: the fast path's fixed-order fp32
     sum over ranks (appliance/parallel/collectives.py); `all_reduce`: the reference path's float64 sums."""
 
-    def __init__(self, rank: int, world: int, sum=None, group=None):
+    def __init__(self, rank: int, world: int, sum=None, group=None, check=None):
         self.rank, self.world, self.group = rank, world, group
         self.sum = sum
+        self.check = check  # --check-ranks: collectives.CallCheck, called before each collective
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
+        if self.check is not None:
+            self.check("all_reduce", t)
         dist.all_reduce(t, group=self.group)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.check is not None:
+            self.check("all_gather", t)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -186,6 +192,25 @@ def shard(model, drafter, comm: Comm) -> list[str]:
 
 EP_MOE_BLOCKER = ("the expert-parallel MoE on the reference path reads the selected experts on the host (the fast "
                   "path, --path fast, runs it on the fused kernels)")
+
+
+def largest_sum(cfg, rows: int, context: int) -> int:
+    """The most float32 values one fast-path sum over ranks takes in a forward of `rows` rows at `context`
+    positions: the MoE's per-pair outputs (rows x (top_k + 1) x dim: the routed pairs and a split shared
+    expert), the indexer's head-summed scores (rows x the compressed rows it scores, at most context over
+    the smallest ratio), an output projection (rows x dim). A symmetric-memory sum of this capacity takes
+    every call of a decode cycle in one piece (parallel/collectives.py)."""
+    ratios = [r for r in cfg.compress_ratios if r]
+    scored = context // min(ratios) + 1 if ratios else 0
+    return rows * max(cfg.dim * (cfg.n_activated_experts + 1), scored)
+
+
+def verify_rows(cfg, drafter: bool) -> int:
+    """The most rows one decode forward takes with the checkpoint's drafter: the anchor and DSpark's block
+    (adaptive drafts up to it) or MTP's most drafts."""
+    if not drafter:
+        return 1
+    return 1 + (cfg.dspark.block_size if cfg.dspark is not None else MTP_MAX_DRAFTS)
 
 
 def _splits(w, comm: Comm) -> bool:

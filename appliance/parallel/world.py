@@ -4,8 +4,8 @@
 for tests). The process the user started is rank 0: it starts ranks 1..n-1 as copies of itself (the same
 command line, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), unless torchrun's variables already
 say which rank it is. Every rank loads the model, keeps its shard (appliance/sharding.py) and runs the same
-code in lockstep; rank 0 alone talks to the user, and broadcasts what the others cannot know (a request
-that came over the network, a cancel, a random seed).
+code in lockstep; rank 0 alone talks to the user and decides (appliance/decode/plan.py): it publishes each
+job, and broadcasts the decisions taken inside one (go on or stop, an adaptive draft's length).
 
 Between requests the followers wait without any timeout: rank 0 publishes each request in the group's
 store (`publish`) and the followers block on the next key (`next_job`), however long the user pauses; a
@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .collectives import CallCheck, all_gather, make_sum
 
 TIMEOUT = datetime.timedelta(seconds=20)  # one collective, inside a request
 STARTUP = datetime.timedelta(seconds=300)  # the ranks meeting: processes start and import torch first
@@ -50,6 +52,7 @@ class World:
     store_address: tuple[str, int] | None = None  # the group's key-value store (requests, heartbeats)
     jobs: int = 0  # requests published (rank 0) or taken (the others) so far
     quit: threading.Event = field(default_factory=threading.Event)  # set at exit: the watcher threads end
+    check: object = None  # --check-ranks: a collectives.CallCheck every collective calls first
     _job_store: object = None
 
     @property
@@ -64,9 +67,34 @@ class World:
         """rank 0's `obj` on every rank."""
         if not self.distributed:
             return obj
+        if self.check is not None:
+            self.check("broadcast")
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=self._device())
         return box[0]
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (as many ints on every rank), on every rank."""
+        mine = torch.tensor(values, dtype=torch.long, device=self._device())
+        if self.check is not None:
+            self.check("gather", mine)
+        every = torch.empty(self.size * len(values), dtype=torch.long, device=mine.device)
+        all_gather(every, mine)
+        return every.view(self.size, len(values)).tolist()
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, on every rank (rare paths: naming what differs)."""
+        every = [None] * self.size
+        torch.distributed.all_gather_object(every, obj)
+        return every
+
+    def check_calls(self) -> None:
+        """--check-ranks: from now on every collective first compares its call across ranks (a collective
+        call: every rank makes it)."""
+        self.check = CallCheck(self.size, self._device())
+
+    def _device(self) -> torch.device:
+        return torch.device(self.device)
 
     def publish(self, obj) -> None:
         """Rank 0: hand `obj` (a request, or None to stop) to the followers' `next_job`."""
@@ -98,13 +126,13 @@ class World:
         """Whether `rank` ended normally (it says so in the store as it exits; a killed rank cannot)."""
         return store.check([f"done/{rank}"])
 
-    def comm(self, allreduce: str = "auto"):
-        """The collectives of this group (a collective call: every rank makes it)."""
-        from .collectives import make_sum
+    def comm(self, allreduce: str = "auto", capacity: int = 1 << 20):
+        """The collectives of this group (a collective call: every rank makes it); `capacity`: the values a
+        symmetric-memory sum takes in one piece."""
         from .sharding import Comm
 
-        device = torch.device(self.device)
-        return Comm(self.rank, self.size, make_sum(allreduce, self.size, self.rank, device))
+        sum = make_sum(allreduce, self.size, self.rank, self._device(), capacity, check=self.check)
+        return Comm(self.rank, self.size, sum, check=self.check)
 
     def stop(self) -> None:
         """Rank 0 is done: let the children finish and reap them."""
@@ -135,6 +163,22 @@ def parse_devices(devices: str) -> list[str]:
                          f"like 0,1,2,3") from None
 
 
+def check_cuda(devices: str, specs: list[str]) -> None:
+    """Refuse, in one line, GPUs this machine does not have (before any rank starts: a rank that finds no
+    CUDA fails deep inside torch, and every rank would print its own traceback)."""
+    wanted = [int(s.split(":")[1]) for s in specs if s.startswith("cuda:")]
+    if not wanted:
+        return
+    if not torch.cuda.is_available():
+        ranks = f", or cpu:{len(specs)} for {len(specs)} ranks on the CPU" if len(specs) > 1 else ""
+        raise ValueError(f"--devices {devices}: this machine has no CUDA device (torch {torch.__version__}); use "
+                         f"--devices cpu{ranks}")
+    count = torch.cuda.device_count()
+    if max(wanted) >= count:
+        raise ValueError(f"--devices {devices}: GPU {max(wanted)} does not exist; this machine has {count} "
+                         f"(0..{count - 1})")
+
+
 _WORLD: World | None = None
 
 
@@ -144,6 +188,7 @@ def start(devices: str) -> World:
     if _WORLD is not None:
         return _WORLD
     specs = parse_devices(devices)
+    check_cuda(devices, specs)
     env_rank = os.environ.get("RANK")
     if len(specs) == 1 and env_rank is None:
         _WORLD = World(0, 1, specs[0])
@@ -254,18 +299,3 @@ def _watch_parent(world: World) -> None:
         if os.getppid() != parent:
             _die(f"rank 0 (pid {parent}) is gone; rank {world.rank} stops")
         time.sleep(0.2)
-
-
-class Cancel:
-    """A cancel flag every rank reads identically: rank 0's, broadcast at each check."""
-
-    def __init__(self, world: World, local=None):
-        self.world, self.local = world, local
-
-    def is_set(self) -> bool:
-        flag = bool(self.local is not None and self.local.is_set()) if self.world.main else None
-        return bool(self.world.broadcast(flag))
-
-    def set(self) -> None:
-        if self.local is not None:
-            self.local.set()

@@ -1,0 +1,59 @@
+"""The symmetric-memory sum over ranks (appliance/parallel/collectives.py `SymmSum`) runs its code without a
+GPU: four gloo ranks whose buffers are shared-memory files (`HostMemory`, the stand-in of CUDA's symmetric
+memory). It takes every call a configuration makes (a 2048-token prefill chunk's, the largest verify's), in
+capacity-sized pieces where a call is larger than its buffers, and gives the all-gather sum's bits."""
+
+import math
+import random
+
+import torch
+import torch.distributed
+
+from appliance.loader import default_model_dir
+from appliance.model.config import load_config
+from appliance.parallel.collectives import GatherSum, SymmSum
+from appliance.parallel.sharding import largest_sum, verify_rows
+
+from .ranks import call
+
+CHUNK = 2048
+
+
+def calls(cfg, rows: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a forward's sums over ranks at `rows` rows and the model's whole context (the
+    capacity's three terms, parallel/sharding.py `largest_sum`)."""
+    scored = cfg.max_context // min(r for r in cfg.compress_ratios if r) + 1
+    return {"moe pairs": (rows * (cfg.n_activated_experts + 1), cfg.dim), "index scores": (rows, scored),
+            "output": (rows, cfg.dim)}
+
+
+def symmetric_sums(world, seed: int) -> dict:
+    cfg = load_config(default_model_dir())
+    verify = verify_rows(cfg, drafter=True)
+    capacity = largest_sum(cfg, verify, cfg.max_context)
+    symm = SymmSum(world.size, world.rank, capacity, torch.device("cpu"))
+    torch.distributed.barrier()  # every rank has unlinked its file
+    left = [p.name for p in symm.memory.paths if p.exists()]
+    gather = GatherSum(world.size)
+    g = torch.Generator().manual_seed(seed * 10 + world.rank)
+    out = {"capacity": capacity, "left_behind": left, "calls": {}}
+    for what, shape in [*((f"chunk {k}", s) for k, s in calls(cfg, CHUNK).items()),
+                        *((f"verify {k}", s) for k, s in calls(cfg, verify).items())]:
+        t = torch.randn(shape, generator=g) * torch.logspace(-6, 6, shape[-1])  # the order of the adds shows
+        for round_to in (None, torch.bfloat16):
+            a, b = symm(t, round_to=round_to), gather(t, round_to=round_to)
+            out["calls"][f"{what} {round_to}"] = {"equal": torch.equal(a, b), "values": t.numel()}
+    return out
+
+
+def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_verify_with_the_gathered_bits(
+        tmp_path):
+    ranks = call("tests.test_symmetric_sum:symmetric_sums", tmp_path, timeout=600, seed=random.randrange(1 << 20))
+    capacity = ranks[0]["capacity"]
+    for r in ranks:
+        assert r["left_behind"] == [], r["left_behind"]  # the shared files are unlinked once mapped
+        for what, c in r["calls"].items():
+            assert c["equal"], f"rank {r['rank']}: {what}: the symmetric sum differs from the gathered one"
+        verify = {w: c for w, c in r["calls"].items() if w.startswith("verify")}
+        assert max(c["values"] for c in verify.values()) <= capacity  # a decode cycle: one piece each
+        assert max(math.ceil(c["values"] / capacity) for c in r["calls"].values()) > 1  # a chunk: pieces
