@@ -140,6 +140,16 @@ class Engine:
             if isinstance(event, (Done, Error)):
                 return
 
+    def stats(self) -> dict:
+        """Counters the server exports (no tensors): the prefix cache's disk tier failures by operation."""
+        return {"prefix_cache_disk_errors": getattr(self.session, "disk_errors", {})}
+
+    def count_tokens(self, request: Request) -> int:
+        """The prompt's length in tokens as a run would encode it, without running it: on the caller's thread
+        (only the tokenizer and the chat encoder). Raises ApplianceError naming the field."""
+        request.validate()
+        return len(self.loop.encode(request)[0])
+
     def close(self) -> None:
         if self._running is not None:
             self._running.cancel.set()

@@ -13,7 +13,8 @@ The body is translated into the OpenAI shapes the engine's chat encoder reads:
 - `thinking` {"type": "enabled" | "adaptive"} -> thinking on, {"type": "disabled"} -> off, absent -> the
   model's default (thinking on, as the model card recommends); `budget_tokens` is not a switch here.
 `max_tokens` is required, as Anthropic requires it. `stop_sequences`, `temperature` (0..1), `top_p`,
-`top_k`, `stream`; unknown fields are ignored.
+`top_k`, `stream`; unknown fields are ignored. `POST /v1/messages/count_tokens` takes the same body (without
+`max_tokens`) and answers `{"input_tokens": N}`: the prompt's length as the engine encodes it.
 
 The reply: a `thinking` block (reasoning; its `signature` is empty: nothing here signs), a `text` block,
 then one `tool_use` block per call (`input` the parsed arguments). `stop_reason`: end_turn, max_tokens,
@@ -25,6 +26,7 @@ import json
 import secrets
 
 from appliance.api import Done, Error, Request, Sampling, Started, Tokens
+from appliance.chat import check_depth
 from appliance.errors import RequestError, shown
 
 from . import fields
@@ -32,9 +34,11 @@ from .openai_api import Call, checked
 
 # Error code -> (Anthropic error type).
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "context_length_exceeded": "invalid_request_error",
-               "unauthorized": "authentication_error", "not_found": "not_found_error",
-               "too_large": "request_too_large", "busy": "rate_limit_error", "not_ready": "overloaded_error",
-               "internal": "api_error", "cancelled": "api_error"}
+               "unauthorized": "authentication_error", "forbidden": "permission_error", "not_found": "not_found_error",
+               "method_not_allowed": "invalid_request_error", "timeout": "invalid_request_error",
+               "too_large": "request_too_large", "unsupported_media_type": "invalid_request_error",
+               "busy": "rate_limit_error", "not_ready": "overloaded_error", "internal": "api_error",
+               "cancelled": "api_error"}
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
@@ -107,6 +111,7 @@ def _assistant(blocks, where: str) -> dict:
                 raise RequestError(f"{at}: a tool_use needs an id and a name", field=at)
             if not isinstance(block.get("input", {}), dict):
                 raise RequestError(f"{at}.input: must be an object", field=f"{at}.input")
+            check_depth(block.get("input", {}), f"{at}.input")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"],
                                        "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
@@ -178,10 +183,11 @@ def _thinking(body: dict) -> bool | None:
     return kind != "disabled"
 
 
-def messages_call(body) -> Call:
+def messages_call(body, counting: bool = False) -> Call:
+    """`counting`: a count_tokens body (no max_tokens, nothing generated)."""
     body = fields.body_object(body)
     max_tokens = fields.integer(body, "max_tokens", 1)
-    if max_tokens is None:
+    if max_tokens is None and not counting:
         raise RequestError("max_tokens: required (an integer of at least 1)", field="max_tokens")
     tools, tool_choice = _tools(body)
     sampling = Sampling(temperature=fields.number(body, "temperature", 0.0, 1.0),
@@ -191,6 +197,11 @@ def messages_call(body) -> Call:
                   sampling=sampling, stop=fields.stop_list(body, "stop_sequences"), tools=tools,
                   tool_choice=tool_choice, thinking=_thinking(body))
     return Call(checked(req), fields.boolean(body, "stream"), False)
+
+
+def count_call(body) -> Call:
+    """`POST /v1/messages/count_tokens`: the messages, system, tools and thinking of a Messages body."""
+    return messages_call(body, counting=True)
 
 
 def _tool_id(call_id: str) -> str:
@@ -270,14 +281,17 @@ class MessagesReply:
             self.stop_reason = "tool_use" if calls and ev.finish_reason == "stop" else STOP_REASONS.get(
                 ev.finish_reason, "end_turn")
         self.usage["output_tokens"] = ev.usage["completion_tokens"]
-        return self._close() + [
+        return self._close() + [  # usage: cumulative, as the current API streams it
             ("message_delta", {"type": "message_delta", "delta": {"stop_reason": self.stop_reason,
                                                                   "stop_sequence": self.stop_sequence},
-                               "usage": {"output_tokens": self.usage["output_tokens"]}}),
+                               "usage": dict(self.usage)}),
             ("message_stop", {"type": "message_stop"})]
 
     def body(self) -> dict:
         return self._message(self.blocks)
+
+    def stream_error(self, ev: Error) -> dict:
+        return stream_error(ev)
 
 
 def stream_error(ev: Error) -> dict:

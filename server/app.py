@@ -36,7 +36,9 @@ from . import gate, http_api, notify
 from . import protocol as proto
 from .box import Box
 from .gpu import GpuSampler
+from .incidents import Incidents
 from .metrics import CONTENT_TYPE, Metrics
+from .responses_api import ResponseStore
 from .session import Session
 
 
@@ -46,9 +48,16 @@ class ServerConfig:
     port: int = 8765
     token: str | None = None
     origins: tuple[str, ...] = ()
-    on_busy: str = "reject"  # reject | queue
+    on_busy: str = "queue"  # queue | reject: one user's agent sends side requests while a turn streams
+    queue_max: int = 16  # --on-busy queue: the most requests waiting in line (then busy)
+    queue_wait_s: float = 600.0  # --on-busy queue: the longest a request waits for its turn (then busy)
     idle_timeout_s: float = 300.0  # a box holder that sends nothing for this long is closed with 4408
     keepalive_s: float = 1.0  # progress keepalive when a prefill has sent nothing for this long (< 2 s)
+    sse_keepalive_s: float = 5.0  # an SSE stream silent this long gets a comment (OpenAI) or a ping (Anthropic)
+    send_deadline_s: float = 30.0  # a client whose socket takes a write no sooner is dropped, its request cancelled
+    header_timeout_s: float = 30.0  # a connection sends a whole request's headers within this, or is closed
+    body_timeout_s: float = 30.0  # a request's body arrives within this after its headers, or 408
+    max_connections: int = 256  # open connections at once (one user; more are refused with 503)
     drain_s: float = 5.0  # SIGTERM: let the running request finish this long, then cancel it
     nvml: bool = True
     metrics_auth: bool = True  # with a token configured, /metrics asks for it too (--no-metrics-auth: open)
@@ -90,6 +99,11 @@ class App:
         self.box = Box()
         self.sessions: set[Session] = set()
         self.calls: set = set()  # HTTP API calls in progress (http_api.ApiCall), for the drain
+        self.settling: set = set()  # API calls' reads of a cancelled request's end, past their handler
+        self.responses = ResponseStore()  # /v1/responses kept for previous_response_id
+        self.slow_body = Incidents(self.metrics, "slow_body", "request bodies that did not arrive in time (408)")
+        self.slow_reader = Incidents(self.metrics, "slow_reader", "dropped clients that stopped reading (their "
+                                     "requests cancelled)")
         self.engine = None
         self.state = "loading"  # loading | ready | draining | failed
         self.status = "starting"
@@ -106,11 +120,12 @@ class App:
     # --- HTTP ---
 
     async def dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Every request: the method check, then the health routes, the API, or the websocket upgrade."""
+        """Every request: the API (every path under /v1/ but the websocket's, answered in the API's shape),
+        then the method check, the health routes, or the websocket upgrade."""
         path = gate.split_target(request.raw_path)[0]
-        verdict = gate.check_method(request.method, path)
-        if verdict.status is None and path in gate.API_ROUTES:
+        if path.startswith(gate.API_PREFIX) and path != proto.PATH:
             return await http_api.handle(self, request, path)
+        verdict = gate.check_method(request.method, path)
         if verdict.status is None:
             verdict = self._route(path, request)
         if verdict.status is None:
@@ -132,6 +147,7 @@ class App:
                     return verdict
             if self.engine is not None:
                 self.metrics.heartbeat_age.set(max(0.0, time.monotonic() - self.engine.heartbeat))
+                self.metrics.engine_stats(self.engine.stats())
             return gate.Verdict(200, self.metrics.exposition().decode(), content_type=CONTENT_TYPE)
         verdict = gate.check_upgrade(request.raw_path, request.headers, self.config.token, self.config.origins)
         if verdict.status is None and self.state == "draining":
@@ -165,10 +181,14 @@ class App:
             resp.headers["WWW-Authenticate"] = 'Bearer realm="decode-appliance"'
         if verdict.allow:
             resp.headers["Allow"] = ", ".join(verdict.allow)
+        resp.headers.update(verdict.headers)
         return resp
 
     async def _server_header(self, request, response) -> None:
+        """On every reply: the Server header; on the API's, the CORS headers of an allowed browser origin."""
         response.headers["Server"] = f"decode-appliance/{self.version}"
+        if request.path.startswith(gate.API_PREFIX) and "Access-Control-Allow-Origin" not in response.headers:
+            response.headers.update(gate.cors(request.headers, self.config.origins))
 
     # --- lifecycle ---
 
@@ -184,10 +204,13 @@ class App:
         app.on_response_prepare.append(self._server_header)
         # handler_cancellation: a client that disconnects cancels its handler at once, which cancels its
         # request (between two prefill chunks or decode cycles), as a dropped websocket does.
+        # keepalive_timeout: a connection closes when it has sent no whole request's headers for this long (a
+        # silent socket, headers at a byte a second) or stayed idle as long after its last reply
         self.runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=ABORT_GRACE_S / 2)
+                                    shutdown_timeout=ABORT_GRACE_S / 2, keepalive_timeout=cfg.header_timeout_s)
         await self.runner.setup()
-        await web.TCPSite(self.runner, cfg.host, cfg.port).start()
+        await CappedSite(self.runner, cfg.host, cfg.port, cfg.max_connections,
+                         Incidents(self.metrics, "over_cap", "refusing connections over --max-connections")).start()
         self.port = self.runner.addresses[0][1]
         self.say(f"listening on ws://{cfg.host}:{self.port}{proto.PATH} (loading the model; /readyz is 503 "
                  f"until it is ready)")
@@ -215,8 +238,12 @@ class App:
         watch = notify.LoadWatch(watchdog=watchdog).start()
 
         def status(message: str) -> None:
-            self.status = message
-            watch.update(message)
+            """The engine's progress while it loads (readiness text, systemd STATUS) and its notices ever
+            after (the prefix cache's files and disk tier): each one a line in the log."""
+            self.say(message)
+            if self.state == "loading":
+                self.status = message
+                watch.update(message)
 
         result: asyncio.Future = loop.create_future()
 
@@ -347,9 +374,87 @@ async def _in_thread(fn: Callable, timeout_s: float) -> bool:
     return await _within(done, timeout_s)
 
 
+class CappedSite(web.TCPSite):
+    """The TCP listener, taking at most `cap` connections at once: one more is answered 503 (Retry-After)
+    and closed at accept, before it holds anything, and reported as an incident (server/incidents.py).
+    Without the cap, 20,000 silent sockets ran the process out of file descriptors (/healthz stopped
+    answering) and asyncio logged a traceback for every refused accept. Connections are counted from the
+    accept (`_Counted`): asyncio makes the protocols of a burst of accepts before any of them is connected,
+    so aiohttp's own list of connections lags behind."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, cap: int, refused: Incidents):
+        super().__init__(runner, host, port)
+        self.cap, self.refused = cap, refused
+        self.open = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+
+        def protocol() -> asyncio.Protocol:
+            if self.open < self.cap:
+                return _Counted(server(), self)
+            self.refused(f"{self.open} connections are open (the cap)")
+            return _Refused()
+
+        self._server = await asyncio.get_running_loop().create_server(protocol, self._host, self._port,
+                                                                      backlog=self._backlog,
+                                                                      reuse_address=self._reuse_address)
+
+
+class _Counted(asyncio.Protocol):
+    """An accepted connection's protocol (aiohttp's handler, every call passed on), counted by its site from
+    the accept to the connection's end."""
+
+    def __init__(self, handler, site: CappedSite):
+        self.handler, self.site = handler, site
+        site.open += 1
+
+    def connection_made(self, transport) -> None:
+        self.handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self.site.open -= 1
+        self.handler.connection_lost(exc)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: one 503 and the close, whatever it sends."""
+
+    ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\nContent-Type: text/plain"
+              b"\r\nContent-Length: 53\r\n\r\ntoo many open connections (--max-connections): retry\n")
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.ANSWER)
+        transport.close()
+
+
+def _room_for(connections: int) -> None:
+    """Raise the soft limit of open files to the hard one when the cap needs more (each connection is one;
+    the model's files, NCCL and the prefix cache take their own)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < connections + 256 and (hard == resource.RLIM_INFINITY or hard > soft):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run(config: ServerConfig, load_engine: Callable) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (0 after a clean drain)."""
     logging.basicConfig(level=logging.WARNING, format="appliance: %(name)s: %(message)s", stream=sys.stderr)
+    _room_for(config.max_connections)
     app = App(config, load_engine)
     code = asyncio.run(app.main())
     if app.load_error is not None:

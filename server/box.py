@@ -86,6 +86,6 @@ class Running:
             self.gaps.clear()
         elif isinstance(ev, Done | Error):
             metrics.observe_end(ev)
-            metrics.running.set(0)
+            metrics.running.dec()
             return True
         return False

@@ -43,6 +43,10 @@ class Metrics:
                                   "(files read included)")
         for tier in ("device", "host", "disk"):
             self.cache_hits.labels(tier)
+        self.disk_errors = Counter("decode_prefix_cache_disk_errors", "Failed operations of the prefix cache's "
+                                   "disk tier by kind (read, write, evict, scan): each a notice in the log; the "
+                                   "request ends as it would have", ["op"], registry=r)
+        self._disk_seen: dict[str, int] = {}
         self.generated_tokens = Counter("decode_generated_tokens", "Generated tokens", registry=r)
         self.requests = Counter("decode_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
@@ -52,7 +56,14 @@ class Metrics:
         self.connections = Gauge("decode_connections", "Open websocket connections", registry=r)
         self.queued = Gauge("decode_queued_connections", "Connections waiting for the box (--on-busy queue)",
                             registry=r)
-        self.running = Gauge("decode_running_requests", "Requests in the engine (0 or 1)", registry=r)
+        self.running = Gauge("decode_running_requests", "Requests submitted to the engine and not yet ended (one "
+                             "runs; with --on-busy queue the next may wait behind a cancelled one)", registry=r)
+        self.dropped = Counter("decode_dropped_connections", "Connections the server dropped or refused for what "
+                               "the client did, by reason (over_cap: past --max-connections; slow_body: a body "
+                               "that did not arrive in time; slow_reader: a client that stopped reading)",
+                               ["reason"], registry=r)
+        for reason in ("over_cap", "slow_body", "slow_reader"):
+            self.dropped.labels(reason)
         self.ready = Gauge("decode_ready", "1 once the engine is loaded and warmed up", registry=r)
         self.heartbeat_age = Gauge("decode_engine_heartbeat_age_seconds", "Seconds since the engine thread last "
                                    "made progress", registry=r)
@@ -105,6 +116,12 @@ class Metrics:
         self.cache_bytes.inc(info.get("restored_bytes", 0))
         if info.get("restore_ms") is not None:
             self.cache_restore.observe(info["restore_ms"] / 1e3)
+
+    def engine_stats(self, stats: dict) -> None:
+        """Bring the counters the engine keeps (Engine.stats) up to date, at a scrape."""
+        for op, n in stats.get("prefix_cache_disk_errors", {}).items():
+            self.disk_errors.labels(op).inc(max(0, n - self._disk_seen.get(op, 0)))
+            self._disk_seen[op] = n
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,9 +30,11 @@ from . import fields
 
 # Error code -> OpenAI error type.
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "context_length_exceeded": "invalid_request_error",
-               "unauthorized": "authentication_error", "not_found": "not_found_error",
-               "too_large": "invalid_request_error", "busy": "rate_limit_error", "not_ready": "service_unavailable",
-               "internal": "server_error", "cancelled": "server_error"}
+               "unauthorized": "authentication_error", "forbidden": "permission_error",
+               "not_found": "invalid_request_error", "method_not_allowed": "invalid_request_error",
+               "timeout": "invalid_request_error", "too_large": "invalid_request_error",
+               "unsupported_media_type": "invalid_request_error", "busy": "rate_limit_error",
+               "not_ready": "service_unavailable", "internal": "server_error", "cancelled": "server_error"}
 
 
 def error_body(code: str, message: str, param: str | None = None) -> dict:
@@ -122,9 +124,14 @@ def completion_call(body) -> Call:
     return Call(checked(req), stream, usage)
 
 
+def model_body(model: str, max_context: int, created: int) -> dict:
+    """The one model this box serves (`GET /v1/models/{id}`)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "decode-appliance",
+            "max_model_len": max_context}
+
+
 def models_body(model: str, max_context: int, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "decode-appliance", "max_model_len": max_context}]}
+    return {"object": "list", "data": [model_body(model, max_context, created)]}
 
 
 def usage(done: Done) -> dict:
@@ -174,6 +181,9 @@ class _Reply:
 
     def _final_choice(self) -> dict:
         raise NotImplementedError
+
+    def stream_error(self, ev: Error) -> dict:
+        return stream_error(ev)
 
 
 class ChatReply(_Reply):

@@ -7,7 +7,11 @@ own), a writer (the only place frames are sent: engine events and server frames 
 with `seq` stamped at encoding) and a timer (prefill keepalive, idle timeout). The engine calls `emit` on its
 own thread; `loop.call_soon_threadsafe` moves each event into the writer's queue, so the decode loop never
 waits on a socket. When the client reads slowly, `send` blocks, events pile up in the queue and the writer sends
-them as one merged `delta` (exact per-token `t_ms` kept, nothing dropped).
+them as one merged `delta` (exact per-token `t_ms` kept, nothing dropped). A client that stops reading cannot
+hold the box: once one send has waited --send-deadline seconds the timer drops the connection (its request is
+cancelled, the box passes on), whatever the writer is doing; and while the writer is behind by more than
+MAX_PENDING frames the reader stops reading, so a client that sends (pings) without reading fills its own
+socket, not the server's memory.
 
 What cancel does, by stage (`cancel` frame or a dropped connection alike):
 - queued in the engine behind another request: the engine starts it, sees the flag before the first
@@ -48,6 +52,7 @@ class _Close:
 
 
 _STOP = object()
+MAX_PENDING = 256  # frames queued for the writer beyond which the reader waits (what a client sends is answered)
 log = logging.getLogger("server.session")
 
 
@@ -80,6 +85,8 @@ class Session:
         self.closing_bad = False  # a text frame was not UTF-8: closing with 1007, nothing more is read
         self.early: list = []
         self.finished = asyncio.Event()  # set once `_end` has run to the end
+        self.sending_since: float | None = None  # when the send in progress began (the timer's deadline)
+        self.drained = asyncio.Event()  # the writer has emptied its queue (the reader waits on it when behind)
 
     # --- lifecycle ---
 
@@ -151,12 +158,26 @@ class Session:
                                         retry_after_ms=app.box.retry_after_ms()))
             self.close(proto.CLOSE_TRY_AGAIN, "busy: one user per box")
             return False
+        if len(app.box.waiting) >= app.config.queue_max:
+            app.metrics.busy.inc()
+            self.send(proto.error_frame("busy", f"{len(app.box.waiting)} connections already wait for this box "
+                                        "(--queue-max); retry later", retry_after_ms=app.box.retry_after_ms()))
+            self.close(proto.CLOSE_TRY_AGAIN, "busy: the line is full")
+            return False
         app.metrics.queued.inc()
         try:
             turn = app.box.wait_for(self)
-            await asyncio.wait([turn, self.reader], return_when=asyncio.FIRST_COMPLETED)  # reader: it left
+            await asyncio.wait([turn, self.reader], timeout=app.config.queue_wait_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # reader: it left
         finally:
             app.metrics.queued.dec()
+        if not turn.done() and not self.reader.done() and app.state == "ready":
+            app.box.leave(self)
+            app.metrics.busy.inc()
+            self.send(proto.error_frame("busy", f"waited {app.config.queue_wait_s:g} s for the box (--queue-wait); "
+                                        "retry later", retry_after_ms=app.box.retry_after_ms()))
+            self.close(proto.CLOSE_TRY_AGAIN, "busy: waited too long")
+            return False
         if not turn.done() or app.state != "ready":
             return False
         self.last_activity = time.monotonic()
@@ -187,7 +208,10 @@ class Session:
         """Sends until `_STOP`. One item's failure is logged and the loop goes on: a writer that died would
         leave every later frame (terminal ones, the idle close, SIGTERM's 1012) unsent."""
         while True:
+            if self.out.empty():
+                self.drained.set()
             items = [await self.out.get()]
+            self.drained.clear()
             while not self.out.empty():
                 items.append(self.out.get_nowait())
             for item in self._frames(items):
@@ -289,11 +313,25 @@ class Session:
             text = self.frames.encode(error)
         if self.gone:
             return
+        self.sending_since = time.monotonic()
         try:
             await self.ws.send_str(text)
-        except (ConnectionError, RuntimeError):  # the connection is closing or gone
+        except (ConnectionError, RuntimeError):  # the connection is closing or gone (or dropped: `stalled`)
             self.gone = True
+        finally:
+            self.sending_since = None
         self.last_sent = time.monotonic()
+
+    def stalled(self) -> None:
+        """The client has not taken a frame for --send-deadline seconds: drop it (a close frame would wait
+        behind the frames it does not read), cancel its request; the writer goes on consuming events until
+        the request's terminal one, sending nothing."""
+        self.app.slow_reader(f"a websocket client took no frame for {self.app.config.send_deadline_s:g} s")
+        self.gone = True
+        if self.running is not None:
+            self.running.cancel.set()
+        if self.transport is not None:
+            self.transport.abort()
 
     async def _close(self, c: _Close) -> None:
         """Send the close frame and wait (at most CLOSE_GRACE_S) for the client's before dropping TCP. The
@@ -322,6 +360,9 @@ class Session:
             async for msg in self.ws:
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     break  # ERROR: the library has closed the connection with its code
+                while self.out.qsize() > MAX_PENDING and not self.gone:  # the client does not read its answers
+                    self.drained.clear()
+                    await self.drained.wait()
                 self.last_activity = time.monotonic()
                 data = msg.data
                 if self.closing_bad:
@@ -382,7 +423,7 @@ class Session:
         req.id = req.id or f"req-{self.n_requests}"
         self.running = Running(req.id, req.timings, req.max_tokens, threading.Event())
         self.idle.clear()
-        app.metrics.running.set(1)
+        app.metrics.running.inc()
         # wait=True: the box is ours, so the engine can only be finishing a cancelled request of the
         # previous holder (within one chunk); this request queues behind it instead of failing.
         app.engine.submit(req, self.emit, self.running.cancel, wait=True)
@@ -404,6 +445,9 @@ class Session:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
+            if self.sending_since is not None and now - self.sending_since >= cfg.send_deadline_s and not self.gone:
+                self.stalled()
+                return
             r = self.running
             if r is not None and r.first_t is None and now - self.last_sent >= cfg.keepalive_s:
                 self.send(proto.keepalive(r.id, r.processed, r.total, (now - r.submitted) * 1e3))

@@ -99,7 +99,7 @@ class ServerProcess:
 
 def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[int | None, dict, bytes]:
     """Send `request` bytes as they are (repeated headers, any method) and read one answer: its headers, then
-    Content-Length bytes of body (none after a 101 or for HEAD), or until the server closes: (status or None
+    Content-Length bytes of body (none after a 101 or a 204, or for HEAD), or until the server closes: (status or None
     when it closed without an answer, headers with lower-case names, body)."""
     data, head, headers = b"", None, {}
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -110,8 +110,8 @@ def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[int | None
                 head, _, data = data.partition(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
-                if lines[0].startswith("HTTP/1.1 101 ") or request.startswith(b"HEAD "):
-                    break
+                if lines[0].startswith(("HTTP/1.1 101 ", "HTTP/1.1 204 ")) or request.startswith(b"HEAD "):
+                    break  # no body follows
             if head is not None and "content-length" in headers and len(data) >= int(headers["content-length"]):
                 break
     if head is None:
@@ -226,22 +226,22 @@ class Datagrams:
 
 class InProcessServer:
     """server.app.App on its own event loop in a thread of the test process, serving `engine` (any object with
-    the Engine API: a scripted one, or a real Engine): no process to start, and the test can look at the
-    engine and the app directly. `stop()` requests the app's stop (SIGTERM's path) and waits for it."""
+    the Engine API: a scripted one, or a real Engine), or what `load(status)` returns (the app's load path);
+    `say` hears the app's log lines: no process to start, and the test can look at the engine and the app
+    directly. `stop()` requests the app's stop (SIGTERM's path) and waits for it."""
 
-    def __init__(self, engine, **config):
+    def __init__(self, engine, load=None, say=None, **config):
         import asyncio
 
         from server.app import App, ServerConfig
 
-        self.engine = engine
-        self.app = App(ServerConfig(port=0, nvml=False, **config), lambda status: engine, say=lambda m: None,
-                       handle_signals=False)
+        self.app = App(ServerConfig(port=0, nvml=False, **config), load or (lambda status: engine),
+                       say=say or (lambda m: None), handle_signals=False)
         self.loop = asyncio.new_event_loop()
         self.code: int | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while self.app.state != "ready":
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError(f"in-process server not ready: {self.app.state} ({self.app.status})")
@@ -252,8 +252,16 @@ class InProcessServer:
         self.code = self.loop.run_until_complete(self.app.main())
 
     @property
+    def engine(self):
+        return self.app.engine
+
+    @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
 
     def metric(self, name: str) -> float:
         """One sample of the app's metrics registry (`name` with its labels, as exposed), 0 when absent."""

@@ -186,7 +186,15 @@ USER = {"role": "user", "content": "q"}
     ({"messages": [USER, {"role": "assistant", "content": "", "reasoning_content": 5}, USER]},
      "messages[1].reasoning_content"),
     ({"messages": [USER, {"role": "tool", "content": "r"}]}, "messages[1].tool_call_id"),
-    ({"messages": [USER, {"role": "assistant", "content": "a"}]}, "messages[1].role"),
+    ({"messages": [USER, {"role": "assistant", "content": "a"}, {"role": "latest_reminder", "content": "r"}]},
+     "messages[1].role"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "messages[0].role"),
+    ({"messages": [USER, {"role": "assistant", "content": "a", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
+    ({"messages": [USER], "tools": [WEATHER], "tool_choice": {"type": "function", "function": [1]}}, "tool_choice"),
+    ({"messages": [USER], "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "description": 7}}]},
+     "tools[0].function.description"),
     ({"messages": [USER], "tools": [{"type": "function", "function": {"description": "d"}}]},
      "tools[0].function.name"),
     ({"messages": [USER], "tools": {"f": 1}}, "tools"),
@@ -215,12 +223,87 @@ def test_integer_efforts_and_empty_developer_messages_are_refused_on_v4_the_imag
         encode_request({"messages": [{"role": "user", "content": "<｜deepseek_image｜>"}]}, DIALECTS["deepseek_v41"])
 
 
-def test_arguments_may_be_an_object_or_json_of_json_and_empty_means_none():
+def test_arguments_may_be_an_object_or_json_of_json_and_empty_text_is_the_one_string_parameter_arguments():
+    """The reference renders text it cannot parse as JSON (empty and blank text among it) as one string
+    parameter named `arguments` (spec §2.7); no arguments at all is a call without parameters."""
     for arguments in ({"city": "Paris"}, json.dumps(json.dumps({"city": "Paris"})), '{"city": "Paris"}'):
         body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(arguments)]}, USER]}
         assert 'name="city" string="true">Paris<' in encode_request(body, DIALECTS["deepseek_v4"]).text
-    body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call("")]}, USER]}
+    for blank in ("", "  \n"):
+        body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(blank)]}, USER]}
+        want = f'<｜DSML｜parameter name="arguments" string="true">{blank}</｜DSML｜parameter>'
+        prompt = encode_request(body, DIALECTS["deepseek_v4"]).text
+        assert f'<｜DSML｜invoke name="f">\n{want}\n</｜DSML｜invoke>' in prompt
+    body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(None)]}, USER]}
     assert '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>' in encode_request(body, DIALECTS["deepseek_v4"]).text
+
+
+def _nested(depth: int):
+    """Objects and arrays nested `depth` levels, an object outermost."""
+    value: object = 1
+    for k in range(depth):
+        value = [value] if (depth - 1 - k) % 2 else {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("where", ["parameters", "response_format", "arguments", "arguments text"])
+def test_json_nested_past_the_limit_anywhere_is_refused_naming_the_field_and_64_levels_are_rendered(where):
+    def body(value) -> dict:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        if where == "parameters":
+            tool["function"]["parameters"] = value
+        call = _call(json.dumps({"x": value}) if where == "arguments text" else {"x": value}
+                     if where == "arguments" else "{}")
+        return {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [call]}, USER], "tools": [tool],
+                **({"response_format": {"type": "json_schema", "json_schema": value}}
+                   if where == "response_format" else {})}
+
+    shallow = 63  # one level more holds it: the function object, the response format, the arguments' {"x": ...}
+    encode_request(body(_nested(shallow)), DIALECTS["deepseek_v41"])
+    for depth in (shallow + 1, 5000):  # far deeper than the JSON writers could recurse
+        text = "[" * 100_000 if depth == 5000 and where == "arguments text" else None
+        bad = body(_nested(depth)) if text is None else {"messages": [USER, {
+            "role": "assistant", "content": "", "tool_calls": [_call(text)]}, USER]}
+        with pytest.raises(RequestError) as e:
+            encode_request(bad, DIALECTS["deepseek_v41"])
+        assert "nested deeper than 64" in e.value.message and e.value.field.endswith(
+            {"parameters": "function", "response_format": "response_format"}.get(where, "arguments")), e.value.field
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+def test_an_empty_content_list_next_to_another_user_or_tool_block_adds_no_block(dialect):
+    """The reference renders no block for a user message whose content list is empty (spec §2.2)."""
+    d = DIALECTS[dialect]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with_empty = [USER, {"role": "user", "content": []}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "r"}, {"role": "user", "content": []}]
+    without = [USER, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    for thinking in (True, False):
+        got = encode_request({"messages": with_empty, "thinking": thinking}, d).text
+        assert got == encode_request({"messages": without, "thinking": thinking}, d).text
+        assert "<tool_result>r</tool_result><｜Assistant｜>" in got
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+def test_an_assistant_prefill_ends_the_prompt_inside_the_assistant_turn(dialect):
+    """The last message an assistant's: the prompt ends where its text ends (no end-of-sentence), so the model
+    continues it; in thinking mode a prefill of reasoning alone leaves the reasoning open."""
+    d = DIALECTS[dialect]
+    base = encode_request({"messages": [USER]}, d).text
+    assert base.endswith("<｜Assistant｜><think>")
+    content = encode_request({"messages": [USER, {"role": "assistant", "content": "Sure, "}]}, d)
+    assert content.text == base + "</think>Sure, " and not content.thinking
+    reasoning = encode_request({"messages": [USER, {"role": "assistant", "content": None,
+                                                    "reasoning_content": "First, "}]}, d)
+    assert reasoning.text == base + "First, " and reasoning.thinking
+    chat = encode_request({"messages": [USER, {"role": "assistant", "content": "Sure"}], "thinking": False}, d)
+    assert chat.text == encode_request({"messages": [USER], "thinking": False}, d).text + "Sure"
+    assert not chat.thinking and EOS not in chat.text[len(base) - 20:]
+    with pytest.raises(RequestError) as e:
+        encode_request({"messages": [USER, {"role": "assistant", "content": "x"}], "tools": [WEATHER],
+                        "tool_choice": "required"}, d)
+    assert e.value.field == "tool_choice"
 
 
 def test_each_dialect_names_the_spec_token_ids_and_sampling_defaults():

@@ -11,6 +11,7 @@ import pytest
 
 from appliance.chat import DIALECTS, OutputParser, TextDelta, ToolCallDelta, parse
 from appliance.chat.dialects import EOS, HIDDEN_TOKENS
+from appliance.chat.dsml import Tags
 
 DATA = Path(__file__).parent / "data" / "chat"
 PARSE = json.loads((DATA / "parse_examples.json").read_text())
@@ -125,7 +126,7 @@ GOOD = invoke("f", param("a", "1", "false"))
     ("Hi." + OPEN + invoke("") + CLOSE + EOS, None, 0, "without a name"),
     ("Hi." + OPEN + "garbage" + CLOSE + EOS, None, 0, "expected"),
     ("Hi." + OPEN + '<｜DSML｜invoke name="f">\n' + '<｜DSML｜parameter name="a" string="true">x' + EOS, None, 0,
-     "not closed"),
+     "unfinished"),
     ("Hi." + OPEN + GOOD + invoke("g", param("b", "x"), param("b", "y")) + CLOSE + EOS, None, 1, "given twice"),
     ("Hi." + OPEN + GOOD + '<｜DSML｜invoke name="g">\n' + param("b", "cut by the length li"), None, 1, "unfinished"),
     ("Hi.</｜DSML｜invoke> done" + EOS, "Hi.</｜DSML｜invoke> done", 0, "closing tag"),
@@ -164,6 +165,35 @@ def test_a_call_without_parameters_has_empty_arguments_and_spacing_is_tolerated(
         + CLOSE + EOS
     calls = parse(text, DIALECTS[V4], thinking=False).tool_calls
     assert [c["function"]["arguments"] for c in calls] == ["{}", '{"k": " \\"q\\"\\n"}']
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+def test_a_string_value_runs_to_its_closing_tag_whatever_markup_or_end_of_sentence_text_it_holds(dialect):
+    """The reference reads a parameter's value up to its closing tag (spec §4.2 step 3)."""
+    d = DIALECTS[dialect]
+    tags = Tags.of(d)
+    value = f'see {tags.invoke_open}g">\n{tags.block_close} and {EOS} and {tags.param_open}x" string="true">'
+    text = ("x\n\n" + tags.block_open + "\n" + tags.invoke_open + 'f">\n' + tags.param_open + 'code" string="true">'
+            + value + tags.param_close + "\n" + tags.invoke_close + "\n" + tags.block_close + EOS)
+    message = parse(text, d, thinking=False, call_id=numbered)
+    assert message.malformed_tool_call is None and message.content == "x"
+    assert [c["function"] for c in message.tool_calls] == [{"name": "f", "arguments": json.dumps(
+        {"code": value}, ensure_ascii=False)}]
+    for cuts in ([k] for k in range(0, len(text), 7)):
+        assert stream(text, dialect, False, cuts)[0] == message
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+def test_content_ending_in_newlines_before_a_tool_block_keeps_them(dialect):
+    """Only the block marker's own two newlines are not content (spec §4.2 step 2)."""
+    d = DIALECTS[dialect]
+    tags = Tags.of(d)
+    block = tags.block_open + "\n" + tags.invoke_open + 'f">\n\n' + tags.invoke_close + "\n" + tags.block_close + EOS
+    for content in ("a\n", "a\n\n", "a\n\n\n", "\n\n"):
+        text = content + "\n\n" + block
+        message = parse(text, d, thinking=False, call_id=numbered)
+        assert (message.content, len(message.tool_calls)) == (content, 1), repr(text)
+        assert stream(text, dialect, False, list(range(1, len(text))))[0] == message
 
 
 def test_markers_and_special_tokens_never_show_and_text_that_is_no_marker_is_released():

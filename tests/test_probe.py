@@ -27,7 +27,7 @@ def token_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(token_file):
-    s = ServerProcess("--chunk", "16", "--token-file", str(token_file))
+    s = ServerProcess("--chunk", "16", "--token-file", str(token_file), "--on-busy", "reject")
     yield s
     assert s.stop() == 0
 
@@ -182,7 +182,7 @@ def test_server_modules_never_import_torch():
 def test_the_probe_measures_an_openai_compatible_server_with_the_same_metrics_and_slo_gate(server, token_file,
                                                                                            tmp_path):
     out = tmp_path / "openai.json"
-    common = ("--api", "openai", "--requests", "2", "--warmup", "1", "--isl", "8", "--osl", "4", "--token-file",
+    common = ("--api", "openai", "--requests", "2", "--warmup", "1", "--isl", "70", "--osl", "4", "--token-file",
               str(token_file))
     r = probe(*common, "--json", str(out), url=f"http://127.0.0.1:{server.port}")
     assert r.returncode == 0, r.stderr
@@ -191,10 +191,12 @@ def test_the_probe_measures_an_openai_compatible_server_with_the_same_metrics_an
     m = doc["metrics"]
     assert m["output_tokens"]["min"] == m["output_tokens"]["max"] == 4  # ignore_eos: exact
     assert m["ttft_ms"]["n"] == 2 and 0 < m["ttft_ms"]["min"] <= m["e2e_ms"]["min"]
-    assert m["tpot_ms"]["n"] == 2 and m["prompt_tokens"]["min"] > 8  # the chat template's tokens too
+    assert m["tpot_ms"]["n"] == 2 and m["prompt_tokens"]["min"] == m["prompt_tokens"]["max"] == 70  # tokens
     assert m["server_ttft_ms"]["n"] == 0  # OpenAI's stream carries no server times
     assert doc["finish_reasons"] == {"length": 2}
     missed = probe(*common, "--slo", "ttft_ms=0.001", url=f"127.0.0.1:{server.port}")
     assert missed.returncode == 3 and "MISSED" in missed.stdout, missed.stderr
     unauthorized = probe("--api", "openai", "--requests", "1", url=f"127.0.0.1:{server.port}")
     assert unauthorized.returncode == 2 and "401" in unauthorized.stderr
+    too_short = probe(*common[:6], "--isl", "3", "--token-file", str(token_file), url=f"127.0.0.1:{server.port}")
+    assert too_short.returncode == 2 and "--isl 3" in too_short.stderr  # the template alone is longer

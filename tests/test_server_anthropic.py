@@ -120,10 +120,11 @@ def test_the_key_is_read_from_x_api_key_or_bearer_and_a_wrong_one_is_401(box):
     assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
 
 
-def test_while_another_call_streams_a_message_is_refused_with_429(box, client):
+def test_with_on_busy_reject_while_another_call_streams_a_message_is_refused_with_429(box, client):
     server, session = box
     session.script(words(12))
     session.token_delay_s = 0.01
+    server.app.config.on_busy = "reject"  # read per call (the default is queue)
     try:
         with client.messages.stream(model="m", max_tokens=500, messages=[{"role": "user", "content": "a"}],
                                     thinking={"type": "disabled"}) as s:
@@ -135,3 +136,4 @@ def test_while_another_call_streams_a_message_is_refused_with_429(box, client):
             s.get_final_message()
     finally:
         session.token_delay_s = 0.0
+        server.app.config.on_busy = "queue"

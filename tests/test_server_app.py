@@ -41,6 +41,9 @@ class FakeEngine:
     def stall(self):
         self._stalled.set()
 
+    def stats(self) -> dict:
+        return {"prefix_cache_disk_errors": {}}
+
     def submit(self, request, emit, cancel=None, wait=False):
         cancel = cancel or threading.Event()
         threading.Thread(target=self._run, args=(request, emit, cancel), daemon=True).start()

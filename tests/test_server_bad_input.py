@@ -186,14 +186,22 @@ def test_the_connections_gauge_returns_to_0_when_every_client_has_left(server):
 
 
 def test_methods_other_than_get_get_405_with_allow_and_head_gets_the_headers_without_a_body(server):
+    """The API routes answer OPTIONS (a CORS preflight) and their 405 in the API's error shape."""
     for path, allow in [("/healthz", "GET, HEAD"), ("/readyz", "GET, HEAD"), ("/metrics", "GET, HEAD"),
                         ("/v1/stream", "GET"), ("/v1/models", "GET, HEAD"), ("/v1/chat/completions", "POST"),
-                        ("/v1/messages", "POST")]:
+                        ("/v1/messages", "POST"), ("/v1/responses", "POST"), ("/v1/models/default_model", "GET, HEAD"),
+                        ("/v1/messages/count_tokens", "POST")]:
+        api = path.startswith("/v1/") and path != "/v1/stream"
         for method in ("DELETE", "PUT", "OPTIONS", "TRACE", "PATCH", "POST", "GET"):
             if method in allow:
                 continue
             status, headers, body = raw_http(server.port, f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            if api and method == "OPTIONS":
+                assert (status, headers.get("allow")) == (204, allow + ", OPTIONS"), (path, status, body)
+                continue
             assert (status, headers.get("allow")) == (405, allow), (method, path, status, body)
+            if api:
+                assert headers["content-type"] == "application/json" and b"is not allowed on" in body, body
         # a method HTTP does not define: the HTTP parser's 400, naming it, before any route
         status, _, body = raw_http(server.port, f"FROBNICATE {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert status == 400 and b"method" in body.lower(), (path, status, body)

@@ -1,4 +1,4 @@
-"""A property-based fuzz of a live server (the tiny model): hypothesis writes client messages (random JSON
+"""A property-based fuzz of a live server (the tiny model). On decode.v1, hypothesis writes client messages (random JSON
 values, strings with lone surrogates and control characters, huge numbers, deep nesting, a wrong value in
 each field of generate/cancel/ping, text that is not JSON, binary and invalid-UTF-8 frames, an oversize
 message) and each example sends them on a fresh connection, one at a time (or, in about half the examples,
@@ -16,10 +16,17 @@ back to back). The invariants:
 After the examples: a greedy request returns the tokens it returned before them, the connections gauge is
 back to 0, and SIGTERM exits 0 within --drain plus STOP_BOUND_S.
 
+On the HTTP API, it writes bodies for every POST route (chat completions, completions, responses, messages,
+count_tokens): valid ones with a wrong value at a random place (a message's field, a tool's schema, a
+tool call's arguments, a response format, a responses input item), wild values in known fields, and
+whole random JSON. The invariants: no 5xx but 503/429 (nothing a client sends is a server fault), every
+error in the route's own JSON shape, a stream that ends with its terminal event, and no traceback.
+
 Reproducible and bounded: derandomize (a fixed sequence of examples), no example database, at most
 MAX_EXAMPLES examples and BUDGET_S seconds (examples past the budget do nothing).
 """
 
+import http.client
 import json
 import re
 import time
@@ -369,3 +376,137 @@ def test_no_generated_message_breaks_a_connection_an_invariant_or_the_server(ser
     assert time.monotonic() - t0 < DRAIN_S + STOP_BOUND_S
     assert len(ran) >= 20, f"only {len(ran)} examples ran within {BUDGET_S} s"
     print(f"fuzz: {len(ran)} examples, {sum(ran)} messages, {STARTED[0]} generates started")
+
+
+# --- the HTTP API's bodies -------------------------------------------------------------------------------------
+
+API_BUDGET_S = 45.0
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "a": {"type": "string"}}}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}
+API_BODIES = {  # route -> a valid body the mutations start from
+    "/v1/chat/completions": {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                          {"role": "tool", "tool_call_id": "c1", "content": "r"}],
+                             "tools": [TOOL], "tool_choice": "auto", "max_tokens": 2,
+                             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}},
+    "/v1/completions": {"prompt": "hello", "max_tokens": 2},
+    "/v1/responses": {"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1",
+                                                                    "name": "f", "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c1", "output": "r"}],
+                      "instructions": "i", "tools": [{"type": "function", "name": "f", "parameters": {}}],
+                      "max_output_tokens": 2, "text": {"format": {"type": "text"}}},
+    "/v1/messages": {"max_tokens": 2, "system": "s", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"}},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "q"}]},
+}
+API_PATHS = {  # route -> where a wrong value goes (nested paths reach the tool schemas and call arguments)
+    "/v1/chat/completions": ["messages", "messages.0", "messages.1.content", "messages.2.tool_calls",
+                             "messages.2.tool_calls.0.function", "messages.2.tool_calls.0.function.arguments",
+                             "messages.3.content", "tools", "tools.0.function", "tools.0.function.parameters",
+                             "tools.0.function.parameters.properties", "tool_choice", "tool_choice.function",
+                             "response_format", "response_format.json_schema.schema", "max_tokens", "stream",
+                             "thinking", "reasoning_effort", "stop", "seed", "n", "temperature"],
+    "/v1/completions": ["prompt", "max_tokens", "stream", "stop", "temperature", "echo", "best_of"],
+    "/v1/responses": ["input", "input.0", "input.0.content", "input.1", "input.1.arguments", "input.2.output",
+                      "instructions", "tools", "tools.0.parameters", "tool_choice", "text", "text.format",
+                      "reasoning", "max_output_tokens", "stream", "previous_response_id"],
+    "/v1/messages": ["messages", "messages.0.content", "messages.1.content.0", "messages.1.content.0.input",
+                     "messages.2.content.0.content", "system", "tools", "tools.0.input_schema",
+                     "tools.0.input_schema.properties", "tool_choice", "thinking", "max_tokens", "stream",
+                     "stop_sequences"],
+    "/v1/messages/count_tokens": ["messages", "messages.0.content", "system", "tools", "thinking"],
+}
+
+
+def put(doc, path: str, value):
+    """`doc` with `value` at the dotted `path` (list indices as numbers), where the path exists."""
+    doc = json.loads(json.dumps(doc))
+    *head, last = path.split(".")
+    node = doc
+    for key in head:
+        key = int(key) if isinstance(node, list) else key
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return doc
+    if isinstance(node, dict):
+        node[last] = value
+    elif isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    return doc
+
+
+# what broke the encoder once: objects nested past any writer's recursion, arguments text of 100,000 "[", a
+# named tool choice whose function is not an object
+deep_objects = st.integers(min_value=900, max_value=1100).map(lambda d: Raw('{"a":' * d + "1" + "}" * d))
+api_values = st.one_of(json_values, deep_objects, st.just("[" * 100_000),
+                       st.builds(lambda f: {"type": "function", "function": f}, json_values))
+routes = st.sampled_from(list(API_BODIES))
+mutated_bodies = routes.flatmap(lambda route: st.builds(
+    lambda path, value: (route, put(API_BODIES[route], path, value)), st.sampled_from(API_PATHS[route]), api_values))
+api_bodies = st.one_of(
+    mutated_bodies, mutated_bodies, mutated_bodies,
+    routes.flatmap(lambda route: st.builds(lambda extra: (route, {**API_BODIES[route], **extra}), st.dictionaries(
+        st.sampled_from([p for p in API_PATHS[route] if "." not in p]), api_values, max_size=3))),
+    st.builds(lambda route, value: (route, value), st.sampled_from(list(API_BODIES)), json_values),
+    st.builds(lambda route, stream: (route, {**API_BODIES[route], "stream": stream}),
+              st.sampled_from(list(API_BODIES)), st.booleans()))
+
+
+def post_api(port: int, route: str, body) -> tuple[int, str, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", route, body=to_json(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+def check_api_answer(route: str, status: int, kind: str, data: bytes) -> None:
+    assert status < 500 or status == 503, (route, status, data[:500])
+    if kind.startswith("text/event-stream"):
+        text = data.decode()
+        assert text.rstrip().endswith(("data: [DONE]", '"type":"message_stop"}', '"type":"response.completed"}',
+                                       '"type":"response.incomplete"}', '"type":"error"}')) or (
+            '"error"' in text), text[-500:]
+        assert '"code":"internal"' not in text and '"type":"api_error"' not in text, text[-500:]
+        return
+    doc = json.loads(data)
+    if status >= 400:
+        shaped = doc.get("type") == "error" if route.startswith("/v1/messages") else "error" in doc
+        assert shaped and "internal" not in json.dumps(doc), (route, doc)
+
+
+@pytest.fixture(scope="module")
+def api_server():
+    s = ServerProcess("--chunk", "64", "--context", str(CONTEXT))
+    yield s
+    assert s.stop() == 0
+
+
+def test_no_generated_api_body_gets_a_server_error_or_breaks_the_server(api_server):
+    server = api_server
+    deadline = time.monotonic() + API_BUDGET_S
+    ran = []
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    @given(api_bodies)
+    def example(case):
+        if time.monotonic() > deadline:
+            return
+        route, body = case
+        ran.append(route)
+        check_api_answer(route, *post_api(server.port, route, body))
+
+    example()
+    assert server.proc.poll() is None and server.http("/healthz")[0] == 200
+    log = "".join(server.lines)
+    assert "Traceback" not in log and "engine fault" not in log, log[-3000:]
+    assert len(ran) >= 30, f"only {len(ran)} bodies within {API_BUDGET_S} s"
+    print(f"api fuzz: {len(ran)} bodies, {len(set(ran))} routes")

@@ -10,7 +10,7 @@ from tests.server_harness import ServerProcess, generate, open_ws, prompt, recv,
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--chunk", "8")
+    s = ServerProcess("--chunk", "8", "--on-busy", "reject")
     yield s
     assert s.stop() == 0
 

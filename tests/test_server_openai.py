@@ -225,10 +225,12 @@ def test_a_missing_or_wrong_key_is_401_and_the_right_one_passes(box):
         assert r.status == 200
 
 
-def test_while_a_stream_runs_a_second_call_is_429_with_retry_after_and_passes_once_it_ends(box, client):
+def test_with_on_busy_reject_while_a_stream_runs_a_second_call_is_429_with_retry_after_and_passes_once_it_ends(
+        box, client):
     server, session = box
     session.script(words(15))
     session.token_delay_s = 0.01
+    server.app.config.on_busy = "reject"  # read per call (the default is queue)
     try:
         stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": words()}],
                                                 max_tokens=800, stream=True, extra_body={"thinking": False})
@@ -241,6 +243,7 @@ def test_while_a_stream_runs_a_second_call_is_429_with_retry_after_and_passes_on
         assert list(stream)[-1].choices[0].finish_reason == "stop"
     finally:
         session.token_delay_s = 0.0
+        server.app.config.on_busy = "queue"
     session.script("done")
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"thinking": False})

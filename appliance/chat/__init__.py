@@ -17,7 +17,8 @@ from .defaults import sampling_defaults
 from .dialects import DIALECTS, Dialect, dialect_for_model, get_dialect
 from .encoding import encode_messages
 from .output import OutputParser, ParsedMessage, TextDelta, ToolCallDelta, parse
-from .request import ChatPrompt, encode_request
+from .request import MAX_DEPTH, ChatPrompt, check_depth, encode_request
 
-__all__ = ["DIALECTS", "ChatPrompt", "Dialect", "OutputParser", "ParsedMessage", "TextDelta", "ToolCallDelta",
-           "dialect_for_model", "encode_messages", "encode_request", "get_dialect", "parse", "sampling_defaults"]
+__all__ = ["DIALECTS", "MAX_DEPTH", "ChatPrompt", "Dialect", "OutputParser", "ParsedMessage", "TextDelta",
+           "ToolCallDelta", "check_depth", "dialect_for_model", "encode_messages", "encode_request", "get_dialect",
+           "parse", "sampling_defaults"]

@@ -26,10 +26,12 @@ _RESPONSE_FORMAT = "\n\n## Response Format:\n\nYou MUST strictly adhere to the f
 
 
 def encode_messages(messages: list[dict], dialect: Dialect, *, thinking: bool, reasoning_effort=None,
-                    drop_thinking: bool = True, add_bos: bool = True) -> str:
+                    drop_thinking: bool = True, add_bos: bool = True, prefill: bool = False) -> str:
     """The prompt for `messages`. It ends with the generation header `<｜Assistant｜><think>` (thinking) or
     `<｜Assistant｜></think>` (chat) when the last turn is a user's; a conversation that ends with an
-    assistant message gets no header.
+    assistant message gets no header. `prefill`: the last message is an assistant's answer begun, which the
+    model continues: it is rendered without its end-of-sentence (the reference's `wo_eos`), and in thinking
+    mode a prefill without content ends inside its reasoning (no `</think>`).
 
     `drop_thinking`: in thinking mode, earlier turns lose their reasoning unless any message carries tools
     (tool loops must see their reasoning again). `reasoning_effort` takes the dialect's own table
@@ -46,7 +48,8 @@ def encode_messages(messages: list[dict], dialect: Dialect, *, thinking: bool, r
             out.append(SYSTEM + effort if dialect.system_token and (effort or m["role"] == "system") else effort)
         # Reasoning is shown for turns after the last user turn, and for all when nothing is dropped.
         keep = not drop or i > last_user
-        out.append(_render(i, m, dialect, thinking and keep))
+        begun = prefill and i == len(msgs) - 1
+        out.append(_render(i, m, dialect, thinking and keep, begun))
         nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
         if nxt in (None, "assistant", "latest_reminder") and _user_like(i, m, dialect):
             out.append(ASSISTANT + (THINK_OPEN if thinking and (not drop or i >= last_user) else THINK_CLOSE))
@@ -62,7 +65,7 @@ def _last_user_index(msgs: list[dict], dialect: Dialect) -> int:
     return max((i for i, m in enumerate(msgs) if _user_like(i, m, dialect)), default=-1)
 
 
-def _render(i: int, m: dict, dialect: Dialect, show_reasoning: bool) -> str:
+def _render(i: int, m: dict, dialect: Dialect, show_reasoning: bool, begun: bool = False) -> str:
     role = m["role"]
     if role == "system":
         marker = SYSTEM if dialect.system_token and i > 0 else ""
@@ -77,9 +80,13 @@ def _render(i: int, m: dict, dialect: Dialect, show_reasoning: bool) -> str:
     if role == "latest_reminder":
         return LATEST_REMINDER + (m.get("content") or "")
     if role == "assistant":
+        content = m.get("content") or ""
+        if begun:  # the answer so far: reasoning (closed once content began), content, no end-of-sentence
+            reasoning = m.get("reasoning_content") or ""
+            return (reasoning + (THINK_CLOSE if content else "") if show_reasoning else "") + content
         think = (m.get("reasoning_content") or "") + THINK_CLOSE if show_reasoning else ""
         calls = "\n\n" + render_tool_calls(m["tool_calls"], dialect) if m.get("tool_calls") else ""
-        return think + (m.get("content") or "") + calls + dialect.eos
+        return think + content + calls + dialect.eos
     raise RequestError(f"messages[{i}].role={role!r}: must be one of {', '.join(ROLES)}", field=f"messages[{i}].role",
                        value=role)
 
@@ -108,15 +115,15 @@ def _merge_tool_results(messages: list[dict], dialect: Dialect) -> list[dict]:
         role = m.get("role")
         if role == "tool":
             block = {"type": "tool_result", "id": m.get("tool_call_id") or "", "content": m.get("content") or ""}
-        elif role == "user":
-            block = {"type": "text", "text": m.get("content") or ""}
+        elif role == "user":  # content None: an empty list of parts, no block at all
+            block = None if m.get("content") is None else {"type": "text", "text": m["content"]}
         else:
             merged.append(m)
             continue
         if merged and merged[-1]["role"] == "user":
-            merged[-1]["blocks"].append(block)
+            merged[-1]["blocks"] += [block] if block else []
         else:
-            merged.append({"role": "user", "blocks": [block]})
+            merged.append({"role": "user", "blocks": [block] if block else []})
     return merged
 
 

@@ -10,8 +10,9 @@ States: REASONING (the initial state exactly when the prompt ended with `<think>
 (`toolblock.py`), DONE (after EOS; later text is ignored). Markers are matched on decoded text:
 
 * `</think>` ends reasoning; a stray one in content and any `<think>` are swallowed.
-* `\\n*<｜DSML｜` opens a tool-call block, also from reasoning (the model sometimes forgets `</think>`):
-  the newlines before it are not content. The calls of a well-formed block are emitted one whole call at
+* `\\n\\n<｜DSML｜` opens a tool-call block, also from reasoning (the model sometimes forgets `</think>`):
+  those two newlines (or fewer, when the model wrote fewer) are the marker's, not content; more newlines
+  before them are content, as the reference reads them. The calls of a well-formed block are emitted one whole call at
   a time, when its `</｜DSML｜invoke>` arrives: arguments are validated before anyone sees them.
 * EOS ends the turn. Other special tokens (BOS, role and task tokens) are never shown. Reasoning that
   never meets `</think>` stays reasoning: it was streamed as such and cannot be taken back.
@@ -37,7 +38,7 @@ REASONING, CONTENT, DONE = "reasoning", "content", "done"
 
 _STRAY_CLOSE = "</" + DSML
 _LITERALS = sorted((THINK_CLOSE, THINK_OPEN, EOS, _STRAY_CLOSE, *HIDDEN_TOKENS), key=len, reverse=True)
-_MARKERS = re.compile(r"(?P<block>\n*<" + re.escape(DSML) + ")|" + "|".join(map(re.escape, _LITERALS)))
+_MARKERS = re.compile(r"(?P<block>\n{0,2}<" + re.escape(DSML) + ")|" + "|".join(map(re.escape, _LITERALS)))
 _PREFIXES = (*_LITERALS, "<" + DSML)  # every marker starts with "<"
 _LONGEST = max(map(len, _PREFIXES))
 
@@ -195,15 +196,16 @@ class OutputParser:
 
 
 def _held_back(buf: str) -> int:
-    """How many characters at the end of `buf` could still begin a marker; newlines directly before a
-    possible `<｜DSML｜` belong to it (they are not content when a block follows)."""
+    """How many characters at the end of `buf` could still begin a marker; up to two newlines directly
+    before a possible `<｜DSML｜` belong to it (they are not content when a block follows)."""
     hold = len(buf)
     for p in range(max(0, len(buf) - _LONGEST), len(buf)):
         if buf[p] == "<" and any(m.startswith(buf[p:]) for m in _PREFIXES):
             hold = p
             break
     if ("<" + DSML).startswith(buf[hold:]):
-        while hold > 0 and buf[hold - 1] == "\n":
+        end = hold
+        while hold > 0 and buf[hold - 1] == "\n" and end - hold < 2:
             hold -= 1
     return len(buf) - hold
 

@@ -26,7 +26,15 @@ Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6,
   after it (the reference has no system marker); it is sent as a user turn instead, as DeepSeek's own
   recipe library does. The first system messages keep the reference layout.
 * Content-part lists are joined with a blank line, as the reference joins blocks; images and other
-  non-text parts are refused: this server runs the text model.
+  non-text parts are refused: this server runs the text model. A user message whose content is an empty
+  list adds no block to its turn (the reference renders nothing for it).
+* A tool call whose `arguments` text is empty or blank keeps it as the one string parameter `arguments`,
+  as the reference does with any text it cannot parse; other text that is no JSON object is refused.
+* What the encoder renders as JSON (tool schemas, response formats, call arguments) may nest at most
+  MAX_DEPTH levels: deeper is refused naming the field, never recursed into.
+* A conversation may end with an assistant message: assistant prefill. Its text (and, in thinking mode,
+  its reasoning) is the start of the model's answer: the prompt ends inside the assistant turn, with no
+  end-of-sentence, and the model continues it. A prefill that already holds tool calls is refused.
 """
 
 import json
@@ -40,6 +48,19 @@ from .encoding import encode_messages
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"}
 _ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+MAX_DEPTH = 64  # nesting levels of a schema, a response format or arguments (a client may send 100,000)
+
+
+def check_depth(value, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON nested deeper than `limit` objects and arrays, naming the field (iteratively: a deep value
+    must not reach the recursion of the JSON writers)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                raise RequestError(f"{where}: nested deeper than {limit} levels of objects and arrays", field=where)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
 
 
 @dataclass(frozen=True)
@@ -56,12 +77,18 @@ def encode_request(body: dict, dialect: Dialect) -> ChatPrompt:
         raise RequestError("the request body must be a JSON object", field="body")
     thinking, effort = read_thinking(body, dialect)
     messages = normalize_messages(body.get("messages"), dialect)
-    _check_last_turn(messages, dialect)
+    prefill = _check_last_turn(messages, dialect)
     tools = _tools(body)
     messages = _attach(messages, tools, _response_format(body))
-    text = encode_messages(messages, dialect, thinking=thinking, reasoning_effort=effort)
+    text = encode_messages(messages, dialect, thinking=thinking, reasoning_effort=effort, prefill=prefill)
     forced = forced_call(body.get("tool_choice"), dialect, thinking) if tools else ""
-    return ChatPrompt(text + forced, thinking, effort if thinking else None, messages, forced)
+    if prefill and forced:
+        raise RequestError("tool_choice: a forced tool call cannot follow an assistant prefill (the last message "
+                           "is the assistant's answer begun): use auto, or end the conversation with a user turn",
+                           field="tool_choice", value=body.get("tool_choice"))
+    # the output starts in reasoning when the prompt ends in <think> or inside a begun reasoning
+    in_reasoning = thinking and not (prefill and messages[-1]["content"])
+    return ChatPrompt(text + forced, in_reasoning, effort if thinking else None, messages, forced)
 
 
 def forced_call(tool_choice, dialect: Dialect, thinking: bool) -> str:
@@ -131,12 +158,16 @@ def _tools(body: dict) -> list[dict] | None:
     names = [t["function"]["name"] for t in tools or []]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"tool_choice={shown(choice)}: must be auto, none, required or "
+                               '{"type": "function", "function": {"name": ...}}', field="tool_choice", value=choice)
+        name = fn["name"]
         if name not in names:
             raise RequestError(f"tool_choice.function.name={name!r}: not one of the request's tools "
                                f"({', '.join(names) or 'none given'})", field="tool_choice.function.name", value=name)
     elif choice not in (None, "auto", "none", "required"):
-        raise RequestError(f"tool_choice={choice!r}: must be auto, none, required or "
+        raise RequestError(f"tool_choice={shown(choice)}: must be auto, none, required or "
                            '{"type": "function", "function": {"name": ...}}', field="tool_choice", value=choice)
     elif choice == "required" and not names:
         raise RequestError("tool_choice='required' needs tools", field="tool_choice", value=choice)
@@ -155,6 +186,9 @@ def _check_tool(tool, where: str) -> None:
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise RequestError(f"{where}.function.parameters: must be a JSON schema object",
                            field=f"{where}.function.parameters")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise RequestError(f"{where}.function.description: must be a string", field=f"{where}.function.description")
+    check_depth(fn, f"{where}.function")
 
 
 def _response_format(body: dict) -> dict | None:
@@ -167,6 +201,7 @@ def _response_format(body: dict) -> dict | None:
     if kind == "text":
         return None
     if kind == "json_object" or (kind == "json_schema" and isinstance(rf.get("json_schema"), dict)):
+        check_depth(rf, "response_format")
         return rf
     if kind == "json_schema":
         raise RequestError("response_format.json_schema: must be an object ({name, schema})",
@@ -189,14 +224,22 @@ def _attach(messages: list[dict], tools: list[dict] | None, response_format: dic
     return [lead, *rest]
 
 
-def _check_last_turn(messages: list[dict], dialect: Dialect) -> None:
-    """The model answers a user turn: the conversation must end with one (a trailing reminder aside)."""
+def _check_last_turn(messages: list[dict], dialect: Dialect) -> bool:
+    """The model answers a user turn: the conversation must end with one (a trailing reminder aside), or
+    with the assistant's answer begun (returns True: a prefill the model continues)."""
     i = max((k for k, m in enumerate(messages) if m["role"] != "latest_reminder"), default=0)
     role = messages[i]["role"]
     if role in ("user", "tool", "developer") or (role == "system" and i > 0 and dialect.system_token):
-        return
+        return False
+    if role == "assistant" and i == len(messages) - 1 and i > 0:
+        if messages[i].get("tool_calls"):
+            raise RequestError(f"messages[{i}].tool_calls: an assistant prefill (the last message, continued by "
+                               "the model) cannot hold tool calls: send their results as tool messages",
+                               field=f"messages[{i}].tool_calls")
+        return True
     raise RequestError(f"messages[{i}].role={role!r}: the conversation must end with a user or tool message for "
-                       "the model to answer", field=f"messages[{i}].role", value=role)
+                       "the model to answer, or with an assistant message it continues (a prefill: the last "
+                       "message, after at least one other)", field=f"messages[{i}].role", value=role)
 
 
 def normalize_messages(messages, dialect: Dialect) -> list[dict]:
@@ -224,6 +267,8 @@ def normalize_messages(messages, dialect: Dialect) -> list[dict]:
 def _message(m: dict, role: str, where: str, dialect: Dialect) -> dict:
     if role == "assistant":
         return _assistant(m, where, dialect)
+    if role == "user" and m.get("content") == []:
+        return {"role": "user", "content": None}  # no parts: no block in its turn (encoding.py)
     content = _text(m.get("content"), f"{where}.content", dialect)
     if role == "developer" and not content:
         raise RequestError(f"{where}.content: a developer message needs text", field=f"{where}.content")
@@ -270,19 +315,26 @@ def _tool_call(call, where: str) -> dict:
 
 def _arguments(value, where: str) -> dict:
     """A call's arguments as an object: OpenAI sends JSON text; a dict, or JSON text of JSON text (V4.1's
-    reference takes both), is accepted too. Empty text means no arguments."""
-    if value is None or (isinstance(value, str) and not value.strip()):
+    reference takes both), is accepted too. No arguments at all is none; empty or blank text is the one
+    string parameter `arguments`, as the reference renders text it cannot parse."""
+    if value is None:
         return {}
+    if isinstance(value, str) and not value.strip():
+        return {"arguments": value}
     parsed, error = value, "not JSON"
     for _ in range(2):
         if not isinstance(parsed, str):
             break
         try:
             parsed = json.loads(parsed)
+        except RecursionError:
+            raise RequestError(f"{where}: nested deeper than {MAX_DEPTH} levels of objects and arrays",
+                               field=where) from None
         except ValueError as e:
             error = f"not JSON: {e}"
             break
     if isinstance(parsed, dict):
+        check_depth(parsed, where)
         return parsed
     if not isinstance(parsed, str):
         error = f"got a JSON {type(parsed).__name__}"

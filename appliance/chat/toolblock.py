@@ -3,11 +3,12 @@ streaming output parser (`output.py`). No I/O and no emitting: `step` says what 
 
 The grammar, V4 spelling (`dsml.py` has the V4.1 names), whitespace allowed between elements:
 
-    block   = "\\n"* "<｜DSML｜tool_calls>" invoke* "</｜DSML｜tool_calls>"
+    block   = "\\n"{0,2} "<｜DSML｜tool_calls>" invoke* "</｜DSML｜tool_calls>"
     invoke  = '<｜DSML｜invoke name="' NAME '">' param* "</｜DSML｜invoke>"
     param   = '<｜DSML｜parameter name="' KEY '" string="' ("true" | "false") '">' VALUE "</｜DSML｜parameter>"
 
-VALUE is raw text up to the parameter's closing tag; it may not hold other DSML markup or the EOS token.
+VALUE is raw text up to the parameter's closing tag, whatever it holds (DSML markup, the end-of-sentence text:
+the reference reads a value to its closing tag).
 A call's `arguments` is the reference's JSON text (spec §4.2 step 5): `{"KEY": V, ...}` with `", "` and
 `": "`, V being the JSON-escaped string (`string="true"`) or the raw JSON text, kept verbatim
 (`string="false"`; it must parse as JSON, or the call is malformed).
@@ -106,7 +107,7 @@ class BlockParser:
 
     def _open(self, buf: str):
         i = self.pos
-        while buf.startswith("\n", i):
+        while buf.startswith("\n", i) and i < self.pos + 2:
             i += 1
         self.fail_at = i + len(_DSML_OPEN)  # the caller found `<｜DSML｜` here, whole
         ok = _expect(buf, i, self.tags.block_open)
@@ -194,13 +195,8 @@ class BlockParser:
     def _value(self, buf: str):
         close = self.tags.param_close
         c = buf.find(close, self.scan)
-        end = len(buf) if c < 0 else c
-        k = buf.find(DSML, self.scan, end)
-        pending_close = c < 0 and k >= 2 and buf[k - 2:k] == "</" and close.startswith(buf[k - 2:])
-        if buf.find(EOS, self.scan, end) >= 0 or (k >= 0 and not pending_close):
-            return Malformed(self.fail_at, f"tool {self.name!r}: parameter {self.key!r} is not closed")
         if c < 0:
-            self.scan = max(self.value_at, len(buf) - max(len(close), len(EOS)))
+            self.scan = max(self.value_at, len(buf) - len(close) + 1)  # a closing tag may still end the buffer
             return None
         raw = buf[self.value_at:c]
         if self.is_str:
@@ -208,7 +204,7 @@ class BlockParser:
         else:
             try:
                 json.loads(raw, parse_constant=_reject_constant)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return Malformed(self.fail_at, f'tool {self.name!r}: parameter {self.key!r} is string="false" '
                                                "but not JSON")
             value = raw

@@ -33,7 +33,9 @@ def _normalize_url(url: str) -> str:
                    "the model the server's /v1/models lists first)")
 @click.option("--requests", "n_requests", type=int, default=20, show_default=True, help="measured requests")
 @click.option("--warmup", type=int, default=2, show_default=True, help="requests run first and not counted")
-@click.option("--isl", type=int, default=None, help="prompt length: random ids in the vocabulary (default 128)")
+@click.option("--isl", type=int, default=None,
+              help="prompt length in tokens (default 128): decode.v1 sends that many random ids; --api openai "
+                   "calibrates random words until the server counts that many prompt tokens (chat template included)")
 @click.option("--osl", type=int, default=None, help="output length, exact (ignore_eos; default 128)")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="a text prompt instead of random ids")
 @click.option("--token-file", type=click.Path(path_type=Path), envvar="APPLIANCE_TOKEN_FILE",

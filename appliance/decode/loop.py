@@ -41,16 +41,20 @@ class RequestLoop:
         self.defaults = sampling_defaults(model_dir, self.dialect)
 
     def prompt_ids(self, req: Request) -> tuple[list[int], ChatOutput | None]:
-        """The prompt's ids, and for a chat request the parser of its output."""
-        chat = None
-        if req.input_ids is not None:
-            ids = req.input_ids
-        elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt)
-        else:
-            ids, chat = chat_prompt(req, self.dialect, self.tokenizer)
+        """The prompt's ids, checked against the vocabulary and the context, and for a chat request the
+        parser of its output."""
+        ids, chat = self.encode(req)
         check_ids(ids, self.cfg, self.session.capacity, reserve=req.max_tokens or 1)
         return ids, chat
+
+    def encode(self, req: Request) -> tuple[list[int], ChatOutput | None]:
+        """The prompt's ids as given or encoded (no limit checked), and for a chat request the parser of its
+        output. Only the tokenizer and the chat encoder: safe on any thread."""
+        if req.input_ids is not None:
+            return req.input_ids, None
+        if req.prompt is not None:
+            return self.tokenizer.encode(req.prompt), None
+        return chat_prompt(req, self.dialect, self.tokenizer)
 
     def job(self, req: Request, ids: list[int], warmup: bool = False) -> Job:
         """Rank 0's decisions for `req`, as every rank runs it: the sampling values and seed, the restore its
@@ -70,6 +74,10 @@ class RequestLoop:
             ids, chat = self.prompt_ids(req)
         except ApplianceError as e:
             yield Error(req.id, e.code, e.message, e.field)
+            return
+        except Exception as e:  # a defect between a request and its ids: no device work began, the state stays
+            yield Error(req.id, "internal", f"the request could not be encoded ({type(e).__name__}: {e}); the "
+                        "decode state is kept")
             return
         steer = Steer(self.session.world)
         steps = self.session.run(self.job(req, ids, warmup), steer)

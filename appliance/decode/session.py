@@ -133,10 +133,21 @@ class DecodeSession:
                    "index_keys": options.index_keys, "drafter": self.spec.drafter.kind if self.spec else "none",
                    "rank": rank, "ranks": size}
             root = options.prefix_cache_dir / f"rank{rank}" if size > 1 else options.prefix_cache_dir
-            disk = DiskTier(root, fingerprint(lm.model_dir, run, layout), layout,
-                            int(options.prefix_cache_disk_gb * 1e9), notice)
-            cache.attach_disk(disk)
+            try:
+                disk = DiskTier(root, fingerprint(lm.model_dir, run, layout), layout,
+                                int(options.prefix_cache_disk_gb * 1e9), notice)
+                cache.attach_disk(disk)
+            except Exception as e:  # noqa: BLE001 - best effort: a directory that cannot be used is no reason to stop
+                cache.disk = None
+                (notice or print)(f"prefix cache: cannot use --prefix-cache-dir {root} ({type(e).__name__}: {e}); "
+                                  "cached conversations stay in host memory only")
         return cache
+
+    @property
+    def disk_errors(self) -> dict[str, int]:
+        """The disk tier's failed operations by kind (read, write, evict, scan); empty without one."""
+        cache = self.timeline.cache
+        return dict(cache.disk.errors) if cache is not None and cache.disk is not None else {}
 
     def reset(self) -> None:
         """Back to an empty state (a cold start); the prefix cache keeps what it has."""

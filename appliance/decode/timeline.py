@@ -259,7 +259,11 @@ class Timeline:
         cache.evict(newest=path[-1] if path else None)
 
     def _write(self, new, path, added, ids) -> None:
+        """File the conversation's new part on disk (best effort: prefix_disk.py; whatever fails, it stays in
+        host memory and the request's outcome is untouched)."""
         cache, disk = self.cache, self.cache.disk
+        if not disk.available():  # off for a while after failures in a row
+            return
         start = new.start if new is not None else len(self.history)
         parent = ""
         if start > 0:
@@ -270,15 +274,17 @@ class Timeline:
                 return
             parent = holder.disk[0]
         rows = new.rows if new is not None else {name: self.rows[name][:0].cpu() for name in cache.ratios}
+        tensors = disk.tensors(ids[start:], rows, {c: r.host for c, r in added.items()})
+        keep = {p.disk[0] for p in path if p.disk is not None}
+        for gone in disk.evict(keep, room=sum(t.numel() * t.element_size() for t in tensors.values())):
+            cache.forget_file(gone)  # room first: the budget holds with the new file in it
         try:
-            fid = disk.write(parent, start, ids[start:], rows, {c: r.host for c, r in added.items()})
-        except OSError as e:
-            self.notice(f"prefix cache: cannot write to {disk.root} ({e}); this request stays in host memory")
+            fid = disk.write(parent, start, tensors, sorted(added))
+        except Exception as e:  # noqa: BLE001 - a read-only or full directory: safetensors' errors too
+            disk.failed("write", e)
             return
+        disk.succeeded()
         if new is not None:
             new.disk = (fid, start)
         for r in added.values():
             r.file = fid
-        keep = {p.disk[0] for p in path if p.disk is not None}
-        for gone in disk.evict(keep):
-            cache.forget_file(gone)

@@ -54,6 +54,7 @@ class RequestRecord:
     progress_frames: int = 0
     token_ms: list[float] = field(default_factory=list)  # each token's (back-dated) arrival
     itl_ms: list[float] = field(default_factory=list)
+    gaps: str = "token"  # itl_ms between tokens, or between arrivals of chunks holding several ("arrival")
 
     def as_dict(self, with_tokens: bool = True) -> dict:
         d = asdict(self)
@@ -192,6 +193,7 @@ def record_arrivals(rec: RequestRecord, t0: float, t_done: float, arrivals: list
     rec.e2e_ms = (t_done - t0) * 1e3
     rec.token_ms = [(a - t0) * 1e3 for a in arrivals]
     rec.itl_ms = [b - a for a, b in zip(rec.token_ms, rec.token_ms[1:])]
+    rec.gaps = "token" if len(arrivals) == rec.output_tokens else "arrival"
     if rec.token_ms:
         rec.ttft_ms = rec.token_ms[0]
     if len(rec.token_ms) >= 2:

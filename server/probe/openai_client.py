@@ -5,10 +5,16 @@ box and any other server (vLLM, SGLang) are measured by one tool with the same m
 What differs from decode.v1 (server/probe/client.py): OpenAI's stream has no per-token server times, so
 each chunk that carries output (content, reasoning_content or a tool call) is one arrival, stamped when it
 is read; `output_tokens` and `prompt_tokens` come from the final usage chunk; TPOT is (last arrival - first)
-/ (output_tokens - 1), as vLLM's benchmark computes it; inter-token gaps are the gaps between arrivals;
-there is no server TTFT (nor the overhead beside it) and no acceptance length. `--isl` sends that many
-random common words as the user message (the tokenizer decides the exact count: it is reported), with
-`ignore_eos` (a vLLM extension this box takes too) so the output length is exact.
+/ (output_tokens - 1), as vLLM's benchmark computes it; there is no server TTFT (nor the overhead beside
+it) and no acceptance length. Inter-token gaps are per token when every arrival carried one token (as many
+arrivals as output tokens); otherwise a chunk held several and the gaps are between arrivals, which the
+report says (`gaps: arrival`).
+
+`--isl N` is N prompt tokens as the server counts them (its `usage.prompt_tokens`, chat template
+included): before the warm-up the probe calibrates a bag of random common words with one-token requests
+until the count is N (`calibrate`), then every request sends those words in a new order (the same count,
+and no prefix the server could reuse past the first word). `ignore_eos` (a vLLM extension this box takes
+too) makes the output length exact.
 """
 
 import random
@@ -41,13 +47,54 @@ def base_url(url: str) -> str:
     return f"{scheme}://{host}/{path}"
 
 
-def build_body(cfg: ProbeConfig, model: str, rng: random.Random) -> dict:
-    text = cfg.prompt if cfg.prompt is not None else " ".join(rng.choice(WORDS) for _ in range(cfg.isl))
+FILLERS = ("a", "I", "x", "o")  # short words that fine-tune a count by one token
+CALIBRATION_STEPS = 24
+
+
+def build_body(cfg: ProbeConfig, model: str, rng: random.Random, words: list[str] | None = None) -> dict:
+    """A streamed request of the prompt file, or of `words` (the calibrated bag) in a random order after the
+    first."""
+    if cfg.prompt is not None:
+        text = cfg.prompt
+    else:
+        rest = words[1:]
+        rng.shuffle(rest)
+        text = " ".join(words[:1] + rest)
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": cfg.osl,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     return body
+
+
+async def prompt_tokens(http, url: str, model: str, words: list[str]) -> int:
+    """The server's count of a one-message prompt of `words` (a one-token request)."""
+    body = {"model": model, "messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 1}
+    async with http.post(url, json=body) as r:
+        if r.status != 200:
+            raise _fail_status(url, r.status, await r.text())
+        return int((await r.json())["usage"]["prompt_tokens"])
+
+
+async def calibrate(http, url: str, model: str, isl: int, rng: random.Random) -> list[str]:
+    """A bag of words whose prompt the server counts as exactly `isl` tokens (the template's own tokens
+    included): grown or shrunk by the measured difference, then by short fillers, one request a step."""
+    words = [rng.choice(WORDS) for _ in range(max(1, isl // 2))]
+    for _ in range(CALIBRATION_STEPS):
+        n = await prompt_tokens(http, url, model, words)
+        if n == isl:
+            return words
+        if n < isl:
+            more = isl - n
+            words += [rng.choice(FILLERS if more <= 2 else WORDS) for _ in range(max(1, more // 2))]
+        elif len(words) > 1:
+            del words[-max(1, (n - isl) // 2):]
+            if len(words) == 0:
+                words = [rng.choice(FILLERS)]
+        else:
+            break
+    raise ProbeError(f"--isl {isl}: cannot build a prompt of exactly {isl} tokens on this server (the chat "
+                     f"template alone may be longer: the shortest prompt counted {n}); use --prompt-file", 2)
 
 
 def _fail_status(url: str, status: int, text: str) -> ProbeError:
@@ -110,9 +157,11 @@ async def run_openai_probe(cfg: ProbeConfig, on_request=None) -> ProbeRun:
     try:
         async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=1)) as http:
             model, server = await _model(http, root)
+            url = root + "/chat/completions"
+            words = await calibrate(http, url, model, cfg.isl, rng) if cfg.prompt is None else None
             for i in range(cfg.warmup + cfg.requests):
-                body = build_body(cfg, model, rng)
-                rec = await measure_one(http, root + "/chat/completions", body, i, i < cfg.warmup, cfg.timeout_s)
+                body = build_body(cfg, model, rng, words)
+                rec = await measure_one(http, url, body, i, i < cfg.warmup, cfg.timeout_s)
                 records.append(rec)
                 if on_request is not None:
                     on_request(rec)

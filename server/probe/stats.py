@@ -70,7 +70,9 @@ def summarize(run: ProbeRun) -> dict:
     reasons: dict[str, int] = {}
     for r in recs:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
-    return {"metrics": metrics, "finish_reasons": reasons, "requests": len(recs), "warmup": run.config.warmup}
+    gaps = "arrival" if any(r.gaps == "arrival" for r in recs) else "token"
+    return {"metrics": metrics, "finish_reasons": reasons, "requests": len(recs), "warmup": run.config.warmup,
+            "gaps": gaps}
 
 
 # --- SLOs --------------------------------------------------------------------------------------------
@@ -154,6 +156,9 @@ def table(run: ProbeRun, summary: dict) -> str:
         lines.append(f"{name:<16}{unit:>6}" + "".join(f"{_fmt(row.get(s)):>10}" for s in STATS))
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items()))
     lines.append(f"finish reasons: {reasons or '-'}")
+    if summary.get("gaps") == "arrival":
+        lines.append("itl_ms, max_stall_ms: gaps between arrivals (the stream merged tokens into chunks), not "
+                     "per token")
     return "\n".join(lines)
 
 
