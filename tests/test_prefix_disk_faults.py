@@ -143,6 +143,7 @@ def test_the_servers_log_and_metrics_carry_the_disk_tiers_notices_and_failures(t
             for k in range(2):
                 frames = generate(ws, f"r{k}", ids_of(20, 40 + k), 2)
                 assert [f["type"] for f in frames].count("done") == 1 and frames[-1]["type"] == "done", frames
+            server.engine.wait_idle()  # a request's conversation is filed after its done
             ws.send(json.dumps({"type": "ping", "t": 1}))
             assert recv(ws)["type"] == "pong"  # no second terminal frame came before it
         assert sum("write failed" in m and "Permission denied" in m for m in said) == 2, said
