@@ -25,6 +25,26 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# The weight products in the checkpoint's own formats (e4m3 / e2m1 with E8M0 block scales, `tl.dot_scaled`)
+# run where the device has the block-scaled tensor-core MMA (sm_100 and later), and under the interpreter
+# when this is set (the tests of that path: the interpreter runs `tl.dot_scaled` as the same exact products
+# in float32).
+MXF_INTERPRET = False
+
+
+def capability(dev: torch.device) -> int:
+    """The device's compute capability as one number (90: H100/H200, 100: B200, 103: B300); 0 off CUDA. The
+    wrappers choose tiles and paths by it (tests/gpu_dry_run.py sets it to each target it compiles for)."""
+    if dev.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(dev)
+    return 10 * major + minor
+
+
+def mxf(dev: torch.device) -> bool:
+    """Whether FP8/FP4 weights multiply on the block-scaled MMA here (the kernels' MXF constexpr)."""
+    return capability(dev) >= 100 or (INTERPRET and MXF_INTERPRET)
+
 # Rows one launch may take (a prefill chunk; a verify block has at most 9). Every offset that multiplies a
 # row index is int64, so no index overflows at any size; the bound keeps a launch's float32 scratch
 # (attention logits [rows, heads, keys], index scores [rows, compressed rows]) to what one device holds at
@@ -179,13 +199,39 @@ def pow2_ceil(v):
 
 
 @device_function
-def e4m3_rne(y):
+def pow2_inverse(s):
+    """1 / s for float32 powers of two s in [2^-126, 2^126], exact, from the bit pattern (one integer op)."""
+    return ((254 << 23) - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@device_function
+def e4m3_sum_rne(y):
     """Round float32 y (|y| <= 448) to the nearest e4m3 value, ties to even, as float32: (y + c) - c with c
     = 1.5 2^23 times the e4m3 spacing at |y| (2^(e-3) for a normal |y| in [2^e, 2^(e+1)), 2^-9 below 2^-6),
     so the float32 sum rounds at exactly that spacing, to nearest even (c is an even multiple of it, so the
     rounding is symmetric in the sign of y), and a carry into the next power of two comes out right. The
-    same on the GPU and in the interpreter (whose float8 cast loses that carry)."""
+    interpreter's rounding (its float8 cast loses that carry); on the GPU the conversion instruction
+    computes the same (`e4m3_rne`)."""
     bits = y.to(tl.int32, bitcast=True)
     c_normal = (((bits & 0x7F800000) + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
     c = tl.where(tl.abs(y) < 0.015625, 24576.0, c_normal)  # below 2^-6: spacing 2^-9, c = 1.5 2^14
     return (y + c) - c
+
+
+if INTERPRET:
+    @device_function
+    def e4m3_codes(y):
+        """float32 y (|y| <= 448) -> the nearest e4m3 codes, ties to even (float8e4nv)."""
+        return e4m3_sum_rne(y).to(tl.float8e4nv)  # exact: already an e4m3 value
+else:
+    @device_function
+    def e4m3_codes(y):
+        """float32 y (|y| <= 448) -> the nearest e4m3 codes, ties to even (float8e4nv): one conversion
+        instruction per pair (cvt.rn.satfinite.e4m3x2.f32 on sm_89 and later)."""
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@device_function
+def e4m3_rne(y):
+    """float32 y (|y| <= 448) rounded to the nearest e4m3 value, ties to even, as float32."""
+    return e4m3_codes(y).to(tl.float32)

@@ -34,7 +34,7 @@ from ._triton import (
     tsum,
 )
 from .formats import e8m0_to_float
-from .linear import PackedWeight, check_act_block, check_weight, kernel_args, mma_parts, quant_tile, weight_tile
+from .linear import PackedWeight, check_act_block, check_weight, kernel_args, weight_product
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -68,20 +68,16 @@ def layer_reference(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 @device_function
-def _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, ACT_BLOCK: tl.constexpr, BM: tl.constexpr,
-               BK: tl.constexpr):
+def _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM: tl.constexpr, BK: tl.constexpr):
     """Columns [k0, k0 + BK) of the rows' looked-up table rows (each position's C rows of HD, one row of
-    K = C HD), dequantized exactly, FP8-quantized per ACT_BLOCK, float32 [BM, BK]."""
+    K = C HD), dequantized exactly, float32 [BM, BK]."""
     cols = k0 + tl.arange(0, BK)
     r64 = rows[:, None].to(tl.int64)
     code = tl.load(codes_ptr + r64 * K + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
     blocks = k0 // 32 + tl.arange(0, BK // 32)  # BK is a multiple of 32: the tile holds whole scale blocks
     e = tl.load(scale_ptr + r64 * (K // 32) + blocks[None, :], mask=row_mask[:, None] & (blocks[None, :] * 32 < K),
                 other=127)
-    v = tl.reshape(tl.reshape(code.to(tl.float32), (BM, BK // 32, 32)) * e8m0_f32(e)[:, :, None], (BM, BK))
-    if ACT_BLOCK > 0:
-        v = quant_tile(v, BM, BK, ACT_BLOCK)
-    return v
+    return tl.reshape(tl.reshape(code.to(tl.float32), (BM, BK // 32, 32)) * e8m0_f32(e)[:, :, None], (BM, BK))
 
 
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
@@ -95,8 +91,8 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                  DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
+                  DOT_BF16: tl.constexpr, MXF: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
     N = (hc + 1) * D
@@ -108,9 +104,8 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        w = weight_tile(w_rows, s_rows, n_mask, k0, K, FMT, BI, BN, BK)
-        a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, ACT_BLOCK, BM, BK)
-        acc = mma_parts(w, a, acc, 1, DOT_BF16)
+        a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
+        acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, MXF, BM, BN, BK)
     r64 = rows.to(tl.int64)
     tl.store(kv_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16),
              mask=n_mask[:, None] & row_mask[None, :])
@@ -175,7 +170,8 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     if t == 0:
         return out
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
-    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev)
+    scaled = linear.block_scaled(dev, [wkv], [ab])
+    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, scaled)
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
@@ -183,7 +179,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
         codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, t, k, hc, d, swn, ssn,
-        float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET,
+        float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, MXF=scaled,
         OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
         BHC=pow2(hc))
     return out

@@ -17,6 +17,14 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   transposed [BK, 16]: on the GPU a bfloat16 tensor-core product (each product exact, sums in float32),
   under the interpreter a float32 matmul. Dense float32/float16 weights (no checkpoint stores them) take a
   float32 FMA dot instead.
+- On sm_100 and later (`_triton.mxf`) a launch whose every product has FP8/FP4 weights and quantized rows
+  (official numerics) multiplies in the checkpoint's own formats instead (`weight_product`): the weight
+  codes as stored and the rows' e4m3 codes, with their E8M0 bytes, on the block-scaled tensor-core MMA
+  (`tl.dot_scaled`; 128 outputs a tile, its M side). The products are the same exact values, summed in
+  float32: the same bound, and the same batch invariance (the row count never changes a row's sums).
+  Nothing is unpacked in registers: about 2.5 instructions issued per weight element where the bfloat16
+  path issues 10 to 20 (tests/gpu_dry_run.py measures it). `--numerics plain` (float32 rows, not
+  quantized) keeps the bfloat16 path on every target.
 - Batch invariance by construction: a program always holds 16 rows (the instruction's N side, unused rows
   masked), so a row meets the same instructions in the same order whether 1 or 16 rows share the launch;
   BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
@@ -38,10 +46,13 @@ from ._triton import (
     counters,
     device_function,
     device_of,
+    e4m3_codes,
     e4m3_rne,
     e8m0_f32,
+    mxf,
     pow2,
     pow2_ceil,
+    pow2_inverse,
     require,
     require_dtype,
     require_rows,
@@ -181,8 +192,67 @@ def quant_tile(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
     xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
     amax = tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4)
     s = pow2_ceil(amax * (1.0 / 448.0))[:, :, None]
-    q = e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0))
+    q = e4m3_rne(xb * pow2_inverse(s))  # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
     return tl.reshape(q * s, (BM, BK))
+
+
+@device_function
+def quant_codes(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
+    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns as the block-scaled MMA takes it:
+    e4m3 codes [BM, BK] and one E8M0 exponent byte per 32 columns [BM, BK // 32] (the 32-column blocks of one
+    ACT_BLOCK share its power of two). codes x 2^(byte - 127) is `quant_tile`'s value exactly."""
+    xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
+    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))  # [BM, BK // ACT_BLOCK]
+    # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
+    codes = tl.reshape(e4m3_codes(xb * pow2_inverse(s)[:, :, None]), (BM, BK))
+    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    scales = tl.reshape(tl.broadcast_to(e[:, :, None], (BM, BK // ACT_BLOCK, ACT_BLOCK // 32)), (BM, BK // 32))
+    return codes, scales
+
+
+@device_function
+def weight_codes(w_rows, s_rows, n_mask, k0, k_end,
+                 FMT: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight rows' columns [k0, k0 + BK) as stored, for the block-scaled MMA: e4m3 codes [BN, BK] (fp8) or
+    e2m1 pairs [BN, BK // 2] (fp4: two a byte, the low nibble first) and one E8M0 byte per 32 columns
+    [BN, BK // 32] (an FP8 block of BI columns repeats its byte); zero codes (and scale 2^0) past k_end."""
+    blocks = k0 // 32 + tl.arange(0, BK // 32)
+    sc = tl.load(s_rows[:, None] + (blocks * 32 // BI)[None, :], mask=n_mask[:, None] & (blocks[None, :] * 32 < k_end),
+                 other=127).to(tl.uint8, bitcast=True)
+    if FMT == 1:
+        offs_k = k0 + tl.arange(0, BK)
+        w = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < k_end), other=0.0)
+    else:
+        offs_b = k0 // 2 + tl.arange(0, BK // 2)
+        w = tl.load(w_rows[:, None] + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < k_end // 2),
+                    other=0).to(tl.uint8, bitcast=True)
+    return w, sc
+
+
+@device_function
+def mxf_mma(w, ws, x, xs, acc, FMT: tl.constexpr):
+    """acc [BN, BM] += w . x^T on the block-scaled MMA: weight codes and bytes (`weight_codes`), the rows'
+    e4m3 codes and bytes (`quant_codes`). Every product of two codes is exact; sums in float32."""
+    return tl.dot_scaled(w, ws, "e4m3" if FMT == 1 else "e2m1", tl.trans(x), xs, "e4m3", acc)
+
+
+@device_function
+def weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
+                   ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' float32 tile `a` [BM, BK]
+    (FP8-quantized per ACT_BLOCK here, 0: not). With MXF (the device has the block-scaled MMA: sm_100 and
+    later), FP8/FP4 weights with quantized rows (official numerics) multiply on it (`mxf_mma`); otherwise the
+    weights are dequantized to bfloat16 values (`weight_tile`, `mma_parts`)."""
+    if MXF and ACT_BLOCK >= 32 and FMT > 0:
+        w, ws = weight_codes(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
+        xq, xs = quant_codes(a, BM, BK, ACT_BLOCK)
+        acc = mxf_mma(w, ws, xq, xs, acc, FMT)
+    else:
+        if ACT_BLOCK > 0:
+            a = quant_tile(a, BM, BK, ACT_BLOCK)
+        acc = mma_parts(weight_tile(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK), a, acc, X_PARTS, DOT_BF16)
+    return acc
 
 
 @device_function
@@ -250,15 +320,14 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
 def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn, stride_sn,
           r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
           BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          MXF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """float32 [BN, BM]: outputs offs_n of rows `rows` summed over the inputs [k_lo, k_end) of x_base, K tiles
-    in order. NORM: the rows are RMS-normalized first (`r` their reciprocal RMS, `nw_ptr` the weight) and
-    rounded to x's dtype, as the RMSNorm kernel computes them, then quantized like any input."""
+    in order (`weight_product`). NORM: the rows are RMS-normalized first (`r` their reciprocal RMS, `nw_ptr`
+    the weight) and rounded to x's dtype, as the RMSNorm kernel computes them, then quantized like any input."""
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_end, BK):
-        w = weight_tile(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
         if NORM:
             offs_k = k0 + tl.arange(0, BK)
             km = offs_k < k_end
@@ -266,11 +335,10 @@ def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_e
                          mask=row_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
             a = round_out(nw[None, :] * (xv * r[:, None]), X_BF16).to(tl.float32)
-            if ACT_BLOCK > 0:
-                a = quant_tile(a, BM, BK, ACT_BLOCK)
         else:
-            a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, ACT_BLOCK, BM, BK)
-        acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
+            a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, 0, BM, BK)
+        acc = weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16, MXF,
+                             BM, BN, BK)
     return acc
 
 
@@ -303,9 +371,9 @@ def _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr
 def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, stride_xm, stride_wn, stride_sn,
              k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr,
              NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-             OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             BHC: tl.constexpr):
+             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+             K_ALIGN: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr):
     """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
     partials go to `part_ptr` [SPLIT, M, N]; the tile's last program (a counter per tile and row block) adds
     them in split order and stores the result."""
@@ -317,9 +385,9 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
     n_mask = offs_n < N
     x_base = x_ptr + ((tile * BN) // n_per_group) * K  # grouped: the tile's group of input columns
     k_lo = split * k_per_split
-    k_end = tl.minimum(K, k_lo + k_per_split)
+    k_end = tl.multiple_of(tl.minimum(K, k_lo + k_per_split), K_ALIGN)  # whole-vector loads up to it
     acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
-                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, BM, BN, BK)
+                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, BM, BN, BK)
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -360,8 +428,8 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             N3, swn3, ssn3, kps3, npg3, end3, cnt3,
             N4, swn4, ssn4, kps4, npg4, end4, cnt4,
             NSEG: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, EXPAND: tl.constexpr,
-            DOT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr,
-            BKN: tl.constexpr,
+            DOT_BF16: tl.constexpr, MXF: tl.constexpr, K_ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, BHC: tl.constexpr, BKN: tl.constexpr,
             FMT0: tl.constexpr, BO0: tl.constexpr, BI0: tl.constexpr, ACT0: tl.constexpr,
             XP0: tl.constexpr, SPLIT0: tl.constexpr, OUT0: tl.constexpr,
             FMT1: tl.constexpr, BO1: tl.constexpr, BI1: tl.constexpr, ACT1: tl.constexpr,
@@ -387,34 +455,45 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
     if pid < end0:
         _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, pid, pid_m, M, N0, K, stride_xm, swn0,
                  ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
-                 ACT0, XP0, DOT_BF16, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+                 ACT0, XP0, DOT_BF16, MXF, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
     if NSEG > 1:
         if (pid >= end0) & (pid < end1):
             _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, pid - end0, pid_m, M, N1, K, stride_xm, swn1,
                      ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
-                     ACT1, XP1, DOT_BF16, SPLIT1, OUT1, False, BM, BN, BK, BHC)
+                     ACT1, XP1, DOT_BF16, MXF, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
     if NSEG > 2:
         if (pid >= end1) & (pid < end2):
             _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, pid - end1, pid_m, M, N2, K, stride_xm, swn2,
                      ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
-                     ACT2, XP2, DOT_BF16, SPLIT2, OUT2, False, BM, BN, BK, BHC)
+                     ACT2, XP2, DOT_BF16, MXF, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
     if NSEG > 3:
         if (pid >= end2) & (pid < end3):
             _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, pid - end2, pid_m, M, N3, K, stride_xm, swn3,
                      ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
-                     ACT3, XP3, DOT_BF16, SPLIT3, OUT3, False, BM, BN, BK, BHC)
+                     ACT3, XP3, DOT_BF16, MXF, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
     if NSEG > 4:
         if (pid >= end3) & (pid < end4):
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, pid - end3, pid_m, M, N4, K, stride_xm, swn4,
                      ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
-                     ACT4, XP4, DOT_BF16, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+                     ACT4, XP4, DOT_BF16, MXF, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
 
 
-def plan(segments: list[tuple[int, int, int]], k: int,
-         dev: torch.device) -> tuple[int, int, int, list[tuple[int, int]]]:
+def block_scaled(dev: torch.device, weights: list[PackedWeight], act_blocks: list[int]) -> bool:
+    """Whether a launch of products of `weights` with rows quantized per `act_blocks` (0: not) multiplies on
+    the block-scaled MMA (`weight_product`'s MXF): on a device that has it, every weight FP8/FP4 and 16-byte
+    aligned as a device allocation is (whole-vector loads; the interpreter has no vectors), every row
+    quantized. Any other launch multiplies bfloat16 values."""
+    return mxf(dev) and all(ab >= 32 and w.format in ("fp8", "fp4") and (INTERPRET or w.data.data_ptr() % 16 == 0)
+                            for w, ab in zip(weights, act_blocks))
+
+
+def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device,
+         scaled: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
-    segments' (outputs, act_block, outputs per group) and K only: never from the number of rows, so a row's
-    summation order does not depend on how many rows are computed together."""
+    segments' (outputs, act_block, outputs per group), K and the device only: never from the number of rows,
+    so a row's summation order does not depend on how many rows are computed together. `scaled`: every
+    segment multiplies on the block-scaled MMA, whose M side is 128 outputs (a narrower tile falls back to
+    bfloat16 products), so its tiles are 128 outputs wide."""
     bm = MMA_ROWS
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
@@ -422,8 +501,8 @@ def plan(segments: list[tuple[int, int, int]], k: int,
         bk = max(min(pow2(k), 512), ab, 32)
         bn = min(pow2(n_max), 1024)
     else:
-        bk = max(64, ab)
-        bn = 64 if n_max <= 4096 else 128
+        bk = max(128 if scaled else 64, ab)
+        bn = 128 if scaled or n_max > 4096 else 64
     for n, _, ng in segments:
         if ng < n:  # grouped: a tile never straddles two groups
             bn = max(16, min(bn, ng & -ng))
@@ -566,7 +645,8 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     shaped = [o.view(*x.shape[:-1], *o.shape[1:]) for o in outs]
     if m == 0 or k == 0:
         return [o.zero_() for o in shaped] if k == 0 else shaped
-    bm, bn, bk, splits = plan(shapes, k, dev)
+    scaled = block_scaled(dev, [p.weight for p in products], [ab for _, ab, _ in shapes])
+    bm, bn, bk, splits = plan(shapes, k, dev, scaled)
     row_blocks = triton.cdiv(m, bm)
     exact = products[0].weight.bf16_exact
     args, rt, cx, end, used = [], [], {}, 0, 0
@@ -590,7 +670,9 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     _kernel[(end, row_blocks)](x2, nw, counters(dev, used), X, post, comb, *args, m, k, x2.stride(0), float(eps), hc,
                                *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
-                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, BM=bm, BN=bn, BK=bk,
+                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, MXF=scaled,
+                               K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
+                               BM=bm, BN=bn, BK=bk,
                                BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)
     return shaped
 

@@ -42,6 +42,7 @@ from ._triton import (
     counters,
     device_function,
     device_of,
+    mxf,
     pow2,
     require,
     require_dtype,
@@ -58,9 +59,8 @@ from .linear import (
     check_act_block,
     check_weight,
     kernel_args,
-    mma_parts,
     product_tile,
-    weight_tile,
+    weight_product,
 )
 
 
@@ -292,7 +292,7 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
     k_lo = split * k_per_split
     k_end = tl.minimum(D, k_lo + k_per_split)
     acc = product_tile(x_ptr, g_ptr, g_ptr, rows, rmask, offs_n, n_mask, k_lo, k_end, stride_x, stride_g, 0, 0.0,
-                       g_ptr, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, BM, BN, BK)
+                       g_ptr, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, BM, BN, BK)
     mask = n_mask[:, None] & rmask[None, :]
     out = l_ptr + rows[None, :].to(tl.int64) * E + offs_n[:, None]
     done = True
@@ -353,8 +353,10 @@ class ExpertTable:
                 require(kernel_args(w)[2:] == want and w.shape == (a1.shape if name != "w2" else w2.shape),
                         f"experts[{n}].{name}", f"{w.format} {w.shape}", "must match expert 0's format and layout")
             rows.append([t for w in (a1, a3, a2) for t in kernel_args(w)[:2]])
-        self.table = torch.tensor([[t.data_ptr() if not isinstance(t, int) else t for t in r] for r in rows],
-                                  dtype=torch.int64, device=device)
+        addresses = [[t.data_ptr() if not isinstance(t, int) else t for t in r] for r in rows]
+        self.table = torch.tensor(addresses, dtype=torch.int64, device=device)
+        # the weight rows' alignment the kernels may assume (16 bytes: whole-vector loads), from every address
+        self.align = 16 if all(a % 16 == 0 for r in addresses for a in r) else 1
         self.refs = [t for r in rows for t in r if not isinstance(t, int)]  # keep the storage alive
 
 
@@ -378,16 +380,17 @@ def expert_table(experts, key) -> ExpertTable:
 @device_function
 def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr,
-              X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr, W_ALIGN: tl.constexpr,
+              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
     [p, end), 16 at a time, into rows of h (IW wide)."""
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
-    w1_rows = a1.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    w1_rows = tl.multiple_of(a1.to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
     s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-    w3_rows = tl.load(base + 2).to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    w3_rows = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
     s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
     for r0 in range(p, end, BM):  # 16 pairs at a time, whatever the group's size
         prs = r0 + tl.arange(0, BM)
@@ -397,13 +400,13 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, s
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         if a1 != 0:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
             for k0 in range(0, D, BK):
-                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
-                acc_g = mma_parts(weight_tile(w1_rows, s1_rows, n_mask, k0, D, FMT, BI, BN, BK), a, acc_g, X_PARTS,
-                                  DOT_BF16)
+                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
+                acc_g = weight_product(w1_rows, s1_rows, n_mask, a, k0, D, acc_g, FMT, BI, ACT_BLOCK, X_PARTS,
+                                       DOT_BF16, MXF, BM, BN, BK)
             for k0 in range(0, D, BK):
-                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, ACT_BLOCK, BM, BK)
-                acc_u = mma_parts(weight_tile(w3_rows, s3_rows, n_mask, k0, D, FMT, BI, BN, BK), a, acc_u, X_PARTS,
-                                  DOT_BF16)
+                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
+                acc_u = weight_product(w3_rows, s3_rows, n_mask, a, k0, D, acc_u, FMT, BI, ACT_BLOCK, X_PARTS,
+                                       DOT_BF16, MXF, BM, BN, BK)
         g = round_out(acc_g, X_BF16).to(tl.float32)
         u = round_out(acc_u, X_BF16).to(tl.float32)
         if HAS_LIMIT:
@@ -430,7 +433,8 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
-                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                    W_ALIGN: tl.constexpr,
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
@@ -439,24 +443,25 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
             e = tl.load(e_ptr + p)
             if e < E:
                 _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, swn, ssn,
-                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, APPLY_W, X_BF16, BM, BN, BK)
+                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, HAS_LIMIT, APPLY_W,
+                          X_BF16, BM, BN, BK)
             elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
                 _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I_S, IW, stride_x, s_swn, s_ssn,
-                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, HAS_LIMIT, 0, X_BF16, BM, BN,
-                          BK)
+                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, HAS_LIMIT, 0,
+                          X_BF16, BM, BN, BK)
 
 
 @device_function
 def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr, W_ALIGN: tl.constexpr,
+                APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): float32
     outputs (values of x's dtype) per pair."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < D
-    w2_rows = a2.to(tl.pointer_type(WDT)) + offs_n.to(tl.int64) * stride_wn
+    w2_rows = tl.multiple_of(a2.to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
     s2_rows = tl.load(base + 5).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
     for r0 in range(p, end, BM):
         prs = r0 + tl.arange(0, BM)
@@ -464,9 +469,9 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if a2 != 0:
             for k0 in range(0, I, BK):
-                a = act_tile(h_ptr, prs, pm, k0, I, IW, ACT_BLOCK, BM, BK)
-                w = weight_tile(w2_rows, s2_rows, n_mask, k0, I, FMT, BI, BN, BK)
-                acc = mma_parts(w, a, acc, X_PARTS, DOT_BF16)
+                a = act_tile(h_ptr, prs, pm, k0, I, IW, 0, BM, BK)
+                acc = weight_product(w2_rows, s2_rows, n_mask, a, k0, I, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
+                                     MXF, BM, BN, BK)
         o = round_out(acc, X_BF16).to(tl.float32)
         if APPLY_W == 2:  # o * weight in x's dtype
             pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
@@ -484,8 +489,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
-                 ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
+                 ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                 W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
@@ -494,10 +499,10 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
             e = tl.load(e_ptr + p)
             if e < E:
                 _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, IW, D, swn, ssn, FMT, BO, BI, WDT,
-                            ACT_BLOCK, X_PARTS, DOT_BF16, APPLY_W, X_BF16, BM, BN, BK)
+                            ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
-                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
+                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -637,20 +642,28 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     pe, pr, pw, first, end = pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
+    align = min(table.align, st.align if st is not None else 16)
+    # FP8/FP4 weights (aligned: whole-vector loads; the interpreter has no vectors) with quantized rows
+    # multiply on the block-scaled MMA
+    scaled = mxf(dev) and ab >= 32 and (align == 16 or INTERPRET)
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
     else:
-        bk2 = max(64, ab)
-        bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)  # a 128-deep K tile (ACT_BLOCK 128): narrower
+        bk2 = max(128 if scaled else 64, ab)
+        if scaled:  # the block-scaled MMA's M side is 128 outputs (narrower: bfloat16 products)
+            bn_up, bn_down = 128, 128
+        else:  # bfloat16 products from registers: a 128-deep K tile (ACT_BLOCK 128) spills at 32 outputs
+            bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)
     per_program = n_pairs if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
     xb = x.dtype == torch.bfloat16
     parts = 3 if not ab and not xb else 1  # float32 activations: three exact bfloat16 parts
     dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
-    common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, X_BF16=xb, HAS_SHARED=shared is not None, BM=MMA_ROWS,
-                  BK=bk2, num_warps=8)
+    common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, MXF=scaled, W_ALIGN=align, X_BF16=xb,
+                  HAS_SHARED=shared is not None, BM=MMA_ROWS,
+                  BK=bk2, num_warps=4 if scaled else 8)
     h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(iw, bn_up))](

@@ -66,3 +66,19 @@ def fixture_model():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def block_scaled(monkeypatch):
+    """The weight products take the block-scaled MMA (on a device: where it has one, sm_100 and later; under
+    the interpreter: always). Under the interpreter (plain Python helpers there) the products it makes are
+    counted: the list's length."""
+    import kernels._triton
+    from kernels import linear
+
+    made = []
+    monkeypatch.setattr(kernels._triton, "MXF_INTERPRET", True)
+    if kernels._triton.INTERPRET:
+        mma = linear.mxf_mma
+        monkeypatch.setattr(linear, "mxf_mma", lambda *a: (made.append(1), mma(*a))[1])
+    return made

@@ -6,7 +6,9 @@
    branches) and has no shared-memory limit. Here the interpreter is off and each kernel launch becomes a
    compilation for every target (ptxas ships with Triton; no driver is needed), with the specializations
    that the kernel benchmark's cases at real V4.1 shapes (bf16 and float32 activations, M = 1 and 6), a
-   rank of four's split MoE and indexer at those shapes, and the tiny models' fast path launch. The tiny
+   rank of four's split MoE and indexer at those shapes, and the tiny models' fast path launch. The wrappers
+   choose tiles and paths by the device (`kernels._triton.capability`: on sm_100 and later the weight
+   products take the block-scaled MMA), so the cases run once per target, as that target chooses. The tiny
    models' specializations of a kernel the benchmark cases reach compile for the last target only (the
    B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), those of the
    kernels only the cycles reach (the fused layer-input kernels) for every target. Nothing is
@@ -21,6 +23,11 @@
    instruction in any kernel's PTX (an `.f64` opcode: a B300 runs float64 at 1/60 of its float32 rate), and
    ptxas' register and spill counts for every specialization (`ptxas -v` on the PTX, with the flags Triton
    uses), none of which may spill.
+4. What the weight products issue (tests/sass.py): for every specialization of a kernel that streams FP8 or
+   FP4 weights (WEIGHT_LOOPS), the lane-instructions its main loop issues per weight element and the MMA
+   kinds it uses, per target; the worst of each kernel, format, numerics and target is reported (`issue`),
+   and one over ISSUE_BUDGET (without a block-scaled MMA on sm_100/103, above its ISSUE_CEILING on sm_90)
+   fails.
 
 It prints one JSON object (compilations per target, per kernel and target its specializations, most
 registers, most spilled bytes and float64 instructions, kernels never launched, failures, capture
@@ -32,6 +39,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "0"  # before Triton is imported: kernels are compiled, not interpreted
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -53,10 +61,35 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
+from tests import sass  # noqa: E402
+
 SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
 
 # Spills allowed, with their bound (bytes, any specialization and target): none; a kernel that spills fails
 KNOWN_SPILLS: dict[str, int] = {}
+# A kernel that streams FP8/FP4 weights: the constexprs naming the weight tile its main loop consumes (rows,
+# K), its weight format, its activation block (0: --numerics plain, no quantized rows), and what says its
+# weight rows are 16-byte aligned (an argument Triton found aligned, or a constexpr of 16)
+WeightLoop = collections.namedtuple("WeightLoop", "rows depth fmt act aligned")
+WEIGHT_LOOPS = {"kernels.linear._kernel": WeightLoop("BN", "BK", "FMT0", "ACT0", "w0"),
+                "kernels.moe._gate_up_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN"),
+                "kernels.moe._down_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN"),
+                "kernels.engram._layer_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "w_ptr")}
+WEIGHT_FORMATS = {1: "fp8", 2: "fp4"}  # kernels/linear.py's FMT codes (0: dense weights, not budgeted)
+# Lane-instructions per FP8/FP4 weight element the main loop may issue with the served numerics (official:
+# quantized rows): what the GPU issues while the weights stream in at its full bandwidth (B300: 148 SMs x 4
+# schedulers x 32 lanes x ~1.9 GHz over 8 TB/s of 0.5-byte FP4 elements, about 2.4; an H200 issues 132 x 4 x
+# 32 x 1.98 GHz over 4.8 TB/s of 1-byte FP8 elements, about 7, of which half is left for the product). On
+# sm_100/103 a block-scaled MMA (the checkpoint's formats on the tensor cores) meets it as well.
+# --numerics plain (exact products of float32 rows, the transformers oracle's configuration) is reported,
+# not budgeted.
+ISSUE_BUDGET = {90: 3.5, 100: 2.5, 103: 2.5}
+# Main loops not yet within the budget, with the most they may issue: a ceiling that only goes down. On
+# sm_90 the weights are still dequantized to bfloat16 values element by element (no FP4 tensor cores there;
+# the cheap exact unpack is to come)
+ISSUE_CEILING = {(90, "linear._kernel fp8"): 9.5, (90, "linear._kernel fp4"): 18.5,
+                 (90, "moe._gate_up_kernel fp4"): 69.0, (90, "moe._down_kernel fp4"): 69.0,
+                 (90, "engram._layer_kernel fp8"): 7.5}
 _F64 = re.compile(r"^\s*(@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction (not a .reg declaration) on float64
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -130,6 +163,9 @@ class Compiler:
         self.ptxas = Ptxas()
         # arch -> kernel -> {"specializations", "registers" (most), "spill_bytes" (most), "f64_instructions"}
         self.resources: dict[int, dict[str, dict]] = {a: {} for a in archs}
+        # arch -> "kernel format" -> the worst main loop: lane-instructions per weight element, its MMA kinds
+        self.issue: dict[int, dict[str, dict]] = {a: {} for a in archs}
+        self.unaligned = {a: 0 for a in archs}  # weight-streaming specializations with unaligned weights
 
     def __call__(self, fn: jit.JITFunction, *args, grid, warmup, **kwargs):
         name = f"{fn.fn.__module__}.{fn.fn.__name__}"
@@ -146,8 +182,11 @@ class Compiler:
             self.seen.add(seen)
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
             # one compilation per signature and constexprs: launches that differ only in a pointer's or
-            # stride's alignment compile to the same arithmetic and registers, give or take a vector width
-            key = (name, target.arch, repr(signature), repr(sorted(constexprs.items())))
+            # stride's alignment compile to the same arithmetic and registers, give or take a vector width;
+            # that width is what a weight-streaming kernel's issue is about, so there alignments count too
+            aligned = {fn.arg_names[a[0]] for a, v in attrs.items() if ["tt.divisibility", 16] in v}
+            key = (name, target.arch, repr(signature), repr(sorted(constexprs.items())),
+                   repr(sorted(aligned)) if name in WEIGHT_LOOPS else "")
             if key in self.done:
                 continue
             t = time.perf_counter()
@@ -163,7 +202,9 @@ class Compiler:
                                           f"{k.metadata.shared} bytes of shared memory > {SHARED_LIMIT} "
                                           f"(constexprs {sorted(constexprs.items())})"})
                 self.shared = max(self.shared, k.metadata.shared)
-                self.check_resources(name, target.arch, k, options, constexprs)
+                named = {fn.arg_names[key[0]] if isinstance(key, tuple) else key: v for key, v in constexprs.items()}
+                self.check_resources(name, target.arch, k, options, named)
+                self.measure_issue(name, target.arch, k, named, aligned)
             except Exception as e:  # the compiler's message is the finding
                 self.failures.append({"kernel": name, "arch": target.arch, "error": str(e)[-2000:]})
             self.done[key] = time.perf_counter() - t
@@ -188,6 +229,46 @@ class Compiler:
         if spill > KNOWN_SPILLS.get(name, 0):
             self.failures.append({"kernel": name, "arch": arch, "error": f"ptxas spills {spill} bytes ({regs} "
                                   f"registers) {where}: choose smaller blocks"})
+
+
+    def measure_issue(self, name: str, arch: int, k, constexprs: dict, aligned: set[str]) -> None:
+        """The main loop's lane-instructions per weight element of a weight-streaming kernel (tests/sass.py),
+        for weights 16-byte aligned as a device allocation is (an unaligned view, as the CPU's memory-mapped
+        tiny checkpoints give, loads byte by byte: a different program, counted apart); the worst of each
+        kernel, format, numerics and target is kept, and one over its budget (official numerics) is a
+        failure unless it multiplies on a block-scaled MMA or is within its ISSUE_CEILING."""
+        if name not in WEIGHT_LOOPS:
+            return
+        spec = WEIGHT_LOOPS[name]
+        rows, depth, fmt, act = (constexprs[c] for c in (spec.rows, spec.depth, spec.fmt, spec.act))
+        if fmt not in WEIGHT_FORMATS:
+            return
+        if spec.aligned not in aligned and constexprs.get(spec.aligned) != 16:
+            self.unaligned[arch] += 1
+            return
+        loop = sass.main_loop(sass.disassemble(k.asm["cubin"]))
+        if loop is None:
+            self.failures.append({"kernel": name, "arch": arch, "error": "no main loop with an MMA in its SASS"})
+            return
+        ipe = round(sass.per_element(loop, k.metadata.num_warps, rows, depth), 2)
+        kernel = f"{name.removeprefix('kernels.')} {WEIGHT_FORMATS[fmt]}"
+        key = f"{kernel} {'official' if act else 'plain'}"
+        worst = self.issue[arch].get(key)
+        if worst is None or ipe > worst["per_element"]:
+            self.issue[arch][key] = {"per_element": ipe, "instructions": loop.instructions,
+                                     "warps": k.metadata.num_warps, "tile": [rows, depth], "mma": list(loop.mma),
+                                     "native_mma": loop.native}
+        budget = ISSUE_BUDGET.get(arch)
+        if not act or budget is None or ipe <= budget or (arch >= 100 and loop.native):
+            return
+        ceiling = ISSUE_CEILING.get((arch, kernel))
+        if ceiling is None or ipe > ceiling:
+            limit = f"its ceiling {ceiling} (the budget is {budget})" if ceiling else f"the budget {budget}"
+            shown = sorted((n, v) for n, v in constexprs.items() if not isinstance(v, int) or v < 1 << 20)
+            self.failures.append({"kernel": name, "arch": arch, "error": (
+                f"{ipe} lane-instructions per {WEIGHT_FORMATS[fmt]} weight element in the main loop "
+                f"({loop.instructions} instructions x {k.metadata.num_warps} warps over a {rows}x{depth} tile, MMA "
+                f"{list(loop.mma)}) > {limit} (constexprs {shown})")})
 
 
 def kernel_names() -> set[str]:
@@ -316,13 +397,18 @@ def main() -> int:
     torch.empty = torch.zeros  # kernel outputs stay as allocated: zeros keep indices in range
     failures = compiler.failures
     t = time.perf_counter()
-    drive_benchmark_cases(failures)
-    drive_split_specializations(failures)
+    targets = compiler.targets
+    for target in targets:  # the wrappers choose tiles and paths by the device: each target's own choices
+        compiler.targets = [target]
+        kt.capability = lambda dev, arch=target.arch: arch
+        drive_benchmark_cases(failures)
+        drive_split_specializations(failures)
+    compiler.targets = targets
     phases = {"benchmark cases": [len(compiler.done), round(time.perf_counter() - t, 1)]}
     compiler.last_target_only = {k[0] for k in compiler.done}
     t = time.perf_counter()
     violations: list[dict] = []
-    drive_cycles(failures, violations)
+    drive_cycles(failures, violations)  # as the last target chooses
     phases["tiny models' cycles"] = [len(compiler.done) - phases["benchmark cases"][0],
                                      round(time.perf_counter() - t, 1)]
     compiler.ptxas.save()
@@ -331,9 +417,12 @@ def main() -> int:
                       "seconds": round(sum(compiler.done.values()), 1),
                       "max_shared_bytes": compiler.shared, "phases (compilations, s)": phases,
                       "kernels": {a: dict(sorted(r.items())) for a, r in compiler.resources.items()},
+                      "issue": {a: dict(sorted(r.items())) for a, r in compiler.issue.items()},
+                      "issue_unaligned_specializations": compiler.unaligned,
                       "never_launched": missing, "failures": failures,
                       "capture_violations": unique_violations(violations)}, indent=1))
     print(table(compiler.resources), file=sys.stderr)
+    print(issue_table(compiler.issue), file=sys.stderr)
     return 1 if failures or missing or violations else 0
 
 
@@ -351,6 +440,18 @@ def table(resources: dict[int, dict[str, dict]]) -> str:
             cells.append(" | " + (f"{'':6}{r['specializations']:4d} {r['registers']:4d} {r['spill_bytes']:5d} "
                                   f"{r['f64_instructions']:3d}" if r else f"{'-':>29}"))
         lines.append(f"{n.removeprefix('kernels.'):<34}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def issue_table(issue: dict[int, dict[str, dict]]) -> str:
+    """Per weight-streaming kernel, format and numerics: the worst main loop's lane-instructions per weight
+    element and MMA kinds, per target, against the budget (official numerics)."""
+    head = "".join(f" | sm_{a} (budget {ISSUE_BUDGET.get(a)}): per element, MMA" for a in sorted(issue))
+    lines = [f"{'kernel, weights, numerics':<36}{head}"]
+    for key in sorted({k for r in issue.values() for k in r}):
+        cells = [issue[a].get(key) for a in sorted(issue)]
+        lines.append(f"{key:<36}" + "".join(f" | {c['per_element']:>6.2f} {','.join(c['mma']):<26}" if c else " | -"
+                                            for c in cells))
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ Tolerance of the layer: one rounding of the activation dtype (the float32 produc
 import pytest
 import torch
 
+import kernels._triton
 from kernels import engram
 from kernels.bench import fp8_weight
 from kernels.formats import encode_fp8
@@ -46,6 +47,17 @@ def test_the_engram_layer_matches_the_reference(t, hc, d, hd, cols, act_block, d
     want = engram.layer_reference(*args)
     got = run(engram.fast_layer, *args)
     assert_close("streams", want, got, TOL[dt], context=f"(seed {s}, {dt}, T={t} hc={hc} D={d})")
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_the_engram_layer_on_the_block_scaled_mma_matches_the_reference_and_rows_stay_invariant(block_scaled, dt):
+    s = seed()
+    X, codes, scales, *rest = args = layer(6, 4, 64, 64, 5, dt, 32)
+    ctx = f"(seed {s}, {dt})"
+    assert_close("streams", engram.layer_reference(*args), run(engram.fast_layer, *args), TOL[dt], context=ctx)
+    assert_rows_invariant("streams", lambda sl: run(engram.fast_layer, X[sl], codes[sl], scales[sl], *rest),
+                          context=ctx)
+    assert block_scaled or not kernels._triton.INTERPRET, f"no product took the block-scaled MMA {ctx}"
 
 
 def test_an_engram_row_does_not_depend_on_the_other_rows():

@@ -2,12 +2,15 @@
 scales), FP4 and dense weights, with and without the fused FP8 activation quantization, split-K, grouped.
 
 Tolerance (kernels/linear.py): |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
-products; the activation codes are the reference's), plus one rounding of the output dtype. Batch
-invariance: M = 1..6 rows computed together equal the same rows computed one at a time, bit for bit."""
+products; the activation codes are the reference's), plus one rounding of the output dtype, on either path:
+bfloat16 values on the tensor cores, or the checkpoint's codes on the block-scaled MMA (sm_100 and later; run
+here under the interpreter). Batch invariance: M = 1..6 rows computed together equal the same rows computed
+one at a time, bit for bit."""
 
 import pytest
 import torch
 
+import kernels._triton
 from kernels import linear, rmsnorm
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
 from kernels.formats import q8_pow2
@@ -91,6 +94,34 @@ def test_a_row_does_not_depend_on_how_many_rows_are_computed_together(fmt, k, ac
     x = (torch.randn(6, groups * k, device=DEVICE) * 2).to(dt)
     assert_rows_invariant("y", lambda sl: run(linear.fast, x[sl], w, act_block, F32, groups=groups),
                           context=f"(seed {s}, {fmt} K={k} act_block={act_block} {dt} groups={groups})")
+
+
+@pytest.mark.parametrize("fmt,k,act_block,dt", [
+    ("fp4", 160, 32, F32),
+    ((32, 32), 704, 32, BF16),    # split-K
+    ((128, 128), 256, 128, BF16),
+    ("fp4", 640, 64, BF16),       # split-K, two 32-column scale blocks per activation block
+], ids=["fp4-ab32", "fp8-32-splitK", "fp8-128-ab128", "fp4-ab64-splitK"])
+def test_products_on_the_block_scaled_mma_are_within_the_bound_and_rows_are_invariant(block_scaled, fmt, k,
+                                                                                      act_block, dt):
+    s = seed()
+    w = weight(fmt, 45, k)
+    x = (torch.randn(6, k, device=DEVICE) * 3).to(dt)
+    ctx = f"(seed {s}, {fmt} K={k} act_block={act_block} {dt})"
+    want = linear.reference(x, w, act_block, F32)
+    got = run(linear.fast, x, w, act_block, F32)
+    assert_within("y", want, got, bound(x, w, act_block, F32, want), ctx)
+    assert_rows_invariant("y", lambda sl: run(linear.fast, x[sl], w, act_block, F32), context=ctx)
+    assert block_scaled or not kernels._triton.INTERPRET, f"no product took the block-scaled MMA {ctx}"
+
+
+def test_a_launch_with_a_product_the_block_scaled_mma_cannot_take_multiplies_bfloat16_values(block_scaled):
+    x = torch.randn(3, 96, device=DEVICE)
+    for products in (_products(96), [linear.Product(fp8_weight(16, 96, (32, 32), DEVICE), None, F32)]):
+        got = run(linear.fast_multi, x, products)
+        for p, g, w in zip(products, got, linear.reference_multi(x, products)):
+            assert_within("y", w, g, bound(x, p.weight, p.act_block, p.out_dtype, w))
+    assert not block_scaled, "a launch with dense weights or plain rows went to the block-scaled MMA"
 
 
 def _products(k, device=DEVICE):

@@ -10,6 +10,7 @@ logits still selects k distinct experts in range."""
 import pytest
 import torch
 
+import kernels._triton
 from kernels import moe
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
 
@@ -100,6 +101,23 @@ def test_the_moe_sub_block_of_a_row_does_not_depend_on_the_other_rows():
 
     for i, name in enumerate(("streams", "route weights", "route indices")):
         assert_rows_invariant(name, lambda sl, i=i: call(sl, i), context=ctx)
+
+
+@pytest.mark.parametrize("fmt,dt", [("fp4", torch.bfloat16), ("fp8", torch.float32)])
+def test_experts_on_the_block_scaled_mma_match_the_reference_and_rows_stay_invariant(block_scaled, fmt, dt):
+    """The expert products on the block-scaled MMA (sm_100 and later; here under the interpreter)."""
+    check_ffn(5, 96, 64, 7, 2, fmt, dt, True, True, 10.0)
+    s = seed()
+    args = list(ffn_args(6, 64, 64, 6, 2, fmt, dt, True, True, 10.0))
+    x, X, post, comb = args[0], args[13], args[14], args[15]
+
+    def streams(sl):
+        a = list(args)
+        a[0], a[13], a[14], a[15] = x[sl], X[sl], post[sl], comb[sl]
+        return run(moe.fast_ffn, *a)[0]
+
+    assert_rows_invariant("streams", streams, context=f"(seed {s}, {fmt} {dt})")
+    assert block_scaled or not kernels._triton.INTERPRET, "no expert product took the block-scaled MMA"
 
 
 def test_a_router_row_of_nans_selects_distinct_experts_in_range():

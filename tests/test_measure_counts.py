@@ -2,10 +2,13 @@
 a host sync, a byte read; one decode cycle counted on the meta device; the cost model's arithmetic."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from appliance.cli import main
 from appliance.measure import costmodel as cm
 from appliance.measure.recorder import Recorder
 
@@ -212,22 +215,57 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
     assert c["bytes_per_step"]["ideal"] < one["bytes_per_step"]["ideal"]
 
 
-def test_the_cost_model_adds_bytes_launches_collectives_and_the_host_link():
-    gpu = cm.GPU("toy", hbm_bytes_per_s=1e12, memory_bytes=1e11, nvlink_bytes_per_s=1e11, source="test")
-    count = {"bytes_per_step": {"total": 720_000_000, "ideal": 360_000_000}, "launches_per_cycle": 1000,
-             "launches_by_layer": [40, 40], "launches_outside_layers": 20, "width": 1,
+def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
+            host_bytes=0) -> dict:
+    return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
+            "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
+            "host_bytes": host_bytes}
+
+
+def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
+    gpu = cm.GPU("toy", hbm_bytes_per_s=1e12, memory_bytes=1e11, nvlink_bytes_per_s=1e11, source="test",
+                 arch=103, issue_per_s=1e12, tensor_flops={"fp8": 1e14})
+    per = cm.ISSUE_PER_ELEMENT[103][("moe", "fp4")]
+    copy = _launch(bytes_read=int(torch.randint(10**6, 10**8, ()).item()))
+    # an expert launch whose instructions outweigh its bytes: 8e6 fp4 elements (4 MB) issue per x 8e6
+    moe = _launch("kernels.moe._gate_up_kernel", bytes_read=4_000_000, weights={"fp4": 8_000_000},
+                  routed_bytes=3_000_000, routed_weights={"fp4": 6_000_000}, routing=(256, 6, 1))
+    host = _launch("kernels.engram._lookup_kernel", bytes_read=30_000, host_bytes=20_000)
+    count = {"bytes_per_step": {"total": 10**9, "ideal": 5 * 10**8}, "launches": [copy, moe, host],
+             "launches_by_layer": [3], "launches_outside_layers": 0, "width": 1,
              "collectives": {"payloads": [{"op": "allreduce_", "bytes": 1_000_000, "count": 10}]},
              "host_link": {"bytes_per_cycle": 20_000, "launches_per_cycle": 1}}
-    t = cm.cycle_time(count, gpu, world=4)["terms_s"]
-    assert t["bytes"] == pytest.approx((720e6 - 20e3) / (1e12 * cm.COPY_FRACTION * cm.KERNEL_FRACTION))
+    copy_bw = 1e12 * cm.COPY_FRACTION
+    one = cm.cycle_time(count, gpu, world=1)
+    t = one["terms_s"]
+    assert t["bytes"] == pytest.approx(copy["bytes_read"] / copy_bw)  # the lookup is bound by the link
+    assert t["issue"] == pytest.approx(8e6 * per / 1e12)  # the MoE launch is bound by issue, not its 4 MB
     assert t["host_link"] == pytest.approx(cm.HOST_READ_LATENCY_S + 20e3 / gpu.host_link_bytes_per_s)
-    assert t["launches"] == pytest.approx(1000 * cm.LAUNCH_S)
-    assert t["collectives"] == pytest.approx(10 * (cm.ALLREDUCE_LATENCY_S + 1e6 * 2 * 3 / 4 / 1e11))
+    assert t["launches"] == pytest.approx(3 * cm.LAUNCH_S)
+    assert t["collectives"] == 0 and t["imbalance"] == 0
+    assert {k["kernel"]: k["bound"] for k in one["kernels"]} == {
+        "copy_": "bytes", "kernels.moe._gate_up_kernel": "issue", "kernels.engram._lookup_kernel": "host_link"}
+    assert one["cycle_s"] == pytest.approx(sum(t.values()))
+    four = cm.cycle_time(count, gpu, world=4)
+    share = cm.busiest_share(256, 6, 1, 4)
+    assert four["terms_s"]["imbalance"] == pytest.approx((share - 1) * 6e6 * per / 1e12)
+    assert four["terms_s"]["collectives"] == pytest.approx(10 * (cm.ALLREDUCE_LATENCY_S + 1e6 * 2 * 3 / 4 / 1e11))
     p = cm.predict(count, gpu, world=4, tokens_per_cycle=3.5)
     assert p["counted"]["tokens_per_s"] == pytest.approx(3.5 / p["counted"]["cycle_s"])
-    budget = p["ideal_bytes_and_launch_budget"]["terms_s"]["launches"]
-    assert budget == pytest.approx((16 * 2 + 20) * cm.LAUNCH_S)
-    assert cm.cycle_time(count, gpu, world=1)["terms_s"]["collectives"] == 0
+    assert p["ideal_bytes_and_launch_budget"]["terms_s"]["launches"] == pytest.approx(16 * cm.LAUNCH_S)
+
+
+def test_the_busiest_rank_holds_more_than_the_mean_under_uniform_routing_and_as_measured():
+    """Six of 256 experts a row over four ranks: the busiest rank holds 2.80 of the 6 of a plain step (issue
+    30's exact figure) within the simulation's error; measured routing that always picks one rank's experts
+    puts all of them there (4x the mean); six spread as evenly as they go (2, 2, 1, 1) give 2 / 1.5."""
+    assert cm.busiest_share(256, 6, 1, 4) == pytest.approx(2.80 / 1.5, rel=0.02)
+    assert cm.busiest_share(256, 6, 4, 4) > cm.busiest_share(256, 6, 1, 4) * 0.6
+    assert cm.busiest_share(256, 6, 1, 1) == 1.0
+    lopsided = [[[0, 1, 2, 3, 4, 5]]] * 10
+    assert cm.busiest_share(256, 6, 1, 4, routing=lopsided) == pytest.approx(4.0)
+    even = [[[0, 64, 128, 192, 1, 65]], [[2, 66, 130, 194, 3, 67]]]
+    assert cm.busiest_share(256, 6, 1, 4, routing=even) == pytest.approx(2 / 1.5)
 
 
 def test_the_engram_lookup_reads_the_rows_it_looks_up_from_host_memory_not_its_tables(meta_counts, monkeypatch):
@@ -255,3 +293,46 @@ def test_the_engram_lookup_reads_the_rows_it_looks_up_from_host_memory_not_its_t
     # a count varies by a few routed rows; a table read whole would add 99 tables
     extra = longer["bytes_per_step"]["total"] - base["bytes_per_step"]["total"]
     assert abs(extra) < min(g.table.numel() for g in engrams), extra
+
+
+@pytest.fixture(scope="module")
+def released_config(tmp_path_factory):
+    from tests.conftest import DATA
+
+    d = tmp_path_factory.mktemp("v41")
+    (d / "config.json").write_text((DATA / "deepseek-v41-flash-config.json").read_text())
+    return d
+
+
+def bench_model(*args) -> dict:
+    r = CliRunner().invoke(main, ["bench", "model", *map(str, args)])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_bench_model_names_each_kernels_bound_the_imbalance_and_the_anchors(released_config, tmp_path):
+    """The released V4.1-Flash on 4 x B300 (meta build): every kernel priced at a named bound, the busiest rank's
+    extra expert reads a positive term of both cycles, both cycles beside the anchors; measured routing that
+    puts every pick on one rank costs more than uniform routing, and a malformed routing file is refused
+    naming the option and the line."""
+    args = ("--model", released_config, "--devices", 4, "--gpu", "b300", "--draft-tokens", 3, "--accepted", 2.5,
+            "--context", 4096, "--json")
+    report = bench_model(*args)
+    plain, verify = report["cycles"]
+    for cyc in (plain, verify):
+        counted = cyc["prediction"]["counted"]
+        assert {k["bound"] for k in counted["kernels"]} <= {"bytes", "issue", "tensor", "host_link"}
+        assert counted["terms_s"]["imbalance"] > 0
+        assert counted["cycle_s"] == pytest.approx(sum(counted["terms_s"].values()))
+        assert cyc["against_anchors"]["vs_vllm_p90"] == pytest.approx(counted["tokens_per_s"] / 826.0)
+        assert "launches" not in cyc["count"]
+    assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
+    moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
+    assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by
+    routing = tmp_path / "routing.jsonl"
+    routing.write_text("".join(json.dumps([[0, 1, 2, 3, 4, 5]]) + "\n" for _ in range(20)))
+    lopsided = bench_model(*args, "--routing", routing)["cycles"][0]["prediction"]["counted"]["terms_s"]
+    assert lopsided["imbalance"] > plain["prediction"]["counted"]["terms_s"]["imbalance"]
+    routing.write_text('[[0, 1]]\n[[0, 999]]\n')
+    r = CliRunner().invoke(main, ["bench", "model", *map(str, args), "--routing", str(routing)])
+    assert r.exit_code != 0 and "--routing" in r.output and "line 2" in r.output

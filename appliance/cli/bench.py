@@ -80,9 +80,13 @@ def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None 
                    "numerics) and check the tokens are identical")
 @click.option("--ep-ranks", type=int, default=4, show_default=True,
               help="expert-parallel ranks for the balancedness of the verify step's routing")
+@click.option("--routing-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write the experts every MoE call selected (plain steps and verify blocks of a 256-token "
+                   "prompt) as JSON lines: `bench model --routing` prices the busiest rank by them")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_decode(options: RunOptions, tokens, contexts, force_accept, compare_transformers, ep_ranks, as_json):
+def bench_decode(options: RunOptions, tokens, contexts, force_accept, compare_transformers, ep_ranks, routing_out,
+                 as_json):
     """Greedy decode speed: tokens/s, ms per token (median, p90), the model's forward time per cycle beside
     the end-to-end cycle time (the gap is host overhead), bytes read per step, and on a GPU the fraction
     of the measured copy bandwidth. With --draft, --draft none is measured in the same run beside it."""
@@ -106,6 +110,11 @@ def bench_decode(options: RunOptions, tokens, contexts, force_accept, compare_tr
         sequence = mb.random_prompt(lm.cfg.vocab_size, 256, seed=1)
         extra["expert_parallel_balancedness"] = mb.measure_balancedness(session, sequence, options.draft_tokens + 1,
                                                                         ep_ranks)
+    if routing_out is not None:
+        sequence = mb.random_prompt(lm.cfg.vocab_size, 256, seed=1)
+        calls = [c for w in sorted({1, options.draft_tokens + 1}) for c in mb.routed_calls(session, sequence, w)]
+        routing_out.write_text("".join(json.dumps(c) + "\n" for c in calls))
+        extra["routing_out"] = f"{len(calls)} MoE calls in {routing_out}"
     if compare_transformers:
         extra["transformers"] = mb.transformers_decode(loops["none"], lm.model_dir, ctx[0], tokens)
     _report(rows, lm.cfg, bandwidth, as_json, extra)
@@ -153,6 +162,7 @@ def bench_forward(options: RunOptions, contexts, width, repeats, no_count, memor
         row = mb.measure_cycle(session, c, repeats)
         if not no_count:
             row.update(count_cycle(session, world=world.size if world else 1))
+            row.pop("launches")  # each launch's reads: the cost model's input, not this table's
             row["capture_blockers"] = blockers(lm.capture_blockers, row.pop("capture_violations"))
             if bandwidth:
                 row["fraction_of_bandwidth"] = row["bytes_per_step"]["total"] / (row["forward_ms"]["median"] / 1e3) \
@@ -245,13 +255,19 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @click.option("--context", type=int, default=32768, show_default=True, help="positions before the cycle")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
               help="activation dtype (the decode state is stored in it)")
+@click.option("--routing", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="measured routing (JSON lines, one MoE call's rows' expert ids each; `bench decode "
+                   "--routing-out` writes them): the busiest rank's expert reads from it instead of uniform routing")
+@click.option("--top", type=int, default=8, show_default=True, help="kernels listed per cycle, the slowest first")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, as_json):
+def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, top, as_json):
     """A cost model of one decode cycle on N GPUs of a kind: the cycle's launches, bytes and collectives
-    counted on the fast path built from config.json alone (meta device, no weights read), priced with the
-    hardware constants it prints; the cycle time, which term dominates, and the tokens/s they imply.
-    Assumptions: appliance/measure/costmodel.py."""
+    counted on the fast path built from config.json alone (meta device, no weights read), each launch priced
+    at what bounds it (its bytes, the instructions its weight products issue, their tensor FLOPs, the host
+    link) with the hardware constants it prints, plus the busiest rank's extra expert reads, the launches'
+    fixed cost and the collectives; the cycle time, each kernel's bound, and the tokens/s against the best
+    public results. Assumptions: appliance/measure/costmodel.py."""
     from appliance.decode.session import DecodeSession
     from appliance.loader import default_model_dir
     from appliance.measure import costmodel as cm
@@ -270,10 +286,12 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, as_json)
     cfg = load_config(model_dir or default_model_dir())
     if k and cfg.dspark is None and not cfg.n_mtp_layers:
         raise ApplianceError("--draft-tokens: this model has no drafter (mtp.* in its config)", field="draft_tokens")
+    calls = _routing(routing, cfg.n_routed_experts) if routing is not None else None
     mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices)
     device = cm.GPUS[gpu]
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "context": context,
-              "constants": cm.constants(device), "cycles": []}
+              "routing": f"{len(calls)} measured calls from {routing}" if calls else "uniform (simulated)",
+              "constants": cm.constants(device), "anchors": cm.ANCHORS, "cycles": []}
     for draft, tokens in (("none", 1.0), ("auto", (accepted or 0) + 1.0))[: 2 if k else 1]:
         options = RunOptions(draft=draft, draft_tokens=max(k, 1), path="fast", dtype=dtype)
         capacity = context + k + 16
@@ -281,19 +299,34 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, as_json)
         count = count_cycle(session, context, world=n_devices)
         count.pop("torch_ops")
         count["capture_violations"] = len(count["capture_violations"])
+        prediction = cm.predict(count, device, n_devices, tokens, calls)
+        count.pop("launches")  # priced one by one in the prediction's kernel table
         report["cycles"].append({"draft_tokens": k if draft != "none" else 0, "count": count,
-                                 "prediction": cm.predict(count, device, n_devices, tokens)})
+                                 "prediction": prediction, "against_anchors": cm.against_anchors(prediction)})
     if as_json:
         click.echo(json.dumps(report, indent=1, default=str))
         return
-    _model_table(report, device)
+    _model_table(report, device, top)
 
 
-def _model_table(report: dict, device):
+def _routing(path: Path, experts: int) -> list:
+    from appliance.measure import costmodel as cm
+
+    try:
+        calls = cm.load_routing(path, experts)
+    except ValueError as e:
+        raise ApplianceError(f"--routing {path}: {e}", field="routing") from None
+    if not calls:
+        raise ApplianceError(f"--routing {path}: no MoE calls in it", field="routing")
+    return calls
+
+
+def _model_table(report: dict, device, top: int):
     c = report["constants"]
-    click.echo(f"{device.name} x {report['devices']}, context {report['context']}")
-    click.echo(f"  HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s x copy {c['copy_fraction']:.2f} x kernel "
-               f"{c['kernel_fraction']:.2f} = {c['effective_bytes_per_s'] / 1e12:.2f} TB/s effective; "
+    click.echo(f"{device.name} x {report['devices']}, context {report['context']}, routing {report['routing']}")
+    click.echo(f"  HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s x copy {c['copy_fraction']:.2f} = "
+               f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s; issue {device.issue_per_s / 1e12:.1f} T lane-instructions/s "
+               f"(per weight element: {', '.join(f'{k} {v}' for k, v in c['issue_per_element'].items())}); "
                f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; all-reduce "
                f"{c['allreduce_latency_s'] * 1e6:.0f} us + payload over NVLink "
                f"{device.nvlink_bytes_per_s / 1e9:.0f} GB/s; host memory over {c['host_link']}")
@@ -307,12 +340,19 @@ def _model_table(report: dict, device):
                    f"{n['host_syncs_per_cycle']} host syncs, {n['host_link']['bytes_per_cycle'] / 1e3:.1f} KB read "
                    f"from host memory in {n['host_link']['launches_per_cycle']} launches")
         for label, q in p.items():
-            t = q["terms_s"]
-            click.echo(f"  {label:<31} bytes {t['bytes'] * 1e3:6.3f} + launches {t['launches'] * 1e3:6.3f} + "
-                       f"collectives {t['collectives'] * 1e3:6.3f} + host link {t['host_link'] * 1e3:6.4f} = "
-                       f"{q['cycle_s'] * 1e3:6.3f} ms/cycle, "
+            terms = " + ".join(f"{t.replace('_', ' ')} {v * 1e3:.3f}" for t, v in q["terms_s"].items() if v)
+            click.echo(f"  {label:<31} {terms} = {q['cycle_s'] * 1e3:6.3f} ms/cycle, "
                        f"{q['tokens_per_cycle']:.2f} tok/cycle, {q['tokens_per_s']:7.1f} tok/s "
                        f"(dominant: {q['dominant']})")
+        click.echo("  kernels, the slowest first (ms a cycle with their launch cost; bound):")
+        for kern in p["counted"]["kernels"][:top]:
+            click.echo(f"    {kern['kernel']:<44}{kern['launches']:>5} launches {kern['s'] * 1e3:7.3f} ms  "
+                       f"{kern['bound']}")
+        a, anchors = cyc["against_anchors"], report["anchors"]
+        click.echo(f"  against the anchors: {a['tokens_per_s']:.0f} tok/s = {a['vs_vllm_p90']:.2f}x vLLM's P90 "
+                   f"{anchors['vllm_p90_tokens_per_s']:.0f} tok/s; {a['ms_per_token']:.3f} ms a token = "
+                   f"{a['vs_sglang_dspark_tpot']:.2f}x SGLang's DSpark TPOT {anchors['sglang_dspark_tpot_ms']} ms "
+                   f"(above 1: faster)")
 
 
 @bench.command("prefill")

@@ -203,23 +203,30 @@ def balancedness(indices: list[torch.Tensor], n_experts: int, ranks: int) -> flo
     return statistics.mean(values) if values else float("nan")
 
 
-def measure_balancedness(session, tokens: list[int], width: int, ranks: int) -> dict:
-    """Route the sequence again in verify blocks of `width` rows (teacher-forced, no state kept) and compare
-    the expert-parallel balancedness with uniform random routing of the same shapes."""
-    cfg, model = session.cfg, session.model
-    moes = [layer.ffn for layer in model.layers]
-    logs: list[list] = [[] for _ in moes]
-    for moe, log in zip(moes, logs):
+def routed_calls(session, tokens: list[int], width: int) -> list[list[list[int]]]:
+    """Route the sequence again in blocks of `width` rows (teacher-forced, no state kept): every MoE call's
+    rows' selected experts, in layer order within a block (the cost model's `--routing` lines)."""
+    moes = [layer.ffn for layer in session.model.layers]
+    log: list = []
+    for moe in moes:
         moe.routing_log = log
-    state = model.new_state(len(tokens) + 8)
+    state = session.model.new_state(len(tokens) + 8)
     try:
         t = torch.tensor(tokens, device=session.device)
         for s in range(0, len(tokens) - width + 1, width):
-            model.forward(t[s:s + width], state, logits="last")
+            session.model.forward(t[s:s + width], state, logits="last")
     finally:
         for moe in moes:
             moe.routing_log = None
-    measured = statistics.mean(balancedness(log, cfg.n_routed_experts, ranks) for log in logs)
+    return [idx.tolist() for idx in log]
+
+
+def measure_balancedness(session, tokens: list[int], width: int, ranks: int) -> dict:
+    """The expert-parallel balancedness of verify blocks of `width` rows (routed_calls) beside uniform random
+    routing of the same shapes."""
+    cfg = session.cfg
+    measured = balancedness([torch.tensor(c) for c in routed_calls(session, tokens, width)], cfg.n_routed_experts,
+                            ranks)
     g = torch.Generator().manual_seed(0)
     uniform = [torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.n_activated_experts]
                             for _ in range(width)]) for _ in range(200)]

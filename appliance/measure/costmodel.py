@@ -1,30 +1,44 @@
 """A cost model of one decode cycle on a named GPU (the library behind `appliance bench model`): the counted
-launches, bytes and collectives of a cycle (count.py, on a meta build of the config when the weights are
-absent) turned into a cycle time and tokens/s.
+launches of a cycle (count.py, on a meta build of the config when the weights are absent), each with the
+bytes it reads and the quantized weight elements its products stream, priced one by one, plus the
+collectives, into a cycle time and tokens/s.
 
 Assumptions (each constant below names its source):
-- The cycle is one captured CUDA graph per rank; its kernels run back to back on one stream. Each pays a
-  fixed cost (`LAUNCH_S`: the gap from one kernel's end to the next one's full occupancy, with its ramp and
-  tail) plus its bytes at the effective bandwidth. Nothing overlaps: no kernel hides another's latency,
-  and collectives are not overlapped with compute. So the terms add:
-      cycle = bytes / (HBM x COPY_FRACTION x KERNEL_FRACTION) + launches x LAUNCH_S + sum of collectives
-- Decode is bound by memory: arithmetic is not a term (one to six rows per weight read; every GPU named
-  here has over 100 FLOP/byte of bf16/fp8 tensor throughput, and the kernels' fp32 accumulation does not
-  use float64). A kernel whose arithmetic is not hidden (FP64 on a B300) is outside this model.
-- Bytes are what the cycle's kernels read, counted (not the ideal); writes are small next to reads in
-  decode and are not counted. The bytes read from host memory (the Engram rows the lookup copies, ~12.7 KB
-  per token on V4.1-Flash) are priced over the host link instead: each launch that reads host memory waits
-  one round trip (`HOST_READ_LATENCY_S`; its loads are issued together, none depends on another host load)
-  plus its bytes at the link's bandwidth.
+- The cycle is one captured CUDA graph per rank; its kernels run back to back on one stream, nothing
+  overlaps (no kernel hides another's latency, collectives are not overlapped with compute). A launch costs
+  the largest of what bounds it plus a fixed cost (`LAUNCH_S`: the gap from one kernel's end to the next
+  one's full occupancy, its ramp and tail):
+      launch = max(bytes / (HBM x COPY_FRACTION), issued instructions / issue rate,
+                   tensor FLOPs / tensor peak, host-link reads) + LAUNCH_S
+  The bandwidth term is the copy bandwidth: a kernel's ramp and tail are in LAUNCH_S, not a second fraction.
+- Bytes are what the launch reads, counted (not the ideal); writes are small next to reads in decode and
+  are not counted. The bytes a launch reads from host memory (the Engram rows the lookup copies, ~12.7 KB per
+  token on V4.1-Flash) go over the host link: one round trip (`HOST_READ_LATENCY_S`; the loads are issued
+  together) plus the bytes at the link's bandwidth.
+- Instruction issue is priced where it was measured: the weight products' main loops (linear, MoE, Engram),
+  per weight element and format, as the compile check reads them from the SASS for the GPU's architecture
+  (`ISSUE_PER_ELEMENT`), over the GPU's issue rate (lane-instructions per second: 32 lanes x 4 schedulers x
+  SMs x clock, which is half the FP32 FMA FLOPS a datasheet gives). Other kernels' issue is not priced
+  (they move activations and the decode state: bytes bound by design, not measured here).
+- Tensor FLOPs: 2 x 16 x weight elements (a product's 16 rows, the MMA's N side, whatever the rows used), at
+  the dense tensor-core peak of the path the kernels take on that architecture: FP8 (the block-scaled MMA
+  with e4m3 rows, FP4 weights included) on sm_100/103, BF16 on sm_90.
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
-- Ranks are symmetric (experts and heads split evenly, routing uniform on average): the cycle of rank 0 is
-  the box's cycle.
+- Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
+  routed experts at their mean share; with expert parallelism the rank holding the most of a step's
+  selected experts reads more. `imbalance` prices the MoE launches again with their routed part scaled to
+  the busiest rank's expected load (uniform routing, a fixed-seed simulation; or measured routing), and adds
+  the difference.
 Tokens per cycle: 1 without drafting; with k drafts and a mean of A accepted drafts per cycle, A + 1 (the
 accepted drafts and the token the verify adds; `speculative.mean_accepted` in this project's reports).
 """
 
-from dataclasses import asdict, dataclass
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -35,25 +49,33 @@ class GPU:
     nvlink_bytes_per_s: float  # per GPU, one direction
     source: str
     host_link_bytes_per_s: float = 50e9  # the device reading host memory: PCIe Gen5 x16 (see HOST_LINK)
+    arch: int = 0  # compute capability (90, 100, 103): whose measured instruction issue prices its products
+    issue_per_s: float = 0.0  # lane-instructions per second (half the FP32 FMA FLOPS); 0: issue not priced
+    tensor_flops: dict = field(default_factory=dict)  # dense tensor-core FLOP/s by operand format
 
 
 GPUS = {
     "b300": GPU("NVIDIA B300 (Blackwell Ultra, SXM)", 8.0e12, 288e9, 900e9,
                 "NVIDIA HGX B300 datasheet: 288 GB HBM3e at 8 TB/s per GPU; NVLink 5 at 1.8 TB/s per GPU "
-                "(both directions)"),
+                "(both directions); dense FP32 75 TFLOPS, BF16 2.25 PFLOPS, FP8 4.5 PFLOPS, FP4 13.5 PFLOPS",
+                arch=103, issue_per_s=37.5e12, tensor_flops={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 13.5e15}),
     "b200": GPU("NVIDIA B200 (SXM)", 8.0e12, 180e9, 900e9,
-                "NVIDIA HGX B200 datasheet: 180 GB HBM3e at 8 TB/s per GPU; NVLink 5 at 1.8 TB/s per GPU"),
+                "NVIDIA HGX B200 datasheet: 180 GB HBM3e at 8 TB/s per GPU; NVLink 5 at 1.8 TB/s per GPU; dense "
+                "FP32 75 TFLOPS, BF16 2.25 PFLOPS, FP8 4.5 PFLOPS, FP4 9 PFLOPS",
+                arch=100, issue_per_s=37.5e12, tensor_flops={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15}),
     "h200": GPU("NVIDIA H200 (SXM)", 4.8e12, 141e9, 450e9,
-                "NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s; NVLink 4 at 900 GB/s per GPU"),
+                "NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s; NVLink 4 at 900 GB/s per GPU; dense FP32 67 "
+                "TFLOPS, BF16 989 TFLOPS, FP8 1979 TFLOPS",
+                arch=90, issue_per_s=33.5e12, tensor_flops={"bf16": 989e12, "fp8": 1979e12}),
     "h100": GPU("NVIDIA H100 (SXM)", 3.35e12, 80e9, 450e9,
-                "NVIDIA H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s per GPU"),
+                "NVIDIA H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s per GPU; dense FP32 "
+                "67 TFLOPS, BF16 989 TFLOPS, FP8 1979 TFLOPS",
+                arch=90, issue_per_s=33.5e12, tensor_flops={"bf16": 989e12, "fp8": 1979e12}),
 }
 
 # A device-to-device copy moved 4.3 TB/s (read + write) on an H200 of the device machines here, 0.9 of the
-# 4.8 TB/s datasheet figure (/work/.library/device/KINDS.md, 2026-10-28); assumed the same on every GPU.
+# 4.8 TB/s datasheet figure (measured 2026-10-28); assumed the same on every GPU.
 COPY_FRACTION = 0.90
-# The fraction of the copy bandwidth a decode kernel reaches: issue 13's goal for each kernel at M = 1.
-KERNEL_FRACTION = 0.80
 # Per kernel inside a captured graph: the lower end of issue 13's estimate (10-25 ms of launch latency for
 # ~4,560 launches: 2.2-5.5 us each), rounded down; `scripts/device-check.sh` measures it (`launch_us`).
 LAUNCH_S = 2.0e-6
@@ -63,6 +85,23 @@ LAUNCH_S = 2.0e-6
 # `appliance bench kernels` on the device (its "engram lookup, host tables" row) measures them.
 HOST_LINK = "PCIe Gen5 x16, 50 GB/s, 1.5 us a round trip (assumed; bench kernels measures the lookup)"
 HOST_READ_LATENCY_S = 1.5e-6
+# Lane-instructions the weight products' main loop issues per weight element, by kernel and format: the worst
+# specialization at V4.1 shapes, read from the SASS by the compile check (`python -m tests.gpu_dry_run --arch
+# 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last changed them. sm_100 (B200) takes
+# sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert (FP8) is priced as their FP4 loop.
+ISSUE_PER_ELEMENT = {
+    90: {("linear", "fp8"): 9.19, ("linear", "fp4"): 18.09, ("moe", "fp4"): 68.62, ("moe", "fp8"): 68.62,
+         ("engram", "fp8"): 7.28},
+    103: {("linear", "fp8"): 2.48, ("linear", "fp4"): 2.45, ("moe", "fp4"): 2.48, ("moe", "fp8"): 2.48,
+          ("engram", "fp8"): 2.29},
+}
+ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
+WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
+                  "kernels.moe._down_kernel": "moe", "kernels.engram._layer_kernel": "engram"}
+MMA_ROWS = 16  # a product's rows on the tensor cores, however many are used (kernels/_triton.py)
+# The best public single-user results on 4 x B300 this product is measured against (DESIGN.md): vLLM's P90
+# of 826 tokens/s for one user, SGLang's 1.31 ms time per output token with DSpark drafting.
+ANCHORS = {"vllm_p90_tokens_per_s": 826.0, "sglang_dspark_tpot_ms": 1.31}
 # NCCL all-reduce of a small payload inside a CUDA graph on one NVLink node: about 6 us measured on 2 x
 # H100 with NVLSTree and graphs (NVIDIA/nccl issue #1259); taken for 4 GPUs of any of these generations.
 ALLREDUCE_LATENCY_S = 6.0e-6
@@ -76,41 +115,144 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     return ALLREDUCE_LATENCY_S + moved / gpu.nvlink_bytes_per_s
 
 
-def cycle_time(count: dict, gpu: GPU, world: int, bytes_key: str = "total") -> dict:
-    """The terms of one cycle (seconds) from a count (count.count_cycle)."""
-    bw = gpu.hbm_bytes_per_s * COPY_FRACTION * KERNEL_FRACTION
-    nbytes = count["bytes_per_step"][bytes_key]
+def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0) -> dict:
+    """What bounds one counted launch (count.count_cycle's `launches`), in seconds: its bytes from HBM, the
+    instructions its weight products issue, their tensor FLOPs and its reads over the host link; the routed
+    experts' part scaled by `routed_scale` (a busier rank than the mean)."""
+    extra = routed_scale - 1.0
+    hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
+    weights = {f: n + extra * la["routed_weights"].get(f, 0) for f, n in la["weights"].items()}
+    family = WEIGHT_KERNELS.get(la["name"])
+    per_element = ISSUE_PER_ELEMENT.get(gpu.arch, {})
+    issue = sum(n * per_element.get((family, f), 0.0) for f, n in weights.items()) if family else 0.0
+    path = "fp8" if gpu.arch >= 100 else "bf16"  # the MMA the weight products take there (module docstring)
+    flops = 2 * MMA_ROWS * sum(weights.values()) if family else 0
+    return {"bytes": hbm / (gpu.hbm_bytes_per_s * COPY_FRACTION),
+            "issue": issue / gpu.issue_per_s if gpu.issue_per_s else 0.0,
+            "tensor": flops / gpu.tensor_flops[path] if flops and gpu.tensor_flops else 0.0,
+            "host_link": HOST_READ_LATENCY_S + la["host_bytes"] / gpu.host_link_bytes_per_s if la["host_bytes"]
+            else 0.0}
+
+
+def busiest_share(experts: int, top_k: int, rows: int, world: int, routing: list | None = None,
+                  trials: int = 4000) -> float:
+    """Distinct selected experts on the rank holding the most of them over the mean per rank, for a call of
+    `rows` rows choosing `top_k` of `experts` each, the experts split in `world` contiguous ranges. From
+    `routing` (calls of that many rows as measured: lists of rows' expert ids) when it has any; else uniform
+    routing, a fixed-seed simulation of `trials` calls."""
+    if world <= 1:
+        return 1.0
+    calls = [c for c in routing or () if len(c) == rows]
+    if calls:
+        picked = torch.zeros(len(calls), experts, dtype=torch.bool)
+        for i, c in enumerate(calls):
+            picked[i, torch.tensor([e for row in c for e in row])] = True
+    else:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.rand(trials, rows, experts, generator=g).topk(top_k, dim=-1).indices.flatten(1)
+        picked = torch.zeros(trials, experts, dtype=torch.bool).scatter_(1, ids, True)
+    per_rank = torch.stack([part.sum(-1) for part in picked.tensor_split(world, dim=1)], -1).double()
+    return (per_rank.max(-1).values.mean() / per_rank.mean()).item()
+
+
+def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -> dict:
+    """One cycle (seconds) from a count (count.count_cycle): every launch at what bounds it plus LAUNCH_S,
+    the busiest rank's extra expert reads (`imbalance`), the collectives. Terms: each launch's time goes to
+    its bound (bytes, issue, tensor, host_link), its fixed cost to `launches`."""
+    terms = dict.fromkeys(("bytes", "issue", "tensor", "host_link"), 0.0)
+    kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "weights": 0, "s": 0.0,
+                                                     "by_bound": defaultdict(float), "issue_priced": False})
+    imbalance, shares = 0.0, {}
+    for la in count["launches"]:
+        t = launch_terms(la, gpu)
+        bound = max(t, key=t.get)
+        terms[bound] += t[bound]
+        k = kernels[la["name"]]
+        k["launches"] += 1
+        k["bytes"] += la["bytes_read"]
+        k["weights"] += sum(la["weights"].values())
+        k["s"] += t[bound] + LAUNCH_S
+        k["by_bound"][bound] += t[bound]
+        k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
+        if la["routing"] is not None and world > 1:
+            key = tuple(la["routing"])
+            if key not in shares:
+                shares[key] = busiest_share(*key, world, routing)
+            imbalance += max(launch_terms(la, gpu, shares[key]).values()) - t[bound]
+    terms["launches"] = len(count["launches"]) * LAUNCH_S
+    terms["imbalance"] = imbalance
+    terms["collectives"] = sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
+                               for c in count["collectives"]["payloads"])
+    table = sorted(({"kernel": name, **dict(k, by_bound=dict(k["by_bound"]),
+                                             bound=max(k["by_bound"], key=k["by_bound"].get))}
+                    for name, k in kernels.items()), key=lambda k: -k["s"])
+    total = sum(terms.values())
+    return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get),
+            "bytes": count["bytes_per_step"]["total"], "kernels": table,
+            "busiest_rank_share": {f"{e} experts, top-{k}, {r} rows": v for (e, k, r), v in shares.items()}}
+
+
+def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, launches: int) -> dict:
+    """A reference cycle as if every kernel were bound by its bytes: `nbytes` at the copy bandwidth,
+    `launches` fixed costs, the counted host-link reads and collectives."""
     host = count["host_link"]
-    terms = {
-        "bytes": (nbytes - host["bytes_per_cycle"]) / bw,
-        "launches": count["launches_per_cycle"] * LAUNCH_S,
-        "collectives": sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
-                           for c in count["collectives"]["payloads"]),
-        "host_link": host["launches_per_cycle"] * HOST_READ_LATENCY_S
-        + host["bytes_per_cycle"] / gpu.host_link_bytes_per_s,
-    }
+    terms = {"bytes": (nbytes - host["bytes_per_cycle"]) / (gpu.hbm_bytes_per_s * COPY_FRACTION),
+             "host_link": host["launches_per_cycle"] * HOST_READ_LATENCY_S
+             + host["bytes_per_cycle"] / gpu.host_link_bytes_per_s,
+             "launches": launches * LAUNCH_S,
+             "collectives": sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
+                                for c in count["collectives"]["payloads"])}
     total = sum(terms.values())
     return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get), "bytes": nbytes}
 
 
 def constants(gpu: GPU) -> dict:
-    return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION, "kernel_fraction": KERNEL_FRACTION,
-            "effective_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION * KERNEL_FRACTION,
-            "launch_s": LAUNCH_S, "allreduce_latency_s": ALLREDUCE_LATENCY_S,
-            "host_read_latency_s": HOST_READ_LATENCY_S, "host_link": HOST_LINK}
+    return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION,
+            "copy_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION, "launch_s": LAUNCH_S,
+            "allreduce_latency_s": ALLREDUCE_LATENCY_S, "host_read_latency_s": HOST_READ_LATENCY_S,
+            "host_link": HOST_LINK, "issue_per_element": {f"{k} {f}": v for (k, f), v in
+                                                          ISSUE_PER_ELEMENT.get(gpu.arch, {}).items()}}
 
 
-def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float) -> dict:
-    """The cycle as counted, and two references: at the ideal bytes, and at the ideal bytes with the
-    launch budget of DESIGN.md and issue 13 (16 per layer plain, 20 per layer for a verify, 16 per draft
-    stage; the launches outside layers and stages as counted)."""
-    counted = cycle_time(count, gpu, world)
-    at_ideal = cycle_time(count, gpu, world, "ideal")
+def load_routing(path, experts: int) -> list:
+    """Measured routing for `--routing FILE`: JSON lines, one MoE call each, its rows' selected expert ids
+    ([[ids of row 0], [ids of row 1], ...], each id below `experts`). ValueError naming the line otherwise."""
+    calls = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                call = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n}: not JSON ({e.msg})") from None
+            if not (isinstance(call, list) and call and all(
+                    isinstance(row, list) and row and all(type(e) is int and 0 <= e < experts for e in row)
+                    for row in call)):
+                raise ValueError(f"line {n}: not a list of rows of expert ids in 0..{experts - 1}")
+            calls.append(call)
+    return calls
+
+
+def against_anchors(prediction: dict) -> dict:
+    """The counted cycle beside the anchors: tokens/s over vLLM's P90 and SGLang's DSpark TPOT over ms a
+    token (above 1: faster than they)."""
+    c = prediction["counted"]
+    return {"tokens_per_s": c["tokens_per_s"], "ms_per_token": c["ms_per_token"],
+            "vs_vllm_p90": c["tokens_per_s"] / ANCHORS["vllm_p90_tokens_per_s"],
+            "vs_sglang_dspark_tpot": ANCHORS["sglang_dspark_tpot_ms"] / c["ms_per_token"]}
+
+
+def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float, routing: list | None = None) -> dict:
+    """The cycle as counted (`cycle_time`), and two references as if every kernel were bound by its bytes: at
+    the ideal bytes, and at the ideal bytes with the launch budget of DESIGN.md (16 per layer plain, 20 per
+    layer for a verify, 16 per draft stage; the launches outside layers and stages as counted)."""
+    counted = cycle_time(count, gpu, world, routing)
+    at_ideal = bytes_bound_cycle(count, gpu, world, count["bytes_per_step"]["ideal"], len(count["launches"]))
     layers = len(count["launches_by_layer"])
     budget = 16 if count["width"] == 1 else 20
     launches = budget * layers + 16 * count.get("draft_stage_calls", 0) + count["launches_outside_layers"]
-    budgeted = dict(count, launches_per_cycle=launches)
-    at_budget = cycle_time(budgeted, gpu, world, "ideal")
+    at_budget = bytes_bound_cycle(count, gpu, world, count["bytes_per_step"]["ideal"], launches)
     out = {}
     for name, c in (("counted", counted), ("ideal_bytes", at_ideal), ("ideal_bytes_and_launch_budget", at_budget)):
         out[name] = dict(c, tokens_per_cycle=tokens_per_cycle, tokens_per_s=tokens_per_cycle / c["cycle_s"],

@@ -20,6 +20,7 @@ compressor, every visible index key of each indexer (a re-indexing layer only it
 the distinct compressed rows each attention selects, in the format the state stores them.
 """
 
+import dataclasses
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 
@@ -176,9 +177,14 @@ class DeclaredReads:
                 for t in (tokens, token_map):
                     declared.enter_context(rec.gather(t, grams * t.element_size()))
                 host = sum(rows * _row(t) for t in (*tables, *scales) if _on_host(t, positions))
+                first = len(rec.launches)
+                out = lookup(tokens, positions, token_map, pad, mult, primes, offsets, n_heads, tables, scales)
                 if rec.recording and host:
                     self.host_reads.append(host)
-                return lookup(tokens, positions, token_map, pad, mult, primes, offsets, n_heads, tables, scales)
+                    copying = [la for la in rec.launches[first:] if la.kind == "triton"] or rec.launches[first:]
+                    if copying:  # the launch that copies the rows (the kernel; on the reference path the last)
+                        copying[-1 if copying[0].kind == "torch" else 0].host_bytes = host
+                return out
 
         return call
 
@@ -188,7 +194,6 @@ class DeclaredReads:
         def call(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block, limit,
                  weight_before_w2, X, post, comb, reduce=None):
             held = [e for e in experts if e is not None]
-            per_expert = sum(w.nbytes for w in held[0]) if held else 0
             first = len(rec.launches)
             args = (x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block,
                     limit, weight_before_w2, X, post, comb)
@@ -200,15 +205,33 @@ class DeclaredReads:
                     n = distinct * len(held) / len(experts)
                 else:
                     n = sum(1 for e in indices.unique().tolist() if experts[e] is not None)
-            routed = int(n * per_expert)
             if rec.recording:
-                self.routed[rec.block] += routed
-            fused = [la for la in rec.launches[first:] if la.kind == "triton" and "gate_up" in la.name]
-            if fused and rec.recording:  # the kernels read the experts, the shared one too, through address tables
-                fused[0].bytes_read += routed + (sum(w.nbytes for w in shared) if shared is not None else 0)
+                self.routed[rec.block] += int(n * sum(w.nbytes for w in held[0])) if held else 0
+                _expert_reads(rec.launches[first:], held[0] if held else (), n, shared or (),
+                              (len(experts), top_k, x.shape[0]))
             return out
 
         return call
+
+
+def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int]) -> None:
+    """What the fused MoE kernels read through their tables of expert addresses: w1 and w3 (gate and up) in
+    the gate/up launch, w2 in the down launch, of `n` routed experts like `expert` and of the shared one;
+    `routing`: (experts, top-k, rows) of the call."""
+    for kernel, picked in (("gate_up", (0, 2)), ("down", (1,))):
+        fused = next((la for la in launches if la.kind == "triton" and kernel in la.name), None)
+        if fused is None:
+            continue
+        fused.routing = routing
+        for weights, times, routed in ((expert, n, True), (shared, 1, False)):
+            for w in (weights[i] for i in picked if i < len(weights)):
+                fused.bytes_read += int(times * w.nbytes)
+                fused.routed_bytes += int(times * w.nbytes) if routed else 0
+                if w.format in ("fp8", "fp4"):
+                    elements = int(times * w.shape[0] * w.shape[1])
+                    fused.weights[w.format] = fused.weights.get(w.format, 0) + elements
+                    if routed:
+                        fused.routed_weights[w.format] = fused.routed_weights.get(w.format, 0) + elements
 
 
 def _row(t: torch.Tensor) -> int:
@@ -304,6 +327,7 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
                            "ideal_parts": ideal, "by_block": {b: v["bytes_read"] for b, v in s["by_block"].items()}},
         "capture_violations": unique_violations(rec.violations),
         "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
+        "launches": [dataclasses.asdict(la) for la in rec.launches],  # in order: what the cost model prices
     }
 
 

@@ -42,7 +42,7 @@ import os
 import traceback
 from collections import Counter, defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -113,6 +113,18 @@ class Launch:
     name: str
     block: str  # "layer 3", "stage 0", "outside"
     bytes_read: int
+    # quantized weight elements streamed whole, by format: "fp8" (float8_e4m3fn tensors), "fp4" (int8 tensors,
+    # two a byte); what the products' instruction issue is priced by (costmodel.py)
+    weights: dict[str, int] = field(default_factory=dict)
+    # of those, what routed experts read (declared by the MoE's counting wrapper): the part that grows on the
+    # rank holding the most selected experts
+    routed_bytes: int = 0
+    routed_weights: dict[str, int] = field(default_factory=dict)
+    routing: tuple[int, int, int] | None = None  # (experts, top-k, rows) of the MoE call it serves
+    host_bytes: int = 0  # of bytes_read, what it reads from host memory (declared: the Engram lookup)
+
+
+WEIGHT_DTYPES = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2)}  # format, elements a stored element
 
 
 class Recorder(TorchDispatchMode):
@@ -275,6 +287,7 @@ class Recorder(TorchDispatchMode):
             return
         seen = set()
         total = 0
+        weights: dict[str, int] = defaultdict(int)
         skip = {id(t) for t in written}
         gather_src = {id(src): elems for src, elems in gathers}
         for t in inputs:
@@ -300,7 +313,10 @@ class Recorder(TorchDispatchMode):
                 total += gather_src[id(t)] * t.element_size()
             else:
                 total += nbytes(t)
-        self.launches.append(Launch(kind, name, self.block, total))
+                if t.dtype in WEIGHT_DTYPES:
+                    fmt, per = WEIGHT_DTYPES[t.dtype]
+                    weights[fmt] += t.numel() * per
+        self.launches.append(Launch(kind, name, self.block, total, dict(weights)))
 
     def _note_float64(self, name: str, tensors: list) -> None:
         if self.recording and any(t.dtype == torch.float64 and storage_key(t) not in self.host_scalars
