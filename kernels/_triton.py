@@ -25,11 +25,14 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# The weight products in the checkpoint's own formats (e4m3 / e2m1 with E8M0 block scales, `tl.dot_scaled`)
-# run where the device has the block-scaled tensor-core MMA (sm_100 and later), and under the interpreter
-# when this is set (the tests of that path: the interpreter runs `tl.dot_scaled` as the same exact products
-# in float32).
-MXF_INTERPRET = False
+# How FP8/FP4 weights with quantized rows (official numerics) multiply on the tensor cores: the kernels'
+# NATIVE constexpr. NATIVE_BLOCK_SCALED (sm_100 and later): the codes as stored with their E8M0 bytes on the
+# block-scaled MMA (`tl.dot_scaled`). NATIVE_E4M3 (sm_89, sm_90: e4m3 MMAs without block scales): one e4m3
+# product per scale block, FP4's e2m1 codes re-encoded as e4m3, scaled and summed in float32. 0: the weights
+# are dequantized to bfloat16 values in registers. Under the interpreter the tests choose (NATIVE_INTERPRET;
+# it runs both MMAs as the same exact products in float32).
+NATIVE_BLOCK_SCALED, NATIVE_E4M3 = 1, 2
+NATIVE_INTERPRET = 0
 
 
 def capability(dev: torch.device) -> int:
@@ -41,9 +44,12 @@ def capability(dev: torch.device) -> int:
     return 10 * major + minor
 
 
-def mxf(dev: torch.device) -> bool:
-    """Whether FP8/FP4 weights multiply on the block-scaled MMA here (the kernels' MXF constexpr)."""
-    return capability(dev) >= 100 or (INTERPRET and MXF_INTERPRET)
+def native_products(dev: torch.device) -> int:
+    """How FP8/FP4 weight products multiply here (the kernels' NATIVE constexpr; see NATIVE_BLOCK_SCALED)."""
+    if INTERPRET:
+        return NATIVE_INTERPRET
+    cap = capability(dev)
+    return NATIVE_BLOCK_SCALED if cap >= 100 else NATIVE_E4M3 if cap >= 89 else 0
 
 # Rows one launch may take (a prefill chunk; a verify block has at most 9). Every offset that multiplies a
 # row index is int64, so no index overflows at any size; the bound keeps a launch's float32 scratch
@@ -229,6 +235,36 @@ else:
         """float32 y (|y| <= 448) -> the nearest e4m3 codes, ties to even (float8e4nv): one conversion
         instruction per pair (cvt.rn.satfinite.e4m3x2.f32 on sm_89 and later)."""
         return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+# FP4 weights on the e4m3 MMA (NATIVE_E4M3): an e2m1 code s e1 e0 m read as the e4m3 bits s 0 0 e1 e0 m 0 0 is
+# its value times 2^-6, normal (2^(e-1) (1 + m/2) -> 2^(e-7) (1 + m/2)) and subnormal (m/2 -> 2^-6 m/2)
+# alike. A byte holds two codes, the low nibble first: `e2m1_low_as_e4m3` re-encodes the low one,
+# `e2m1_high_as_e4m3` the high one, four bytes to a shift-and-mask instruction sequence on the GPU.
+if INTERPRET:
+    @device_function
+    def e2m1_low_as_e4m3(b):
+        """uint8 bytes -> the e4m3 codes (uint8) of their low e2m1 codes times 2^-6."""
+        return ((b & 7) << 2) | ((b & 8) << 4)
+
+    @device_function
+    def e2m1_high_as_e4m3(b):
+        """uint8 bytes -> the e4m3 codes (uint8) of their high e2m1 codes times 2^-6."""
+        return ((b >> 2) & 0x1C) | (b & 0x80)
+else:
+    @device_function
+    def e2m1_low_as_e4m3(b):
+        """uint8 bytes -> the e4m3 codes (uint8) of their low e2m1 codes times 2^-6 (four a 32-bit word)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; shl.b32 t, $1, 2; shl.b32 u, $1, 4; and.b32 t, t, 0x1C1C1C1C; "
+            "and.b32 u, u, 0x80808080; or.b32 $0, t, u; }", "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
+
+    @device_function
+    def e2m1_high_as_e4m3(b):
+        """uint8 bytes -> the e4m3 codes (uint8) of their high e2m1 codes times 2^-6 (four a 32-bit word)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; shr.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $1, 0x80808080; "
+            "or.b32 $0, t, u; }", "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @device_function

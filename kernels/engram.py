@@ -91,7 +91,7 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                  DOT_BF16: tl.constexpr, MXF: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
+                  DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -105,7 +105,7 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
-        acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, MXF, BM, BN, BK)
+        acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, NATIVE, BM, BN, BK)
     r64 = rows.to(tl.int64)
     tl.store(kv_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16),
              mask=n_mask[:, None] & row_mask[None, :])
@@ -170,8 +170,8 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     if t == 0:
         return out
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
-    scaled = linear.block_scaled(dev, [wkv], [ab])
-    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, scaled)
+    native = linear.native_kind(dev, [wkv], [ab])
+    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native)
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
@@ -179,7 +179,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
         codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, t, k, hc, d, swn, ssn,
-        float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, MXF=scaled,
+        float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, NATIVE=native,
         OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
         BHC=pow2(hc))
     return out

@@ -17,14 +17,17 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   transposed [BK, 16]: on the GPU a bfloat16 tensor-core product (each product exact, sums in float32),
   under the interpreter a float32 matmul. Dense float32/float16 weights (no checkpoint stores them) take a
   float32 FMA dot instead.
-- On sm_100 and later (`_triton.mxf`) a launch whose every product has FP8/FP4 weights and quantized rows
-  (official numerics) multiplies in the checkpoint's own formats instead (`weight_product`): the weight
-  codes as stored and the rows' e4m3 codes, with their E8M0 bytes, on the block-scaled tensor-core MMA
-  (`tl.dot_scaled`; 128 outputs a tile, its M side). The products are the same exact values, summed in
-  float32: the same bound, and the same batch invariance (the row count never changes a row's sums).
-  Nothing is unpacked in registers: about 2.5 instructions issued per weight element where the bfloat16
-  path issues 10 to 20 (tests/gpu_dry_run.py measures it). `--numerics plain` (float32 rows, not
-  quantized) keeps the bfloat16 path on every target.
+- A launch whose every product has FP8/FP4 weights and quantized rows (official numerics) multiplies in
+  the checkpoint's own formats where the tensor cores take them (`weight_product`, `_triton.native_products`):
+  on sm_100 and later the weight codes as stored and the rows' e4m3 codes, with their E8M0 bytes, on the
+  block-scaled MMA (`tl.dot_scaled`; 128 outputs a tile, its M side); on sm_89/90 on the e4m3 MMA, one product
+  per block of columns that one weight scale and one row scale cover (32 for V4.1's 32x32 blocks and for
+  FP4, whose e2m1 codes are re-encoded as e4m3 codes of value / 64 by byte-wise shifts and masks), times the
+  two powers of two and added in float32 in block order (256 outputs a tile: the rows' quantization is paid
+  once a tile). The products are the same exact values. Nothing is dequantized in registers: about 2.5
+  instructions issued per weight element on sm_103 and 4.5 to 5.6 on sm_90, where the bfloat16 path issues
+  9 to 69 (tests/gpu_dry_run.py measures it). `--numerics plain` (float32 rows, not quantized) keeps the
+  bfloat16 path on every target.
 - Batch invariance by construction: a program always holds 16 rows (the instruction's N side, unused rows
   masked), so a row meets the same instructions in the same order whether 1 or 16 rows share the launch;
   BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
@@ -32,7 +35,9 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
-reference's. In practice about sqrt(K) 2^-24 of the sum of magnitudes.
+reference's. In practice about sqrt(K) 2^-24 of the sum of magnitudes. On the e4m3 MMA of sm_89/90 the
+hardware adds a block's products keeping about 14 significant bits (DeepSeek-V3's report measured it on
+H800; its kernels promote each block's sum to float32, as these do): 2^-13 sum_k |x_k w_k| more.
 """
 
 from dataclasses import dataclass, field
@@ -42,14 +47,17 @@ import torch
 from ._triton import (
     INTERPRET,
     MMA_ROWS,
+    NATIVE_E4M3,
     bf16_value,
     counters,
     device_function,
     device_of,
+    e2m1_high_as_e4m3,
+    e2m1_low_as_e4m3,
     e4m3_codes,
     e4m3_rne,
     e8m0_f32,
-    mxf,
+    native_products,
     pow2,
     pow2_ceil,
     pow2_inverse,
@@ -237,17 +245,79 @@ def mxf_mma(w, ws, x, xs, acc, FMT: tl.constexpr):
 
 
 @device_function
+def column_half(x, HIGH: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """x [R, W] -> its columns [0, W/2), or [W/2, W) with HIGH."""
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 2, W // 2)), (0, 2, 1)))
+    return hi if HIGH else lo
+
+
+@device_function
+def column_block(x, J: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """x [R, W] -> its J-th block of W / NB columns (NB a power of two, at most 16): halves of halves, no
+    arithmetic."""
+    if NB >= 16:
+        x = column_half(x, (J >> 3) & 1, R, W)
+    if NB >= 8:
+        x = column_half(x, (J >> 2) & 1, R, W * 8 // NB)
+    if NB >= 4:
+        x = column_half(x, (J >> 1) & 1, R, W * 4 // NB)
+    if NB >= 2:
+        x = column_half(x, J & 1, R, W * 2 // NB)
+    return x
+
+
+@device_function
+def e4m3_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
+                 ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' tile `a` [BM, BK], quantized
+    here, on the e4m3 MMA (NATIVE_E4M3): per block of C columns that one weight scale and one row scale
+    cover (FP4: 32) the product of the e4m3 codes (FP4's re-encoded: `e2m1_low_as_e4m3`), exact products
+    summed by the MMA, times the weight's power of two, added in float32 in block order; each activation
+    block's sum times the row's power of two (and FP4's 2^6) into acc."""
+    C: tl.constexpr = 32 if FMT == 2 else (BI if BI < ACT_BLOCK else ACT_BLOCK)
+    NA: tl.constexpr = BK // ACT_BLOCK
+    xb = tl.reshape(a, (BM, NA, ACT_BLOCK))
+    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))  # [BM, NA]
+    # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
+    xq = tl.reshape(e4m3_codes(xb * pow2_inverse(s)[:, :, None]), (BM, BK))
+    if FMT == 2:  # each 32 columns' even ones, then their odd ones: the order of the re-encoded FP4 codes
+        xq = tl.reshape(tl.permute(tl.reshape(xq, (BM, BK // 32, 16, 2)), (0, 1, 3, 2)), (BM, BK))
+    for blk in tl.static_range(NA):
+        t = tl.zeros((BN, BM), dtype=tl.float32)
+        for j in tl.static_range(ACT_BLOCK // C):
+            c0 = k0 + blk * ACT_BLOCK + j * C
+            x = column_block(xq, blk * (ACT_BLOCK // C) + j, BK // C, BM, BK)
+            sc = tl.load(s_rows + c0 // BI, mask=n_mask & (c0 + tl.arange(0, 1) < k_end), other=127)
+            if FMT == 1:
+                offs = c0 + tl.arange(0, C)
+                w = tl.load(w_rows[:, None] + offs[None, :], mask=n_mask[:, None] & (offs[None, :] < k_end),
+                            other=0.0)
+            else:
+                offs = c0 // 2 + tl.arange(0, 16)
+                b = tl.load(w_rows[:, None] + offs[None, :], mask=n_mask[:, None] & (offs[None, :] < k_end // 2),
+                            other=0).to(tl.uint8, bitcast=True)
+                pairs = tl.join(e2m1_low_as_e4m3(b), e2m1_high_as_e4m3(b))  # [BN, 16, 2]: columns 2i, 2i + 1
+                w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BN, 32)).to(tl.float8e4nv, bitcast=True)
+            t = tl.fma(tl.dot(w, tl.trans(x)), e8m0_f32(sc)[:, None], t)
+        sx = tl.reshape(column_block(s, blk, NA, BM, NA), (BM,))
+        acc += t * (sx * (64.0 if FMT == 2 else 1.0))[None, :]
+    return acc
+
+
+@device_function
 def weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
-                   ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                   ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' float32 tile `a` [BM, BK]
-    (FP8-quantized per ACT_BLOCK here, 0: not). With MXF (the device has the block-scaled MMA: sm_100 and
-    later), FP8/FP4 weights with quantized rows (official numerics) multiply on it (`mxf_mma`); otherwise the
-    weights are dequantized to bfloat16 values (`weight_tile`, `mma_parts`)."""
-    if MXF and ACT_BLOCK >= 32 and FMT > 0:
+    (FP8-quantized per ACT_BLOCK here, 0: not). FP8/FP4 weights with quantized rows (official numerics)
+    multiply as NATIVE says (_triton.NATIVE_BLOCK_SCALED = 1: `mxf_mma`; NATIVE_E4M3 = 2: `e4m3_product`);
+    otherwise the weights are dequantized to bfloat16 values (`weight_tile`, `mma_parts`)."""
+    if NATIVE == 1 and ACT_BLOCK >= 32 and FMT > 0:
         w, ws = weight_codes(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
         xq, xs = quant_codes(a, BM, BK, ACT_BLOCK)
         acc = mxf_mma(w, ws, xq, xs, acc, FMT)
+    elif NATIVE == 2 and ACT_BLOCK >= 32 and FMT > 0:
+        acc = e4m3_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, BM, BN, BK)
     else:
         if ACT_BLOCK > 0:
             a = quant_tile(a, BM, BK, ACT_BLOCK)
@@ -320,7 +390,7 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
 def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn, stride_sn,
           r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
           BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-          MXF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """float32 [BN, BM]: outputs offs_n of rows `rows` summed over the inputs [k_lo, k_end) of x_base, K tiles
     in order (`weight_product`). NORM: the rows are RMS-normalized first (`r` their reciprocal RMS, `nw_ptr`
     the weight) and rounded to x's dtype, as the RMSNorm kernel computes them, then quantized like any input."""
@@ -337,7 +407,7 @@ def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_e
             a = round_out(nw[None, :] * (xv * r[:, None]), X_BF16).to(tl.float32)
         else:
             a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, 0, BM, BK)
-        acc = weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16, MXF,
+        acc = weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE,
                              BM, BN, BK)
     return acc
 
@@ -371,7 +441,7 @@ def _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr
 def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, stride_xm, stride_wn, stride_sn,
              k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr,
              NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
              K_ALIGN: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr):
     """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
@@ -387,7 +457,7 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
     k_lo = split * k_per_split
     k_end = tl.multiple_of(tl.minimum(K, k_lo + k_per_split), K_ALIGN)  # whole-vector loads up to it
     acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
-                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, BM, BN, BK)
+                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, BM, BN, BK)
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -428,7 +498,7 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             N3, swn3, ssn3, kps3, npg3, end3, cnt3,
             N4, swn4, ssn4, kps4, npg4, end4, cnt4,
             NSEG: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, EXPAND: tl.constexpr,
-            DOT_BF16: tl.constexpr, MXF: tl.constexpr, K_ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, K_ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, BHC: tl.constexpr, BKN: tl.constexpr,
             FMT0: tl.constexpr, BO0: tl.constexpr, BI0: tl.constexpr, ACT0: tl.constexpr,
             XP0: tl.constexpr, SPLIT0: tl.constexpr, OUT0: tl.constexpr,
@@ -455,45 +525,47 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
     if pid < end0:
         _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, pid, pid_m, M, N0, K, stride_xm, swn0,
                  ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
-                 ACT0, XP0, DOT_BF16, MXF, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+                 ACT0, XP0, DOT_BF16, NATIVE, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
     if NSEG > 1:
         if (pid >= end0) & (pid < end1):
             _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, pid - end0, pid_m, M, N1, K, stride_xm, swn1,
                      ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
-                     ACT1, XP1, DOT_BF16, MXF, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
+                     ACT1, XP1, DOT_BF16, NATIVE, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
     if NSEG > 2:
         if (pid >= end1) & (pid < end2):
             _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, pid - end1, pid_m, M, N2, K, stride_xm, swn2,
                      ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
-                     ACT2, XP2, DOT_BF16, MXF, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
+                     ACT2, XP2, DOT_BF16, NATIVE, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
     if NSEG > 3:
         if (pid >= end2) & (pid < end3):
             _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, pid - end2, pid_m, M, N3, K, stride_xm, swn3,
                      ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
-                     ACT3, XP3, DOT_BF16, MXF, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
+                     ACT3, XP3, DOT_BF16, NATIVE, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
     if NSEG > 4:
         if (pid >= end3) & (pid < end4):
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, pid - end3, pid_m, M, N4, K, stride_xm, swn4,
                      ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
-                     ACT4, XP4, DOT_BF16, MXF, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+                     ACT4, XP4, DOT_BF16, NATIVE, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
 
 
-def block_scaled(dev: torch.device, weights: list[PackedWeight], act_blocks: list[int]) -> bool:
-    """Whether a launch of products of `weights` with rows quantized per `act_blocks` (0: not) multiplies on
-    the block-scaled MMA (`weight_product`'s MXF): on a device that has it, every weight FP8/FP4 and 16-byte
-    aligned as a device allocation is (whole-vector loads; the interpreter has no vectors), every row
-    quantized. Any other launch multiplies bfloat16 values."""
-    return mxf(dev) and all(ab >= 32 and w.format in ("fp8", "fp4") and (INTERPRET or w.data.data_ptr() % 16 == 0)
-                            for w, ab in zip(weights, act_blocks))
+def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list[int]) -> int:
+    """How a launch of products of `weights` with rows quantized per `act_blocks` (0: not) multiplies
+    (`weight_product`'s NATIVE): in the checkpoint's formats on the tensor cores (_triton.native_products)
+    when every weight is FP8/FP4 and 16-byte aligned as a device allocation is (whole-vector loads; the
+    interpreter has no vectors) and every row quantized; otherwise 0, bfloat16 values."""
+    ok = all(ab >= 32 and w.format in ("fp8", "fp4") and (INTERPRET or w.data.data_ptr() % 16 == 0)
+             for w, ab in zip(weights, act_blocks))
+    return native_products(dev) if ok else 0
 
 
 def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device,
-         scaled: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
+         native: int = 0) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
     segments' (outputs, act_block, outputs per group), K and the device only: never from the number of rows,
-    so a row's summation order does not depend on how many rows are computed together. `scaled`: every
-    segment multiplies on the block-scaled MMA, whose M side is 128 outputs (a narrower tile falls back to
-    bfloat16 products), so its tiles are 128 outputs wide."""
+    so a row's summation order does not depend on how many rows are computed together. `native`: every
+    segment multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
+    block-scaled MMA's M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4
+    scaling, paid once a tile, spread over twice the weights)."""
     bm = MMA_ROWS
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
@@ -501,8 +573,8 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device,
         bk = max(min(pow2(k), 512), ab, 32)
         bn = min(pow2(n_max), 1024)
     else:
-        bk = max(128 if scaled else 64, ab)
-        bn = 128 if scaled or n_max > 4096 else 64
+        bk = max(128 if native else 64, ab)
+        bn = 256 if native == NATIVE_E4M3 else 128 if native or n_max > 4096 else 64
     for n, _, ng in segments:
         if ng < n:  # grouped: a tile never straddles two groups
             bn = max(16, min(bn, ng & -ng))
@@ -645,8 +717,8 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     shaped = [o.view(*x.shape[:-1], *o.shape[1:]) for o in outs]
     if m == 0 or k == 0:
         return [o.zero_() for o in shaped] if k == 0 else shaped
-    scaled = block_scaled(dev, [p.weight for p in products], [ab for _, ab, _ in shapes])
-    bm, bn, bk, splits = plan(shapes, k, dev, scaled)
+    native = native_kind(dev, [p.weight for p in products], [ab for _, ab, _ in shapes])
+    bm, bn, bk, splits = plan(shapes, k, dev, native)
     row_blocks = triton.cdiv(m, bm)
     exact = products[0].weight.bf16_exact
     args, rt, cx, end, used = [], [], {}, 0, 0
@@ -670,7 +742,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     _kernel[(end, row_blocks)](x2, nw, counters(dev, used), X, post, comb, *args, m, k, x2.stride(0), float(eps), hc,
                                *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
-                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, MXF=scaled,
+                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,
                                K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
                                BM=bm, BN=bn, BK=bk,
                                BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)

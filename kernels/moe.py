@@ -38,11 +38,13 @@ from . import linear
 from ._triton import (
     INTERPRET,
     MMA_ROWS,
+    NATIVE_BLOCK_SCALED,
+    NATIVE_E4M3,
     bf16_rne,
     counters,
     device_function,
     device_of,
-    mxf,
+    native_products,
     pow2,
     require,
     require_dtype,
@@ -380,7 +382,7 @@ def expert_table(experts, key) -> ExpertTable:
 @device_function
 def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, stride_wn, stride_sn, limit,
               FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr, W_ALIGN: tl.constexpr,
+              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
               HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
@@ -402,11 +404,11 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, s
             for k0 in range(0, D, BK):
                 a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
                 acc_g = weight_product(w1_rows, s1_rows, n_mask, a, k0, D, acc_g, FMT, BI, ACT_BLOCK, X_PARTS,
-                                       DOT_BF16, MXF, BM, BN, BK)
+                                       DOT_BF16, NATIVE, BM, BN, BK)
             for k0 in range(0, D, BK):
                 a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
                 acc_u = weight_product(w3_rows, s3_rows, n_mask, a, k0, D, acc_u, FMT, BI, ACT_BLOCK, X_PARTS,
-                                       DOT_BF16, MXF, BM, BN, BK)
+                                       DOT_BF16, NATIVE, BM, BN, BK)
         g = round_out(acc_g, X_BF16).to(tl.float32)
         u = round_out(acc_u, X_BF16).to(tl.float32)
         if HAS_LIMIT:
@@ -433,7 +435,7 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
-                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                     W_ALIGN: tl.constexpr,
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -443,18 +445,18 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
             e = tl.load(e_ptr + p)
             if e < E:
                 _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, swn, ssn,
-                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, HAS_LIMIT, APPLY_W,
+                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, APPLY_W,
                           X_BF16, BM, BN, BK)
             elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
                 _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I_S, IW, stride_x, s_swn, s_ssn,
-                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, HAS_LIMIT, 0,
+                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, 0,
                           X_BF16, BM, BN, BK)
 
 
 @device_function
 def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr, W_ALIGN: tl.constexpr,
+                X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): float32
     outputs (values of x's dtype) per pair."""
@@ -471,7 +473,7 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_
             for k0 in range(0, I, BK):
                 a = act_tile(h_ptr, prs, pm, k0, I, IW, 0, BM, BK)
                 acc = weight_product(w2_rows, s2_rows, n_mask, a, k0, I, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
-                                     MXF, BM, BN, BK)
+                                     NATIVE, BM, BN, BK)
         o = round_out(acc, X_BF16).to(tl.float32)
         if APPLY_W == 2:  # o * weight in x's dtype
             pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
@@ -489,7 +491,7 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
-                 ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, MXF: tl.constexpr,
+                 ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                  W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -499,10 +501,10 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
             e = tl.load(e_ptr + p)
             if e < E:
                 _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, IW, D, swn, ssn, FMT, BO, BI, WDT,
-                            ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
+                            ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
-                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, MXF, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
+                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -644,15 +646,15 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     iw = max(i, i_s)
     align = min(table.align, st.align if st is not None else 16)
     # FP8/FP4 weights (aligned: whole-vector loads; the interpreter has no vectors) with quantized rows
-    # multiply on the block-scaled MMA
-    scaled = mxf(dev) and ab >= 32 and (align == 16 or INTERPRET)
+    # multiply in their own formats (_triton.native_products)
+    native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
     else:
-        bk2 = max(128 if scaled else 64, ab)
-        if scaled:  # the block-scaled MMA's M side is 128 outputs (narrower: bfloat16 products)
-            bn_up, bn_down = 128, 128
+        bk2 = max(128 if native else 64, ab)
+        if native:  # 128 outputs a tile: the block-scaled MMA's M side (on the e4m3 MMA, over 8 warps: 4 spill)
+            bn_up = bn_down = 256 if native == NATIVE_E4M3 else 128
         else:  # bfloat16 products from registers: a 128-deep K tile (ACT_BLOCK 128) spills at 32 outputs
             bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)
     per_program = n_pairs if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
@@ -661,9 +663,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
-    common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, MXF=scaled, W_ALIGN=align, X_BF16=xb,
+    common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, NATIVE=native, W_ALIGN=align, X_BF16=xb,
                   HAS_SHARED=shared is not None, BM=MMA_ROWS,
-                  BK=bk2, num_warps=4 if scaled else 8)
+                  BK=bk2, num_warps=4 if native == NATIVE_BLOCK_SCALED else 8, num_stages=2 if native == NATIVE_E4M3 else 3)
     h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(iw, bn_up))](

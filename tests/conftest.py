@@ -68,17 +68,26 @@ def fixture_model():
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def block_scaled(monkeypatch):
-    """The weight products take the block-scaled MMA (on a device: where it has one, sm_100 and later; under
-    the interpreter: always). Under the interpreter (plain Python helpers there) the products it makes are
-    counted: the list's length."""
+NATIVE_KINDS = {"block-scaled": "NATIVE_BLOCK_SCALED", "e4m3": "NATIVE_E4M3"}
+
+
+def use_native_products(monkeypatch, kind: str) -> list:
+    """The weight products multiply in the checkpoint's formats on the tensor cores, as `kind` (NATIVE_KINDS:
+    sm_100 and later, sm_89/90) does: on a device, as the device does whatever the kind; under the
+    interpreter, as the kind does, and the products it makes are counted (the list's length)."""
     import kernels._triton
     from kernels import linear
 
     made = []
-    monkeypatch.setattr(kernels._triton, "MXF_INTERPRET", True)
+    monkeypatch.setattr(kernels._triton, "NATIVE_INTERPRET", getattr(kernels._triton, NATIVE_KINDS[kind]))
     if kernels._triton.INTERPRET:
-        mma = linear.mxf_mma
-        monkeypatch.setattr(linear, "mxf_mma", lambda *a: (made.append(1), mma(*a))[1])
+        name = {"block-scaled": "mxf_mma", "e4m3": "e4m3_product"}[kind]
+        product = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda *a: (made.append(1), product(*a))[1])
     return made
+
+
+@pytest.fixture(params=list(NATIVE_KINDS))
+def native(request, monkeypatch):
+    """Each way of multiplying in the checkpoint's formats (use_native_products)."""
+    return use_native_products(monkeypatch, request.param)

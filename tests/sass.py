@@ -24,10 +24,11 @@ from dataclasses import dataclass
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:\{\s*)?(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\b[^`]*`?\(?(\.L_x_\d+)")
-# matrix-multiply opcodes: Ampere/Hopper HMMA (mma.sync) and HGMMA (wgmma), Blackwell's tcgen05 UTC*MMA
-# (UTCHMMA: bf16/f16; UTCQMMA: fp8/fp6/fp4 with or without block scales; UTCOMMA: mxfp4), QMMA/OMMA
-_MMA = re.compile(r"^(HMMA|HGMMA|QMMA|OMMA|IMMA|UTC[A-Z]*MMA)")
-# MMA kinds that multiply the checkpoint's own formats (e4m3 / e2m1 with block scales) on tensor cores
+# matrix-multiply opcodes: Ampere/Hopper HMMA (mma.sync), Hopper's wgmma HGMMA (bf16/f16) and QGMMA (e4m3/e5m2,
+# no block scales), Blackwell's tcgen05 UTC*MMA (UTCHMMA: bf16/f16; UTCQMMA: fp8/fp6/fp4 with or without
+# block scales; UTCOMMA: mxfp4), QMMA/OMMA
+_MMA = re.compile(r"^(HMMA|HGMMA|QGMMA|QMMA|OMMA|IMMA|UTC[A-Z]*MMA)")
+# MMA kinds that multiply the checkpoint's own formats with their block scales (e4m3 / e2m1 and E8M0 bytes)
 NATIVE_MMA = ("UTCQMMA", "UTCOMMA", "QMMA", "OMMA")
 
 

@@ -50,14 +50,14 @@ def test_the_engram_layer_matches_the_reference(t, hc, d, hd, cols, act_block, d
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_the_engram_layer_on_the_block_scaled_mma_matches_the_reference_and_rows_stay_invariant(block_scaled, dt):
+def test_the_engram_layer_in_the_checkpoints_formats_matches_the_reference_and_rows_stay_invariant(native, dt):
     s = seed()
     X, codes, scales, *rest = args = layer(6, 4, 64, 64, 5, dt, 32)
     ctx = f"(seed {s}, {dt})"
     assert_close("streams", engram.layer_reference(*args), run(engram.fast_layer, *args), TOL[dt], context=ctx)
     assert_rows_invariant("streams", lambda sl: run(engram.fast_layer, X[sl], codes[sl], scales[sl], *rest),
                           context=ctx)
-    assert block_scaled or not kernels._triton.INTERPRET, f"no product took the block-scaled MMA {ctx}"
+    assert native or not kernels._triton.INTERPRET, f"no product multiplied in the checkpoint's formats {ctx}"
 
 
 def test_an_engram_row_does_not_depend_on_the_other_rows():

@@ -33,7 +33,7 @@ import torch
 
 from kernels import _triton
 
-from .conftest import FIXTURE, load
+from .conftest import FIXTURE, load, use_native_products
 from .kernel_check import bits
 
 pytestmark = [
@@ -85,11 +85,11 @@ def test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(
 
 
 @pytest.mark.parametrize("name", ["deepseek_v41", "fixture"])
-def test_teacher_forced_logits_with_products_on_the_block_scaled_mma_are_within_the_stated_tolerance(
-        name, tiny_dirs, block_scaled):
+def test_teacher_forced_logits_with_products_in_the_checkpoints_formats_are_within_the_stated_tolerance(
+        name, tiny_dirs, native):
     test_teacher_forced_logits_on_the_fast_path_are_within_the_stated_tolerance(name, "official", OFFICIAL_TOL,
                                                                                  tiny_dirs)
-    assert block_scaled, "no product took the block-scaled MMA"
+    assert native, "no product multiplied in the checkpoint's formats"
 
 
 def _teacher_forced_until_the_choices_part(models: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,12 +134,13 @@ def test_the_dspark_drafter_on_the_fast_path_gives_the_reference_drafts_within_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("products", ["bfloat16", "block-scaled"])
-def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(tiny_dirs, products, request):
+@pytest.mark.parametrize("products", ["bfloat16", "block-scaled", "e4m3"])
+def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise(tiny_dirs, products, monkeypatch):
     """M = 1..6 from one prefilled state: six single steps (outputs and state kept after each), then for each
     M the block of M rows from the same start (the state rewound between blocks); with the weight products
-    on bfloat16 values (sm_90) and on the block-scaled MMA (sm_100 and later)."""
-    made = request.getfixturevalue("block_scaled") if products == "block-scaled" else None
+    on bfloat16 values (no native products), on the block-scaled MMA (sm_100 and later) and on the e4m3 MMA
+    (sm_89/90)."""
+    made = use_native_products(monkeypatch, products) if products != "bfloat16" else None
     lm = load(tiny_dirs["deepseek_v41"], path="fast")
     m, prefix = lm.model, 20
     seed = random.randrange(1 << 30)
@@ -160,4 +161,4 @@ def test_on_the_fast_path_a_verify_block_of_m_rows_equals_m_single_steps_bitwise
         for name, t in state.buffers().items():
             assert torch.equal(bits(t), bits(states[rows - 1][name])), f"state {name} {ctx}"
         state.rewind(prefix)
-    assert made is None or made, "no product took the block-scaled MMA"
+    assert made is None or made, f"no product multiplied as {products} does"

@@ -104,8 +104,9 @@ def test_the_moe_sub_block_of_a_row_does_not_depend_on_the_other_rows():
 
 
 @pytest.mark.parametrize("fmt,dt", [("fp4", torch.bfloat16), ("fp8", torch.float32)])
-def test_experts_on_the_block_scaled_mma_match_the_reference_and_rows_stay_invariant(block_scaled, fmt, dt):
-    """The expert products on the block-scaled MMA (sm_100 and later; here under the interpreter)."""
+def test_experts_in_the_checkpoints_formats_match_the_reference_and_rows_stay_invariant(native, fmt, dt):
+    """The expert products in the checkpoint's formats on the tensor cores (sm_89 and later; here under the
+    interpreter)."""
     check_ffn(5, 96, 64, 7, 2, fmt, dt, True, True, 10.0)
     s = seed()
     args = list(ffn_args(6, 64, 64, 6, 2, fmt, dt, True, True, 10.0))
@@ -117,7 +118,7 @@ def test_experts_on_the_block_scaled_mma_match_the_reference_and_rows_stay_invar
         return run(moe.fast_ffn, *a)[0]
 
     assert_rows_invariant("streams", streams, context=f"(seed {s}, {fmt} {dt})")
-    assert block_scaled or not kernels._triton.INTERPRET, "no expert product took the block-scaled MMA"
+    assert native or not kernels._triton.INTERPRET, "no expert product multiplied in the checkpoint's formats"
 
 
 def test_a_router_row_of_nans_selects_distinct_experts_in_range():

@@ -21,8 +21,8 @@ Assumptions (each constant below names its source):
   SMs x clock, which is half the FP32 FMA FLOPS a datasheet gives). Other kernels' issue is not priced
   (they move activations and the decode state: bytes bound by design, not measured here).
 - Tensor FLOPs: 2 x 16 x weight elements (a product's 16 rows, the MMA's N side, whatever the rows used), at
-  the dense tensor-core peak of the path the kernels take on that architecture: FP8 (the block-scaled MMA
-  with e4m3 rows, FP4 weights included) on sm_100/103, BF16 on sm_90.
+  the dense tensor-core peak of the path the kernels take: FP8 on every architecture here (the block-scaled
+  MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both).
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
@@ -86,12 +86,12 @@ LAUNCH_S = 2.0e-6
 HOST_LINK = "PCIe Gen5 x16, 50 GB/s, 1.5 us a round trip (assumed; bench kernels measures the lookup)"
 HOST_READ_LATENCY_S = 1.5e-6
 # Lane-instructions the weight products' main loop issues per weight element, by kernel and format: the worst
-# specialization at V4.1 shapes, read from the SASS by the compile check (`python -m tests.gpu_dry_run --arch
+# specialization compiled (the tiny models' and V4.1's shapes), read from the SASS by the compile check (`python -m tests.gpu_dry_run --arch
 # 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last changed them. sm_100 (B200) takes
 # sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert (FP8) is priced as their FP4 loop.
 ISSUE_PER_ELEMENT = {
-    90: {("linear", "fp8"): 9.19, ("linear", "fp4"): 18.09, ("moe", "fp4"): 68.62, ("moe", "fp8"): 68.62,
-         ("engram", "fp8"): 7.28},
+    90: {("linear", "fp8"): 4.55, ("linear", "fp4"): 5.56, ("moe", "fp4"): 6.03, ("moe", "fp8"): 6.03,
+         ("engram", "fp8"): 5.33},
     103: {("linear", "fp8"): 2.48, ("linear", "fp4"): 2.45, ("moe", "fp4"): 2.48, ("moe", "fp8"): 2.48,
           ("engram", "fp8"): 2.29},
 }
@@ -125,7 +125,7 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0) -> dict:
     family = WEIGHT_KERNELS.get(la["name"])
     per_element = ISSUE_PER_ELEMENT.get(gpu.arch, {})
     issue = sum(n * per_element.get((family, f), 0.0) for f, n in weights.items()) if family else 0.0
-    path = "fp8" if gpu.arch >= 100 else "bf16"  # the MMA the weight products take there (module docstring)
+    path = "fp8"  # the MMA the weight products take on every architecture here (module docstring)
     flops = 2 * MMA_ROWS * sum(weights.values()) if family else 0
     return {"bytes": hbm / (gpu.hbm_bytes_per_s * COPY_FRACTION),
             "issue": issue / gpu.issue_per_s if gpu.issue_per_s else 0.0,
