@@ -69,7 +69,7 @@ def load_model(options: RunOptions, notice=print, world=None) -> LoadedModel:
         if options.check_ranks:
             world.check_calls()
         capacity = largest_sum(cfg, verify_rows(cfg, options.load_drafter), options.context or cfg.max_context)
-        blockers += shard(model, drafter, world.comm(options.allreduce, capacity))
+        blockers += shard(model, drafter, world.comm(options.allreduce, capacity), options.experts)
     if rt.device.type != "cpu":
         kept: list[tuple[str, object]] = []
         place((model, drafter), rt.device, kept=kept)

@@ -13,6 +13,7 @@ DTYPES = ("float32", "bfloat16")
 PATHS = ("auto", "reference", "fast")
 INDEX_KEYS = ("own", "reference")
 ALLREDUCE = ("auto", "nccl", "symm")
+EXPERTS = ("auto", "split", "whole")
 # The most rows one forward may take: the kernels' largest launch (kernels/_triton.py MAX_ROWS; a test checks
 # the two agree). A prefill chunk is one forward.
 MAX_CHUNK = 4096
@@ -35,6 +36,7 @@ class RunOptions:
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
     allreduce: str = "auto"  # several devices: how partial sums meet (appliance/parallel/collectives.py)
     check_ranks: bool = False  # several devices: compare every collective's call and every job's end state
+    experts: str = "auto"  # several devices: how the MoE's experts are placed, one of EXPERTS (parallel/sharding.py)
     checkpoint_stride: int = 2048  # positions between state checkpoints (0: none; rewinds within 16 only)
     prefix_cache_gb: float = 8.0  # host memory for cached conversations (0: keep only the live state)
     prefix_cache_dir: Path | None = None  # the disk tier: cached conversations that survive a restart
@@ -54,7 +56,7 @@ class RunOptions:
     def check(self) -> None:
         """Refuse what no run can use, naming the option (the CLI turns it into one line and exit 2)."""
         for name, allowed in (("draft", DRAFTS), ("numerics", NUMERICS), ("dtype", DTYPES), ("path", PATHS),
-                              ("index_keys", INDEX_KEYS), ("allreduce", ALLREDUCE)):
+                              ("index_keys", INDEX_KEYS), ("allreduce", ALLREDUCE), ("experts", EXPERTS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ApplianceError(f"--{name.replace('_', '-')} {value!r}: must be one of {', '.join(allowed)}",

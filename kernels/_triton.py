@@ -61,6 +61,9 @@ MAX_ROWS = 4096
 # Rows of one program of the GEMV kernels (linear, MoE): the tensor-core instruction's N side, padded with
 # masked rows. Fixed, so a row is computed by the same instructions however many rows share the launch.
 MMA_ROWS = 16
+# ... on the e4m3 MMA (NATIVE_E4M3), whose float32 epilogue per 32-column block costs a row's share of every
+# output: 8 (wgmma's smallest N) halves it against 16; a verify block (at most 6 rows) still fits one program.
+E4M3_MMA_ROWS = 8
 
 
 if INTERPRET:

@@ -24,12 +24,13 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   per block of columns that one weight scale and one row scale cover (32 for V4.1's 32x32 blocks and for
   FP4, whose e2m1 codes are re-encoded as e4m3 codes of value / 64 by byte-wise shifts and masks), times the
   two powers of two and added in float32 in block order (256 outputs a tile: the rows' quantization is paid
-  once a tile). The products are the same exact values. Nothing is dequantized in registers: about 2.5
-  instructions issued per weight element on sm_103 and 4.5 to 5.6 on sm_90, where the bfloat16 path issues
-  9 to 69 (tests/gpu_dry_run.py measures it). `--numerics plain` (float32 rows, not quantized) keeps the
-  bfloat16 path on every target.
-- Batch invariance by construction: a program always holds 16 rows (the instruction's N side, unused rows
-  masked), so a row meets the same instructions in the same order whether 1 or 16 rows share the launch;
+  once a tile; 8 rows a program, E4M3_MMA_ROWS: that epilogue is paid per row). The products are the same
+  exact values. Nothing is dequantized in registers: about 2.5 instructions issued per weight element on
+  sm_103 and 3.2 to 4.5 on sm_90, where the bfloat16 path issues 9 to 69 (tests/gpu_dry_run.py measures
+  it). `--numerics plain` (float32 rows, not quantized) keeps the bfloat16 path on every target.
+- Batch invariance by construction: a program always holds 16 rows (8 on the e4m3 MMA: the instruction's N
+  side, unused rows masked), so a row meets the same instructions in the same order whether 1 or 16 rows
+  share the launch;
   BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
   split order. A verify block's rows therefore equal single-row calls bit for bit.
 - Offsets that multiply a row index are int64.
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._triton import (
+    E4M3_MMA_ROWS,
     INTERPRET,
     MMA_ROWS,
     NATIVE_E4M3,
@@ -457,7 +459,8 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
     k_lo = split * k_per_split
     k_end = tl.multiple_of(tl.minimum(K, k_lo + k_per_split), K_ALIGN)  # whole-vector loads up to it
     acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
-                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, BM, BN, BK)
+                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, BM, BN,
+                       BK)
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -566,7 +569,7 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device,
     segment multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
     block-scaled MMA's M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4
     scaling, paid once a tile, spread over twice the weights)."""
-    bm = MMA_ROWS
+    bm = E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
     if INTERPRET:  # few, large programs: the interpreter pays per operation, whatever its size

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from . import linear
 from ._triton import (
+    E4M3_MMA_ROWS,
     INTERPRET,
     MMA_ROWS,
     NATIVE_BLOCK_SCALED,
@@ -122,27 +123,34 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
     """x [M, D]; weights/indices [M, k]; experts: list of (w1, w2, w3) (None for experts not held);
     shared: (w1, w2, w3) or None -> y [M, D] in x.dtype.
 
-    Expert parallel (`reduce`): this rank computes the slots whose expert it holds (zeros elsewhere) and
-    its slice of the shared expert's intermediate, unrounded; `reduce(outputs, shared64)` sums them over
-    ranks (exactly: each slot comes from one rank), and every rank then adds the experts in the same order.
+    Split over ranks (`reduce`): this rank computes the slots whose expert it holds (zeros elsewhere) or,
+    with every expert split by its intermediate, its slice of every slot, unrounded (float64), and its slice
+    of the shared expert's intermediate; `reduce(outputs, shared64)` sums them over ranks (whole experts:
+    exactly, each slot comes from one rank), the slots are rounded as one rank rounds them, and every rank
+    then adds the experts in the same order.
     Bytes moved: each distinct selected expert's w1, w2, w3 once + x + y."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = indices.argsort(dim=-1)  # each row adds its experts in increasing id, like the official loop
     sorted_idx = indices.gather(-1, order)
     sorted_w = weights.gather(-1, order)
-    outputs = torch.zeros(*indices.shape, x.shape[-1], dtype=torch.float32, device=x.device)
+    sliced = reduce is not None and all(e is not None for e in experts)  # each expert split over the ranks
+    outputs = torch.zeros(*indices.shape, x.shape[-1], dtype=torch.float64 if sliced else torch.float32,
+                          device=x.device)
     for e in sorted_idx.unique().tolist():
         if experts[e] is None:  # held by another rank
             continue
         rows, slots = (sorted_idx == e).nonzero(as_tuple=True)
         w1, w2, w3 = experts[e]
-        o = expert_reference(x[rows], w1, w2, w3, act_block, limit, sorted_w[rows, slots], weight_before_w2)
-        outputs[rows, slots] = o.float()
+        o = expert_reference(x[rows], w1, w2, w3, act_block, limit, sorted_w[rows, slots], weight_before_w2,
+                             torch.float64 if sliced else None)
+        outputs[rows, slots] = o.to(outputs.dtype)
     shared64 = None
     if shared is not None:
         shared64 = expert_reference(x, *shared, act_block, limit, None, weight_before_w2, torch.float64)
     if reduce is not None:
         outputs, shared64 = reduce(outputs, shared64)
+        if sliced:  # each slot rounded once, as one rank rounds its expert's output
+            outputs = outputs.to(x.dtype).float()
     for slot in range(indices.shape[-1]):
         y = y + outputs[:, slot]
     if shared64 is not None:
@@ -504,7 +512,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                             ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
-                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN, BK)
+                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN,
+                            BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -653,7 +662,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
     else:
         bk2 = max(128 if native else 64, ab)
-        if native:  # 128 outputs a tile: the block-scaled MMA's M side (on the e4m3 MMA, over 8 warps: 4 spill)
+        if native:  # 128 outputs a tile, the block-scaled MMA's M side; 256 on the e4m3 MMA (as linear.plan),
+            # there over 8 warps and 2 pipeline stages (4 warps, or 3 stages, spill)
             bn_up = bn_down = 256 if native == NATIVE_E4M3 else 128
         else:  # bfloat16 products from registers: a 128-deep K tile (ACT_BLOCK 128) spills at 32 outputs
             bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)
@@ -664,8 +674,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
     common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, NATIVE=native, W_ALIGN=align, X_BF16=xb,
-                  HAS_SHARED=shared is not None, BM=MMA_ROWS,
-                  BK=bk2, num_warps=4 if native == NATIVE_BLOCK_SCALED else 8, num_stages=2 if native == NATIVE_E4M3 else 3)
+                  HAS_SHARED=shared is not None, BM=E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS,
+                  BK=bk2, num_warps=4 if native == NATIVE_BLOCK_SCALED else 8,
+                  num_stages=2 if native == NATIVE_E4M3 else 3)
     h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(iw, bn_up))](

@@ -49,28 +49,30 @@ FAST_SPLIT_TOL = 2.0**-16  # relative to a row's largest |logit|: float32 sums o
 
 @pytest.mark.slow
 def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_rounding(tiny_dirs, tmp_path):
-    """The fused kernels over each rank's share (the expert-parallel MoE included), partial sums in float32
-    added in rank order. `--numerics plain` for the logits: no activation quantization, whose rounding
-    boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics"); measured ~2e-7 of the row
-    maximum. The symmetric-memory sum (its CPU stand-in: buffers in shared memory) gives the gathered sum's
-    bits; its buffers hold one decode step's largest call, so the prompt's index scores go in pieces. Short
-    (the interpreter, four ranks on two cores: minutes)."""
+    """The fused kernels over each rank's share (the MoE's experts split by their intermediate, or whole
+    experts per rank), partial sums in float32 added in rank order. `--numerics plain` for the logits: no activation
+    quantization, whose rounding boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics");
+    measured ~2e-7 of the row maximum. The symmetric-memory sum (its CPU stand-in: buffers in shared memory)
+    gives the gathered sum's bits; its buffers hold one decode step's largest call, so the prompt's index
+    scores go in pieces. Short (the interpreter, four ranks on two cores: minutes)."""
     model = tiny_dirs["deepseek_v41"]
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(torch.randint(0, 512, (12,)).tolist()))
     out = {}
-    for devices, allreduce in (("cpu", "auto"), ("cpu:4", "nccl"), ("cpu:4", "symm")):
-        path = tmp_path / f"{devices.replace(':', '')}-{allreduce}.safetensors"
+    for devices, allreduce, experts in (("cpu", "auto", "auto"), ("cpu:4", "nccl", "auto"), ("cpu:4", "symm", "auto"),
+                                        ("cpu:4", "nccl", "whole")):
+        path = tmp_path / f"{devices.replace(':', '')}-{allreduce}-{experts}.safetensors"
         run("score", "--model", model, "--ids", ids, "--out", path, "--devices", devices, "--path", "fast",
-            "--numerics", "plain", "--allreduce", allreduce)
-        out[devices, allreduce] = load_file(str(path))["logits"]
-    want, got = out["cpu", "auto"], out["cpu:4", "nccl"]
-    assert torch.equal(out["cpu:4", "symm"], got), "the symmetric sum must give the gathered sum's bits"
-    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
-    assert (err <= FAST_SPLIT_TOL).all(), f"rows over {FAST_SPLIT_TOL:.3g}: {err.tolist()}"
+            "--numerics", "plain", "--allreduce", allreduce, "--experts", experts)
+        out[devices, allreduce, experts] = load_file(str(path))["logits"]
+    want, split = out["cpu", "auto", "auto"], out["cpu:4", "nccl", "auto"]
+    assert torch.equal(out["cpu:4", "symm", "auto"], split), "the symmetric sum must give the gathered sum's bits"
     top2 = want.topk(2, -1).values
     clear = top2[:, 0] - top2[:, 1] > 2 * FAST_SPLIT_TOL * want.abs().amax(-1)
-    assert ((want.argmax(-1) == got.argmax(-1)) | ~clear).all()
+    for placement, got in (("split experts", split), ("whole experts", out["cpu:4", "nccl", "whole"])):
+        err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+        assert (err <= FAST_SPLIT_TOL).all(), f"{placement}: rows over {FAST_SPLIT_TOL:.3g}: {err.tolist()}"
+        assert ((want.argmax(-1) == got.argmax(-1)) | ~clear).all(), placement
 
 
 @pytest.mark.slow

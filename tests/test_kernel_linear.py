@@ -4,8 +4,8 @@ scales), FP4 and dense weights, with and without the fused FP8 activation quanti
 Tolerance (kernels/linear.py): |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products; the activation codes are the reference's), plus one rounding of the output dtype, on either path:
 bfloat16 values on the tensor cores, or the checkpoint's codes on the block-scaled MMA (sm_100 and later) or
-the e4m3 MMA (sm_89/90), both run here under the interpreter. Batch invariance: M = 1..6 rows computed together equal the same rows computed
-one at a time, bit for bit."""
+the e4m3 MMA (sm_89/90), both run here under the interpreter. Batch invariance: M = 1..6 rows computed
+together equal the same rows computed one at a time, bit for bit."""
 
 import pytest
 import torch

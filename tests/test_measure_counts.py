@@ -219,7 +219,7 @@ def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_wei
             host_bytes=0) -> dict:
     return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
-            "host_bytes": host_bytes}
+            "whole_experts": routing is not None, "host_bytes": host_bytes}
 
 
 def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
@@ -310,11 +310,12 @@ def bench_model(*args) -> dict:
     return json.loads(r.output)
 
 
-def test_bench_model_names_each_kernels_bound_the_imbalance_and_the_anchors(released_config, tmp_path):
-    """The released V4.1-Flash on 4 x B300 (meta build): every kernel priced at a named bound, the busiest rank's
-    extra expert reads a positive term of both cycles, both cycles beside the anchors; measured routing that
-    puts every pick on one rank costs more than uniform routing, and a malformed routing file is refused
-    naming the option and the line."""
+def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the_anchors(released_config, tmp_path):
+    """The released V4.1-Flash on 4 x B300 (meta build): every kernel priced at a named bound, both cycles
+    beside the anchors; its experts split by their intermediate over the ranks (no rank busier: no imbalance
+    term), which the placement pricing finds cheaper than whole experts per rank, the more so with measured
+    routing that puts every pick on one rank's experts; a malformed routing file is refused naming the
+    option and the line."""
     args = ("--model", released_config, "--devices", 4, "--gpu", "b300", "--draft-tokens", 3, "--accepted", 2.5,
             "--context", 4096, "--json")
     report = bench_model(*args)
@@ -322,17 +323,21 @@ def test_bench_model_names_each_kernels_bound_the_imbalance_and_the_anchors(rele
     for cyc in (plain, verify):
         counted = cyc["prediction"]["counted"]
         assert {k["bound"] for k in counted["kernels"]} <= {"bytes", "issue", "tensor", "host_link"}
-        assert counted["terms_s"]["imbalance"] > 0
+        assert counted["terms_s"]["imbalance"] == 0
         assert counted["cycle_s"] == pytest.approx(sum(counted["terms_s"].values()))
         assert cyc["against_anchors"]["vs_vllm_p90"] == pytest.approx(counted["tokens_per_s"] / 826.0)
         assert "launches" not in cyc["count"]
+        experts = cyc["placement"]["routed_experts"]
+        assert 0 < experts["split_intermediate_row_sums"] < experts["split_intermediate"] < experts["expert_parallel"]
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by
     routing = tmp_path / "routing.jsonl"
     routing.write_text("".join(json.dumps([[0, 1, 2, 3, 4, 5]]) + "\n" for _ in range(20)))
-    lopsided = bench_model(*args, "--routing", routing)["cycles"][0]["prediction"]["counted"]["terms_s"]
-    assert lopsided["imbalance"] > plain["prediction"]["counted"]["terms_s"]["imbalance"]
+    lopsided = bench_model(*args, "--routing", routing)["cycles"][0]["placement"]["routed_experts"]
+    uniform = plain["placement"]["routed_experts"]
+    assert lopsided["expert_parallel"] > uniform["expert_parallel"]
+    assert lopsided["split_intermediate"] == pytest.approx(uniform["split_intermediate"])
     routing.write_text('[[0, 1]]\n[[0, 999]]\n')
     r = CliRunner().invoke(main, ["bench", "model", *map(str, args), "--routing", str(routing)])
     assert r.exit_code != 0 and "--routing" in r.output and "line 2" in r.output

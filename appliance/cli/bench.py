@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from appliance.errors import ApplianceError
-from appliance.options import RunOptions
+from appliance.options import EXPERTS, RunOptions
 
 from .common import check_range, friendly, load, model_option, run_options
 
@@ -258,10 +258,12 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @click.option("--routing", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="measured routing (JSON lines, one MoE call's rows' expert ids each; `bench decode "
                    "--routing-out` writes them): the busiest rank's expert reads from it instead of uniform routing")
+@click.option("--experts", type=click.Choice(EXPERTS), default="auto", show_default=True,
+              help="the experts' placement the cycle is counted with (see `serve --help`)")
 @click.option("--top", type=int, default=8, show_default=True, help="kernels listed per cycle, the slowest first")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, top, as_json):
+def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, as_json):
     """A cost model of one decode cycle on N GPUs of a kind: the cycle's launches, bytes and collectives
     counted on the fast path built from config.json alone (meta device, no weights read), each launch priced
     at what bounds it (its bytes, the instructions its weight products issue, their tensor FLOPs, the host
@@ -287,7 +289,7 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing,
     if k and cfg.dspark is None and not cfg.n_mtp_layers:
         raise ApplianceError("--draft-tokens: this model has no drafter (mtp.* in its config)", field="draft_tokens")
     calls = _routing(routing, cfg.n_routed_experts) if routing is not None else None
-    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices)
+    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices, experts=experts)
     device = cm.GPUS[gpu]
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "context": context,
               "routing": f"{len(calls)} measured calls from {routing}" if calls else "uniform (simulated)",
@@ -300,9 +302,11 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing,
         count.pop("torch_ops")
         count["capture_violations"] = len(count["capture_violations"])
         prediction = cm.predict(count, device, n_devices, tokens, calls)
+        placement = cm.placement(count, device, n_devices, cfg.dim, cfg.hc_mult, calls)
         count.pop("launches")  # priced one by one in the prediction's kernel table
         report["cycles"].append({"draft_tokens": k if draft != "none" else 0, "count": count,
-                                 "prediction": prediction, "against_anchors": cm.against_anchors(prediction)})
+                                 "prediction": prediction, "against_anchors": cm.against_anchors(prediction),
+                                 "placement": placement})
     if as_json:
         click.echo(json.dumps(report, indent=1, default=str))
         return
@@ -348,6 +352,11 @@ def _model_table(report: dict, device, top: int):
         for kern in p["counted"]["kernels"][:top]:
             click.echo(f"    {kern['kernel']:<44}{kern['launches']:>5} launches {kern['s'] * 1e3:7.3f} ms  "
                        f"{kern['bound']}")
+        for what, options in cyc["placement"].items():
+            if options:
+                click.echo(f"  placement of the {what.replace('_', ' ')}: " + ", ".join(
+                    f"{k.replace('_', ' ')} {v * 1e3:.3f} ms" for k, v in options.items() if k != "cheaper")
+                    + f" (cheaper: {options['cheaper'].replace('_', ' ')})")
         a, anchors = cyc["against_anchors"], report["anchors"]
         click.echo(f"  against the anchors: {a['tokens_per_s']:.0f} tok/s = {a['vs_vllm_p90']:.2f}x vLLM's P90 "
                    f"{anchors['vllm_p90_tokens_per_s']:.0f} tok/s; {a['ms_per_token']:.3f} ms a token = "

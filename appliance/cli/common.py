@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from appliance.errors import ApplianceError
-from appliance.options import ALLREDUCE, DRAFTS, DTYPES, INDEX_KEYS, NUMERICS, PATHS, RunOptions
+from appliance.options import ALLREDUCE, DRAFTS, DTYPES, EXPERTS, INDEX_KEYS, NUMERICS, PATHS, RunOptions
 
 MODEL_HELP = "model directory (config.json + *.safetensors); default: the embedded tiny DeepSeek-V4.1 model"
 
@@ -59,6 +59,12 @@ _MODEL_OPTIONS = [
         help="several devices: how partial sums meet, always added in rank order (bitwise the same on every rank "
              "and for every batch); nccl: an all-gather (gloo on CPU); symm: symmetric memory, GPU peer-to-peer; "
              "auto: symm where the GPUs reach each other")),
+    ("experts", lambda: click.option(
+        "--experts", type=click.Choice(EXPERTS), default="auto", show_default=True, envvar=_env("experts"),
+        help="several devices: where the MoE's experts live; split: every rank a share of each expert (its "
+             "intermediate), so no rank reads more of a step's experts than another; whole: each rank a quarter "
+             "of the experts whole (the busiest rank reads ~1.9x the mean); auto: split where the slices keep "
+             "the checkpoint's scale blocks whole, else whole (`bench model` prices both)")),
     ("check_ranks", lambda: click.option(
         "--check-ranks", is_flag=True, envvar=_env("check_ranks"),
         help="several devices, for diagnosis: before every collective the ranks compare the call they make, and "

@@ -26,10 +26,11 @@ Assumptions (each constant below names its source):
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
-  routed experts at their mean share; with expert parallelism the rank holding the most of a step's
-  selected experts reads more. `imbalance` prices the MoE launches again with their routed part scaled to
-  the busiest rank's expected load (uniform routing, a fixed-seed simulation; or measured routing), and adds
-  the difference.
+  routed experts at their mean share; where the ranks hold whole experts (expert parallelism: an expert
+  too small to split in whole scale blocks) the rank holding the most of a step's selected experts reads
+  more. `imbalance` prices those MoE launches again with their routed part scaled to the busiest rank's
+  expected load (uniform routing, a fixed-seed simulation; or measured routing), and adds the difference.
+  Split experts (every rank a share of each, parallel/sharding.py) have none; `placement` prices both.
 Tokens per cycle: 1 without drafting; with k drafts and a mean of A accepted drafts per cycle, A + 1 (the
 accepted drafts and the token the verify adds; `speculative.mean_accepted` in this project's reports).
 """
@@ -86,12 +87,13 @@ LAUNCH_S = 2.0e-6
 HOST_LINK = "PCIe Gen5 x16, 50 GB/s, 1.5 us a round trip (assumed; bench kernels measures the lookup)"
 HOST_READ_LATENCY_S = 1.5e-6
 # Lane-instructions the weight products' main loop issues per weight element, by kernel and format: the worst
-# specialization compiled (the tiny models' and V4.1's shapes), read from the SASS by the compile check (`python -m tests.gpu_dry_run --arch
-# 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last changed them. sm_100 (B200) takes
-# sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert (FP8) is priced as their FP4 loop.
+# specialization compiled (the tiny models' and V4.1's shapes), read from the SASS by the compile check
+# (`python -m tests.gpu_dry_run --arch 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last
+# changed them. sm_100 (B200) takes sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert
+# (FP8) is priced as their FP4 loop.
 ISSUE_PER_ELEMENT = {
-    90: {("linear", "fp8"): 4.55, ("linear", "fp4"): 5.56, ("moe", "fp4"): 6.03, ("moe", "fp8"): 6.03,
-         ("engram", "fp8"): 5.33},
+    90: {("linear", "fp8"): 3.15, ("linear", "fp4"): 4.07, ("moe", "fp4"): 4.50, ("moe", "fp8"): 4.50,
+         ("engram", "fp8"): 3.54},
     103: {("linear", "fp8"): 2.48, ("linear", "fp4"): 2.45, ("moe", "fp4"): 2.48, ("moe", "fp8"): 2.48,
           ("engram", "fp8"): 2.29},
 }
@@ -174,7 +176,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["s"] += t[bound] + LAUNCH_S
         k["by_bound"][bound] += t[bound]
         k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
-        if la["routing"] is not None and world > 1:
+        if la["whole_experts"] and world > 1:
             key = tuple(la["routing"])
             if key not in shares:
                 shares[key] = busiest_share(*key, world, routing)
@@ -190,6 +192,45 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
     return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get),
             "bytes": count["bytes_per_step"]["total"], "kernels": table,
             "busiest_rank_share": {f"{e} experts, top-{k}, {r} rows": v for (e, k, r), v in shares.items()}}
+
+
+def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: list | None = None) -> dict:
+    """Where the routed experts and Engram's replicated `wkv` cost least, priced on the counted cycle (seconds
+    a cycle of what differs between the placements):
+    - routed experts: `expert_parallel` (each rank holds a quarter of the experts whole): the busiest rank's
+      extra reads (the imbalance term) and each MoE call's all-gather of its pairs' float32 outputs (rows x
+      (top-k + 1) x dim, the shared expert's partial among them); `split_intermediate` (every expert split
+      by its intermediate dimension over the ranks, parallel/sharding.py): no imbalance, the same gather of
+      every pair's partial; `split_intermediate_row_sums` (not built): the pairs' partials combined per row
+      before the sum over ranks, rows x dim;
+    - Engram's `wkv`, `replicated` (every rank reads it whole; as built) against `split_outputs` (not built:
+      each rank its 1/world of the outputs, one more launch for the layer's epilogue after the outputs are
+      gathered, and an all-gather of rows x (hc + 1) dim / world float32 outputs)."""
+    if world <= 1:
+        return {}
+    shares: dict = {}
+    experts = dict.fromkeys(("expert_parallel", "split_intermediate", "split_intermediate_row_sums"), 0.0)
+    engram = {"replicated": 0.0, "split_outputs": 0.0}
+    for la in count["launches"]:
+        t = launch_terms(la, gpu)
+        if la["routing"] is not None:
+            key = tuple(la["routing"])
+            if key not in shares:
+                shares[key] = busiest_share(*key, world, routing)
+            experts["expert_parallel"] += max(launch_terms(la, gpu, shares[key]).values()) - max(t.values())
+            if "gate_up" in la["name"]:  # one gather per MoE call
+                _, top_k, rows = key
+                pairs = collective_s("allgather_", rows * (top_k + 1) * dim * 4, world, gpu)
+                experts["expert_parallel"] += pairs
+                experts["split_intermediate"] += pairs
+                experts["split_intermediate_row_sums"] += collective_s("allgather_", rows * dim * 4, world, gpu)
+        elif la["name"] == "kernels.engram._layer_kernel":
+            engram["replicated"] += max(t.values())
+            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + LAUNCH_S
+                                        + collective_s("allgather_", count["width"] * (hc + 1) * dim // world * 4,
+                                                       world, gpu))
+    return {"routed_experts": dict(experts, cheaper=min(experts, key=experts.get)),
+            "engram_wkv": dict(engram, cheaper=min(engram, key=engram.get)) if engram["replicated"] else None}
 
 
 def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, launches: int) -> dict:

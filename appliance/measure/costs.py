@@ -160,7 +160,7 @@ def step_bytes(cfg: ModelConfig, context: int) -> dict:
             "total": int(weights + engram + state)}
 
 
-# What tensor parallelism splits (appliance/sharding.py); everything else is replicated on every rank.
+# What tensor parallelism splits (appliance/parallel/sharding.py); everything else is replicated on every rank.
 _SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".indexer.weights_proj.", "head.weight",
           ".markov_head.head.", ".markov_head.markov_w2.", ".shared_experts.")
 

@@ -208,21 +208,23 @@ class DeclaredReads:
             if rec.recording:
                 self.routed[rec.block] += int(n * sum(w.nbytes for w in held[0])) if held else 0
                 _expert_reads(rec.launches[first:], held[0] if held else (), n, shared or (),
-                              (len(experts), top_k, x.shape[0]))
+                              (len(experts), top_k, x.shape[0]), len(held) < len(experts))
             return out
 
         return call
 
 
-def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int]) -> None:
+def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],
+                  whole: bool) -> None:
     """What the fused MoE kernels read through their tables of expert addresses: w1 and w3 (gate and up) in
     the gate/up launch, w2 in the down launch, of `n` routed experts like `expert` and of the shared one;
-    `routing`: (experts, top-k, rows) of the call."""
+    `routing`: (experts, top-k, rows) of the call; `whole`: the ranks hold whole experts (a share of each
+    otherwise: no rank is busier)."""
     for kernel, picked in (("gate_up", (0, 2)), ("down", (1,))):
         fused = next((la for la in launches if la.kind == "triton" and kernel in la.name), None)
         if fused is None:
             continue
-        fused.routing = routing
+        fused.routing, fused.whole_experts = routing, whole
         for weights, times, routed in ((expert, n, True), (shared, 1, False)):
             for w in (weights[i] for i in picked if i < len(weights)):
                 fused.bytes_read += int(times * w.nbytes)

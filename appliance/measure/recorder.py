@@ -121,6 +121,7 @@ class Launch:
     routed_bytes: int = 0
     routed_weights: dict[str, int] = field(default_factory=dict)
     routing: tuple[int, int, int] | None = None  # (experts, top-k, rows) of the MoE call it serves
+    whole_experts: bool = False  # the ranks hold whole experts (expert parallel): one may hold more picks
     host_bytes: int = 0  # of bytes_read, what it reads from host memory (declared: the Engram lookup)
 
 

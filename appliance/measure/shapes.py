@@ -133,10 +133,11 @@ class MetaModel:
 
 
 def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "official", drafter: bool = True,
-               world: int = 1, rank: int = 0) -> MetaModel:
+               world: int = 1, rank: int = 0, experts: str = "auto") -> MetaModel:
     """`cfg`'s backbone (and drafter) on the fast path, built on the meta device, split for `rank` of
-    `world` ranks. Engram's token map is a stand-in of the right size (ids are hashed on the device; the
-    values do not change what a step launches or reads)."""
+    `world` ranks (the MoE's experts as `experts` says: RunOptions.experts). Engram's token map is a
+    stand-in of the right size (ids are hashed on the device; the values do not change what a step launches
+    or reads)."""
     ckpt = MetaCheckpoint(cfg)
     rt = Runtime(Numerics(numerics == "official", DTYPES[dtype]), resolve("fast"), META)
     model = build_model(cfg, ckpt, rt, None)
@@ -144,7 +145,9 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
         token_map = torch.zeros(cfg.engram.compressed_vocab_size, dtype=torch.long)
         model.engram_hash = place(EngramHash(token_map, cfg), META)
     d = build_drafter(cfg, ckpt, rt, model) if drafter else None
-    blockers = ["(meta build) " + b for b in shard(model, d, ShapeComm(rank, world))] if world > 1 else []
+    blockers = []
+    if world > 1:
+        blockers = ["(meta build) " + b for b in shard(model, d, ShapeComm(rank, world), experts)]
     # what placement moves (RoPE tables, Engram's hash constants); host tables stay where they are and the
     # lookup kernel reads their rows in place (kernels/engram.py), so they block no capture
     place((model, d), META)
@@ -277,8 +280,10 @@ def live_spans(device_type: str) -> dict:
         if obj.is_contiguous():
             start = obj.storage_offset() * obj.element_size()
             spans.setdefault(storage_key(obj), []).append((start, start + n))
-        else:
-            spans[("view", id(obj))] = [(0, n)]
+        else:  # the same elements seen through another view of the same shape (a dtype view) count once
+            key = ("view", storage_key(obj), obj.storage_offset() * obj.element_size(), tuple(obj.shape),
+                   tuple(obj.stride()), obj.element_size())
+            spans[key] = [(0, n)]
     return spans
 
 

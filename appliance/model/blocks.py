@@ -109,7 +109,7 @@ class MoE:
 
         self.experts = [expert(f"{prefix}.experts.{e}", "expert") for e in range(n_experts)]
         self.shared = expert(f"{prefix}.shared_experts", "fp8") if n_shared else None
-        self.reduce = None  # expert parallel: sums the slots and shared partials over ranks (appliance/sharding.py)
+        self.reduce = None  # split over ranks: sums the slots and shared partials (appliance/parallel/sharding.py)
         self.routing_log: list | None = None  # when a list, each call appends its selected experts (measurement)
 
     def expand(self, x: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

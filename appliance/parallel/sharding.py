@@ -7,10 +7,15 @@ the reduce hooks that sum partial results over ranks.
   keys), `wq_a` and the norms are replicated: every head reads the same KV, and they are small.
 - indexer: query heads (`wq_b`) and their weights (`weights_proj`) are split; the head sum of the scores
   is all-reduced before its final rounding, so every rank selects the same rows.
-- MoE: routed experts are split (rank r holds experts [r E/n, (r+1) E/n) and computes the slots that chose
-  them); the shared expert's intermediate is split too: replicating it would read its 35 MB on every rank
-  and every layer, splitting it costs nothing extra because its partial sum travels in the same
-  all-reduce as the routed slots. The router is replicated (selection must be identical everywhere).
+- MoE: every expert's intermediate is split (rank r holds rows [r I/n, (r+1) I/n) of each expert's w1 and
+  w3 and those columns of its w2, and computes every slot's partial output): each rank reads a 1/n share
+  of every selected expert, so no rank waits on a busier one (with whole experts per rank the busiest holds
+  1.9x the mean of a plain step's picks: `bench model`'s placement prices both). Where an expert's slice
+  would split a scale block (I / n not a multiple of the FP8 block or of FP4's 32 columns) the experts are
+  split whole instead (rank r holds experts [r E/n, (r+1) E/n) and computes the slots that chose them).
+  The shared expert's intermediate is split too: replicating it would read its 35 MB on every rank and
+  every layer, splitting it costs nothing extra because its partial sum travels in the same all-reduce as
+  the routed slots. The router is replicated (selection must be identical everywhere).
 - head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
   all-gathered, so sampling sees the same logits as a single device.
 - embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
@@ -19,12 +24,13 @@ On the reference path reductions run in float64 and are rounded once, like the s
 splitting does not change the function (up to the order of a float64 sum). On the fast path they run in
 float32, added in rank order (`Comm.sum`, appliance/parallel/collectives.py): the same bits on every rank
 and for every batch shape, so a verify of k+1 rows still equals k+1 single steps; against one rank, within
-float32 rounding of each split sum (the MoE's routed slots exactly: each comes from one rank).
+float32 rounding of each split sum (whole experts' routed slots exactly: each comes from one rank).
 """
 
 import torch
 import torch.distributed as dist
 
+from appliance.errors import ApplianceError
 from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 
@@ -148,9 +154,21 @@ class ExpertReduce:
         return self.reference(outputs, shared64)
 
 
-def shard_moe(moe: MoE, comm: Comm) -> None:
-    e0, e1 = comm.span(len(moe.experts))
-    moe.experts = [w if e0 <= e < e1 else None for e, w in enumerate(moe.experts)]
+def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
+    """`experts` (RunOptions.experts): split every expert by its intermediate, or hold whole experts; auto:
+    split where the slices keep the scale blocks whole."""
+    split = _splits_intermediate(moe.experts[0], comm)
+    if experts == "split" and not split:
+        w1 = moe.experts[0][0]
+        raise ApplianceError(f"--experts split: an expert's intermediate of {w1.shape[0]} does not split over "
+                             f"{comm.world} ranks in whole scale blocks; use --experts whole or auto",
+                             field="experts", value=experts)
+    if split and experts != "whole":
+        i0, i1 = comm.span(moe.experts[0][0].shape[0])
+        moe.experts = [(w1.rows(i0, i1), w2.cols(i0, i1), w3.rows(i0, i1)) for w1, w2, w3 in moe.experts]
+    else:
+        e0, e1 = comm.span(len(moe.experts))
+        moe.experts = [w if e0 <= e < e1 else None for e, w in enumerate(moe.experts)]
     if moe.shared is not None and _splits(moe.shared[0], comm):
         w1, w2, w3 = moe.shared
         i0, i1 = comm.span(w1.shape[0])
@@ -164,17 +182,18 @@ def shard_moe(moe: MoE, comm: Comm) -> None:
             return comm.all_reduce(outputs), shared64
         packed = torch.cat((outputs.double(), shared64.unsqueeze(1)), dim=1)  # one collective for both
         packed = comm.all_reduce(packed)
-        return packed[:, :-1].float(), packed[:, -1]
+        return packed[:, :-1].to(outputs.dtype), packed[:, -1]  # float64 slices of split experts stay unrounded
 
     moe.reduce = ExpertReduce(comm.sum, reference, shared_split)
 
 
-def shard(model, drafter, comm: Comm) -> list[str]:
-    """Split `model` (and its drafter) in place for this rank. Returns why the split model's steps cannot
-    be captured in CUDA graphs (empty when they can)."""
+def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
+    """Split `model` (and its drafter) in place for this rank, the MoE's experts as `experts` says
+    (`shard_moe`). Returns why the split model's steps cannot be captured in CUDA graphs (empty when they
+    can)."""
     for layer in model.layers:
         shard_attention(layer.attn, comm)
-        shard_moe(layer.ffn, comm)
+        shard_moe(layer.ffn, comm, experts)
     head = VocabParallel(model.head, comm)
     model.head = head
     # the reference form reads the selected experts on the host; the fast path's fused kernels do not
@@ -184,7 +203,7 @@ def shard(model, drafter, comm: Comm) -> list[str]:
     drafter.head = head  # the drafter shares the backbone's head
     for block in getattr(drafter, "stages", None) or [drafter.block]:
         shard_attention(block.attn, comm)
-        shard_moe(block.ffn, comm)
+        shard_moe(block.ffn, comm, experts)
     if hasattr(drafter, "markov_head"):
         drafter.markov_head = VocabParallel(drafter.markov_head, comm)
     return blockers + ["the drafter's expert-parallel MoE runs the same reference form"] if blockers else []
@@ -211,6 +230,15 @@ def verify_rows(cfg, drafter: bool) -> int:
     if not drafter:
         return 1
     return 1 + (cfg.dspark.block_size if cfg.dspark is not None else MTP_MAX_DRAFTS)
+
+
+def _splits_intermediate(expert: tuple, comm: Comm) -> bool:
+    """Whether an expert (w1, w2, w3) splits by its intermediate over the ranks in whole scale blocks: w1's
+    and w3's output rows, w2's input columns."""
+    w1, w2, _ = expert
+    per = w1.shape[0] // comm.world
+    cols = {"fp8": w2.block[1] if w2.block else 1, "fp4": 32}.get(w2.format, 1)
+    return _splits(w1, comm) and per % cols == 0
 
 
 def _splits(w, comm: Comm) -> bool:

@@ -3,7 +3,7 @@
 `--devices 0,1,2,3` runs four ranks on four GPUs (NCCL); `--devices cpu:4` four ranks on the CPU (gloo,
 for tests). The process the user started is rank 0: it starts ranks 1..n-1 as copies of itself (the same
 command line, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), unless torchrun's variables already
-say which rank it is. Every rank loads the model, keeps its shard (appliance/sharding.py) and runs the same
+say which rank it is. Every rank loads the model, keeps its shard (appliance/parallel/sharding.py) and runs the same
 code in lockstep; rank 0 alone talks to the user and decides (appliance/decode/plan.py): it publishes each
 job, and broadcasts the decisions taken inside one (go on or stop, an adaptive draft's length).
 

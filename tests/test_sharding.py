@@ -1,0 +1,45 @@
+"""Where a split model's MoE experts live (appliance/parallel/sharding.py `shard_moe`): every rank a share of
+each expert's intermediate, or whole experts per rank; `--experts` chooses, auto by whether the slices keep
+the checkpoint's scale blocks whole. (The four-rank runs in test_distributed.py check what the ranks compute.)"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from appliance.errors import ApplianceError
+from appliance.parallel.sharding import Comm, shard_moe
+from kernels.bench import fp4_weight
+
+
+def moe(inter: int, experts: int = 8, dim: int = 64):
+    return SimpleNamespace(experts=[(fp4_weight(inter, dim, "cpu"), fp4_weight(dim, inter, "cpu"),
+                                     fp4_weight(inter, dim, "cpu")) for _ in range(experts)], shared=None)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_experts_split_by_their_intermediate_where_the_fp4_scale_blocks_stay_whole(rank):
+    m = moe(128)
+    whole = [tuple(w.dequantize() for w in e) for e in m.experts]
+    shard_moe(m, Comm(rank, 4))
+    lo, hi = 32 * rank, 32 * (rank + 1)
+    assert all(e is not None for e in m.experts)
+    for (w1, w2, w3), (d1, d2, d3) in zip(m.experts, whole):
+        assert w1.shape == (32, 64) and w2.shape == (64, 32) and w3.shape == (32, 64)
+        assert w1.dequantize().equal(d1[lo:hi]) and w3.dequantize().equal(d3[lo:hi])
+        assert w2.dequantize().equal(d2[:, lo:hi])
+
+
+def test_experts_too_narrow_to_split_stay_whole_under_auto_and_split_refuses_naming_the_option():
+    m = moe(64)  # 16 columns of w2 a rank: half an FP4 scale block
+    shard_moe(m, Comm(1, 4))
+    assert [e is not None for e in m.experts] == [False, False, True, True, False, False, False, False]
+    with pytest.raises(ApplianceError) as e:
+        shard_moe(moe(64), Comm(1, 4), "split")
+    assert e.value.field == "experts" and "--experts" in e.value.message
+
+
+def test_whole_experts_when_asked_even_where_they_split():
+    m = moe(128)
+    shard_moe(m, Comm(2, 4), "whole")
+    assert [e is not None for e in m.experts] == [False, False, False, False, True, True, False, False]
+    assert m.experts[4][0].shape == (128, 64)
