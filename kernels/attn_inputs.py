@@ -27,7 +27,6 @@ from ._triton import (
     INTERPRET,
     device_function,
     device_of,
-    e4m3_rne,
     pow2,
     pow2_ceil,
     require,
@@ -40,6 +39,7 @@ from ._triton import (
     tsum,
 )
 from .formats import q4_e8m0, q8_pow2
+from .linear import quant_tile
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -104,14 +104,6 @@ def check_rope(rope: tuple[torch.Tensor, torch.Tensor], width: int) -> int:
 
 
 @device_function
-def _q8_pow2(x, BR: tl.constexpr, BC: tl.constexpr):
-    """formats.q8_pow2(x, 32) of a float32 [BR, BC] tile (BC a multiple of 32)."""
-    xb = tl.reshape(x, (BR, BC // 32, 32))
-    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))[:, :, None]
-    return tl.reshape(e4m3_rne(tl.minimum(tl.maximum(xb / s, -448.0), 448.0)) * s, (BR, BC))
-
-
-@device_function
 def e2m1_rne(x):
     """formats.round_e2m1: the nearest e2m1 value (ties to the even code), clamped to [-6, 6], the sign of
     x kept (as copysign keeps it, -0 included)."""
@@ -166,7 +158,7 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
         k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)  # [1, BHD]
         tl.debug_barrier()
         if QUANT:
-            k = _q8_pow2(k, 1, BHD)
+            k = quant_tile(k, 1, BHD, 32)
         k = round_out(k, OUT_BF16)
         tl.store(k_ptr + t * hd + cols[None, :], k, mask=cm[None, :])
         if WRITE:

@@ -57,7 +57,6 @@ from ._triton import (
     e2m1_high_as_e4m3,
     e2m1_low_as_e4m3,
     e4m3_codes,
-    e4m3_rne,
     e8m0_f32,
     native_products,
     pow2,
@@ -197,27 +196,31 @@ def act_tile(x_ptr, rows, row_mask, k0, k_end, stride_xm,
 
 
 @device_function
-def quant_tile(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
-    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns (formats.q8_pow2), as float32."""
+def act_codes(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
+    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns (formats.q8_pow2): e4m3 codes
+    [BM, BK // ACT_BLOCK, ACT_BLOCK] and the power of two each block's codes scale by [BM, BK // ACT_BLOCK]."""
     xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
-    amax = tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4)
-    s = pow2_ceil(amax * (1.0 / 448.0))[:, :, None]
-    q = e4m3_rne(xb * pow2_inverse(s))  # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
-    return tl.reshape(q * s, (BM, BK))
+    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))
+    # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
+    return e4m3_codes(xb * pow2_inverse(s)[:, :, None]), s
+
+
+@device_function
+def quant_tile(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
+    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns (`act_codes`), as float32."""
+    codes, s = act_codes(x, BM, BK, ACT_BLOCK)
+    return tl.reshape(codes.to(tl.float32) * s[:, :, None], (BM, BK))
 
 
 @device_function
 def quant_codes(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
-    """float32 [BM, BK] -> its official FP8 quantization per ACT_BLOCK columns as the block-scaled MMA takes it:
-    e4m3 codes [BM, BK] and one E8M0 exponent byte per 32 columns [BM, BK // 32] (the 32-column blocks of one
-    ACT_BLOCK share its power of two). codes x 2^(byte - 127) is `quant_tile`'s value exactly."""
-    xb = tl.reshape(x, (BM, BK // ACT_BLOCK, ACT_BLOCK))
-    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))  # [BM, BK // ACT_BLOCK]
-    # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
-    codes = tl.reshape(e4m3_codes(xb * pow2_inverse(s)[:, :, None]), (BM, BK))
+    """float32 [BM, BK] -> its official FP8 quantization (`act_codes`) as the block-scaled MMA takes it: e4m3
+    codes [BM, BK] and one E8M0 exponent byte per 32 columns [BM, BK // 32] (the 32-column blocks of one
+    ACT_BLOCK share its power of two)."""
+    codes, s = act_codes(x, BM, BK, ACT_BLOCK)
     e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
     scales = tl.reshape(tl.broadcast_to(e[:, :, None], (BM, BK // ACT_BLOCK, ACT_BLOCK // 32)), (BM, BK // 32))
-    return codes, scales
+    return tl.reshape(codes, (BM, BK)), scales
 
 
 @device_function
@@ -278,10 +281,8 @@ def e4m3_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr, B
     block's sum times the row's power of two (and FP4's 2^6) into acc."""
     C: tl.constexpr = 32 if FMT == 2 else (BI if BI < ACT_BLOCK else ACT_BLOCK)
     NA: tl.constexpr = BK // ACT_BLOCK
-    xb = tl.reshape(a, (BM, NA, ACT_BLOCK))
-    s = pow2_ceil(tl.maximum(tmax(tl.abs(xb), axis=2), 1e-4) * (1.0 / 448.0))  # [BM, NA]
-    # |x| / s <= amax / s <= 448: within e4m3's range without a clamp
-    xq = tl.reshape(e4m3_codes(xb * pow2_inverse(s)[:, :, None]), (BM, BK))
+    codes, s = act_codes(a, BM, BK, ACT_BLOCK)  # s [BM, NA]
+    xq = tl.reshape(codes, (BM, BK))
     if FMT == 2:  # each 32 columns' even ones, then their odd ones: the order of the re-encoded FP4 codes
         xq = tl.reshape(tl.permute(tl.reshape(xq, (BM, BK // 32, 16, 2)), (0, 1, 3, 2)), (BM, BK))
     for blk in tl.static_range(NA):

@@ -157,6 +157,15 @@ def busiest_share(experts: int, top_k: int, rows: int, world: int, routing: list
     return (per_rank.max(-1).values.mean() / per_rank.mean()).item()
 
 
+def busier_rank_s(la: dict, gpu: GPU, world: int, routing: list | None, shares: dict) -> float:
+    """What an MoE launch costs the rank holding the most of its call's selected whole experts beyond the
+    mean rank (seconds); `shares` caches busiest_share by (experts, top-k, rows)."""
+    key = tuple(la["routing"])
+    if key not in shares:
+        shares[key] = busiest_share(*key, world, routing)
+    return max(launch_terms(la, gpu, shares[key]).values()) - max(launch_terms(la, gpu).values())
+
+
 def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -> dict:
     """One cycle (seconds) from a count (count.count_cycle): every launch at what bounds it plus LAUNCH_S,
     the busiest rank's extra expert reads (`imbalance`), the collectives. Terms: each launch's time goes to
@@ -177,10 +186,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["by_bound"][bound] += t[bound]
         k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
         if la["whole_experts"] and world > 1:
-            key = tuple(la["routing"])
-            if key not in shares:
-                shares[key] = busiest_share(*key, world, routing)
-            imbalance += max(launch_terms(la, gpu, shares[key]).values()) - t[bound]
+            imbalance += busier_rank_s(la, gpu, world, routing, shares)
     terms["launches"] = len(count["launches"]) * LAUNCH_S
     terms["imbalance"] = imbalance
     terms["collectives"] = sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
@@ -215,9 +221,7 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
         t = launch_terms(la, gpu)
         if la["routing"] is not None:
             key = tuple(la["routing"])
-            if key not in shares:
-                shares[key] = busiest_share(*key, world, routing)
-            experts["expert_parallel"] += max(launch_terms(la, gpu, shares[key]).values()) - max(t.values())
+            experts["expert_parallel"] += busier_rank_s(la, gpu, world, routing, shares)
             if "gate_up" in la["name"]:  # one gather per MoE call
                 _, top_k, rows = key
                 pairs = collective_s("allgather_", rows * (top_k + 1) * dim * 4, world, gpu)
