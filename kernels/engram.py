@@ -34,7 +34,16 @@ from ._triton import (
     tsum,
 )
 from .formats import e8m0_to_float
-from .linear import PackedWeight, check_act_block, check_weight, kernel_args, weight_product
+from .linear import (
+    STAGE_TILES,
+    PackedWeight,
+    check_act_block,
+    check_weight,
+    kernel_args,
+    stage_codes,
+    staged_product,
+    weight_product,
+)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -89,6 +98,7 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   om_ptr,     # float32 [hc, D] omega
                   out_ptr,    # out [T, hc, D]
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
+                  qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, KQ] codes, [BM, KQ / 32] scales
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
                   DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
@@ -103,9 +113,22 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
-        acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, NATIVE, BM, BN, BK)
+    if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:  # the rows quantized once, into the program's scratch
+        KQ = tl.cdiv(K, BK) * BK
+        prog = (pid_m * tl.num_programs(0) + tile).to(tl.int64)
+        qc = qc_ptr + prog * (BM * KQ)
+        qs = qs_ptr + prog * (BM * KQ // 32)
+        SW: tl.constexpr = STAGE_TILES * BK
+        for k0 in range(0, KQ, SW):
+            stage_codes(_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, SW), qc, qs, k0, KQ, FMT, NATIVE,
+                        ACT_BLOCK, BM, SW)
+        tl.debug_barrier()  # every thread's codes are written before any thread reads them
+        acc = staged_product(w_rows, s_rows, n_mask, qc, qs, K, KQ, acc, FMT, BI, ACT_BLOCK, NATIVE, BM, BN, BK)
+    else:
+        for k0 in range(0, K, BK):
+            a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
+            acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, NATIVE, BM,
+                                 BN, BK)
     r64 = rows.to(tl.int64)
     tl.store(kv_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16),
              mask=n_mask[:, None] & row_mask[None, :])
@@ -175,10 +198,17 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
+    programs = triton.cdiv(n, bn) * blocks
+    if native:  # each program's rows quantized (linear.stage_codes)
+        kq = triton.cdiv(k, bk) * bk
+        qc = torch.empty(programs * bm * kq, dtype=torch.uint8, device=dev)
+        qs = torch.empty(programs * bm * kq // 32, dtype=torch.float32, device=dev)
+    else:
+        qc = qs = kv
     # the gates' tiles are [BM, hc, BD] float32, several live at once: 2048 elements keep them in registers
     bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
-        codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, t, k, hc, d, swn, ssn,
+        codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, qc, qs, t, k, hc, d, swn, ssn,
         float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, NATIVE=native,
         OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
         BHC=pow2(hc))

@@ -18,16 +18,19 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   under the interpreter a float32 matmul. Dense float32/float16 weights (no checkpoint stores them) take a
   float32 FMA dot instead.
 - A launch whose every product has FP8/FP4 weights and quantized rows (official numerics) multiplies in
-  the checkpoint's own formats where the tensor cores take them (`weight_product`, `_triton.native_products`):
-  on sm_100 and later the weight codes as stored and the rows' e4m3 codes, with their E8M0 bytes, on the
-  block-scaled MMA (`tl.dot_scaled`; 128 outputs a tile, its M side); on sm_89/90 on the e4m3 MMA, one product
-  per block of columns that one weight scale and one row scale cover (32 for V4.1's 32x32 blocks and for
-  FP4, whose e2m1 codes are re-encoded as e4m3 codes of value / 64 by byte-wise shifts and masks), times the
-  two powers of two and added in float32 in block order (256 outputs a tile: the rows' quantization is paid
-  once a tile; 8 rows a program, E4M3_MMA_ROWS: that epilogue is paid per row). The products are the same
-  exact values. Nothing is dequantized in registers: about 2.5 instructions issued per weight element on
-  sm_103 and 3.2 to 4.5 on sm_90, where the bfloat16 path issues 9 to 69 (tests/gpu_dry_run.py measures
-  it). `--numerics plain` (float32 rows, not quantized) keeps the bfloat16 path on every target.
+  the checkpoint's own formats where the tensor cores take them (`staged_tile`, `_triton.native_products`).
+  Each program first quantizes its rows once, STAGE_TILES K tiles a pass, into a scratch of its own
+  (`stage_codes`: e4m3 codes and powers of two, the reference's; the rows' quantization inside the K loop,
+  in the MMA operand's layout, cost 3-4x as many instructions), then streams the weights: on sm_100 and
+  later the weight codes as stored and the rows' codes, with their E8M0 bytes, on the block-scaled MMA
+  (`tl.dot_scaled`; 128 outputs a tile, its M side); on sm_89/90 on the e4m3 MMA, one product per block of
+  columns that one weight scale and one row scale cover (32 for V4.1's 32x32 blocks and for FP4, whose e2m1
+  codes are re-encoded as e4m3 codes of value / 64 by byte-wise shifts and masks), times the two powers of
+  two and added in float32 in block order (256 outputs a tile; 8 rows a program, E4M3_MMA_ROWS: that
+  epilogue is paid per row). The products are the same exact values. Nothing is dequantized in registers:
+  about 1.6 instructions issued per weight element in the main loop on sm_103 (0.6 more staging the rows)
+  and 2.0 to 3.4 on sm_90 (0.1-0.2 staging), where the bfloat16 path issues 9 to 69 (tests/gpu_dry_run.py
+  measures it). `--numerics plain` (float32 rows, not quantized) keeps the bfloat16 path on every target.
 - Batch invariance by construction: a program always holds 16 rows (8 on the e4m3 MMA: the instruction's N
   side, unused rows masked), so a row meets the same instructions in the same order whether 1 or 16 rows
   share the launch;
@@ -213,17 +216,6 @@ def quant_tile(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
 
 
 @device_function
-def quant_codes(x, BM: tl.constexpr, BK: tl.constexpr, ACT_BLOCK: tl.constexpr):
-    """float32 [BM, BK] -> its official FP8 quantization (`act_codes`) as the block-scaled MMA takes it: e4m3
-    codes [BM, BK] and one E8M0 exponent byte per 32 columns [BM, BK // 32] (the 32-column blocks of one
-    ACT_BLOCK share its power of two)."""
-    codes, s = act_codes(x, BM, BK, ACT_BLOCK)
-    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-    scales = tl.reshape(tl.broadcast_to(e[:, :, None], (BM, BK // ACT_BLOCK, ACT_BLOCK // 32)), (BM, BK // 32))
-    return tl.reshape(codes, (BM, BK)), scales
-
-
-@device_function
 def weight_codes(w_rows, s_rows, n_mask, k0, k_end,
                  FMT: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Weight rows' columns [k0, k0 + BK) as stored, for the block-scaled MMA: e4m3 codes [BN, BK] (fp8) or
@@ -271,39 +263,102 @@ def column_block(x, J: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, W: tl.co
     return x
 
 
+# K tiles the rows' quantization (`stage_codes`) takes a pass: its per-pass costs (addresses, the loop) spread
+# over four of the main loop's tiles; 4 x 128 columns of 8 rows is 32 float32 registers a thread at 4 warps
+STAGE_TILES = tl.constexpr(4)
+
+
 @device_function
-def e4m3_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
+def stage_codes(a, qc, qs, c0, KQ, FMT: tl.constexpr, NATIVE: tl.constexpr, ACT_BLOCK: tl.constexpr,
+                BM: tl.constexpr, SW: tl.constexpr):
+    """Writes the rows' columns [c0, c0 + SW) of a program's span (`a` [BM, SW] float32) quantized
+    (`act_codes`) into its scratch for `staged_tile`: e4m3 codes at qc [BM, KQ] (FP4 on the e4m3 MMA: each
+    32 columns' even ones, then their odd ones, the order of the re-encoded FP4 codes) and the powers of two
+    at qs [BM, KQ / ACT_BLOCK]; columns from KQ on are not stored."""
+    codes, s = act_codes(a, BM, SW, ACT_BLOCK)
+    xq = tl.reshape(codes, (BM, SW))
+    if NATIVE == 2 and FMT == 2:
+        xq = tl.reshape(tl.permute(tl.reshape(xq, (BM, SW // 32, 16, 2)), (0, 1, 3, 2)), (BM, SW))
+    m = tl.arange(0, BM)[:, None]
+    cols = c0 + tl.arange(0, SW)[None, :]
+    tl.store(qc + m * KQ + cols, xq.to(tl.uint8, bitcast=True), mask=cols < KQ)
+    blocks = c0 // ACT_BLOCK + tl.arange(0, SW // ACT_BLOCK)[None, :]
+    tl.store(qs + m * (KQ // ACT_BLOCK) + blocks, s, mask=blocks < KQ // ACT_BLOCK)
+
+
+@device_function
+def e4m3_product(w_rows, s_rows, n_mask, xq, s, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' tile `a` [BM, BK], quantized
-    here, on the e4m3 MMA (NATIVE_E4M3): per block of C columns that one weight scale and one row scale
-    cover (FP4: 32) the product of the e4m3 codes (FP4's re-encoded: `e2m1_low_as_e4m3`), exact products
-    summed by the MMA, times the weight's power of two, added in float32 in block order; each activation
-    block's sum times the row's power of two (and FP4's 2^6) into acc."""
+    """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' codes `xq` [BM, BK] and powers
+    of two `s` [BM, BK / ACT_BLOCK] (`stage_codes`), on the e4m3 MMA (NATIVE_E4M3): per block of C columns that one
+    weight scale and one row scale cover (FP4: 32) the product of the e4m3 codes (FP4's re-encoded:
+    `e2m1_low_as_e4m3`), exact products summed by the MMA, times the weight's power of two, added in float32
+    in block order; each activation block's sum times the row's power of two (and FP4's 2^6) into acc."""
     C: tl.constexpr = 32 if FMT == 2 else (BI if BI < ACT_BLOCK else ACT_BLOCK)
     NA: tl.constexpr = BK // ACT_BLOCK
-    codes, s = act_codes(a, BM, BK, ACT_BLOCK)  # s [BM, NA]
-    xq = tl.reshape(codes, (BM, BK))
-    if FMT == 2:  # each 32 columns' even ones, then their odd ones: the order of the re-encoded FP4 codes
-        xq = tl.reshape(tl.permute(tl.reshape(xq, (BM, BK // 32, 16, 2)), (0, 1, 3, 2)), (BM, BK))
     for blk in tl.static_range(NA):
-        t = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_b = tl.zeros((BN, BM), dtype=tl.float32)
         for j in tl.static_range(ACT_BLOCK // C):
-            c0 = k0 + blk * ACT_BLOCK + j * C
+            col = k0 + blk * ACT_BLOCK + j * C
             x = column_block(xq, blk * (ACT_BLOCK // C) + j, BK // C, BM, BK)
-            sc = tl.load(s_rows + c0 // BI, mask=n_mask & (c0 + tl.arange(0, 1) < k_end), other=127)
+            sc = tl.load(s_rows + col // BI, mask=n_mask & (col + tl.arange(0, 1) < k_end), other=127)
             if FMT == 1:
-                offs = c0 + tl.arange(0, C)
+                offs = col + tl.arange(0, C)
                 w = tl.load(w_rows[:, None] + offs[None, :], mask=n_mask[:, None] & (offs[None, :] < k_end),
                             other=0.0)
             else:
-                offs = c0 // 2 + tl.arange(0, 16)
+                offs = col // 2 + tl.arange(0, 16)
                 b = tl.load(w_rows[:, None] + offs[None, :], mask=n_mask[:, None] & (offs[None, :] < k_end // 2),
                             other=0).to(tl.uint8, bitcast=True)
                 pairs = tl.join(e2m1_low_as_e4m3(b), e2m1_high_as_e4m3(b))  # [BN, 16, 2]: columns 2i, 2i + 1
                 w = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BN, 32)).to(tl.float8e4nv, bitcast=True)
-            t = tl.fma(tl.dot(w, tl.trans(x)), e8m0_f32(sc)[:, None], t)
+            acc_b = tl.fma(tl.dot(w, tl.trans(x)), e8m0_f32(sc)[:, None], acc_b)
         sx = tl.reshape(column_block(s, blk, NA, BM, NA), (BM,))
-        acc += t * (sx * (64.0 if FMT == 2 else 1.0))[None, :]
+        acc = tl.fma(acc_b, (sx * (64.0 if FMT == 2 else 1.0))[None, :], acc)
+    return acc
+
+
+@device_function
+def stage_rows(x_ptr, rows, row_mask, K, stride_xm, qc, qs, KQ, FMT: tl.constexpr, NATIVE: tl.constexpr,
+               ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Rows `rows` of x, columns [0, K) (zeros up to KQ, a multiple of BK), quantized into a program's scratch
+    (`stage_codes`, STAGE_TILES K tiles a pass) for `staged_product`; between barriers: the codes staged before
+    are no longer read, and these are all written before they are."""
+    tl.debug_barrier()
+    SW: tl.constexpr = STAGE_TILES * BK
+    for k0 in range(0, KQ, SW):
+        stage_codes(act_tile(x_ptr, rows, row_mask, k0, K, stride_xm, 0, BM, SW), qc, qs, k0, KQ, FMT, NATIVE,
+                    ACT_BLOCK, BM, SW)
+    tl.debug_barrier()
+
+
+@device_function
+def staged_tile(w_rows, s_rows, n_mask, qc, qs, c0, KQ, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
+                ACT_BLOCK: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' columns [c0, c0 + BK) as
+    `stage_codes` wrote them, in the checkpoint's formats as NATIVE says: NATIVE_BLOCK_SCALED (1) on the
+    block-scaled MMA (`mxf_mma`, the rows' powers of two as E8M0 bytes), NATIVE_E4M3 (2) `e4m3_product`."""
+    NA: tl.constexpr = BK // ACT_BLOCK
+    m = tl.arange(0, BM)[:, None]
+    xq = tl.load(qc + m * KQ + c0 + tl.arange(0, BK)[None, :]).to(tl.float8e4nv, bitcast=True)
+    s = tl.load(qs + m * (KQ // ACT_BLOCK) + c0 // ACT_BLOCK + tl.arange(0, NA)[None, :])
+    if NATIVE == 1:  # one exponent byte per 32 columns: the 32-column blocks of an ACT_BLOCK share its
+        e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+        xs = tl.reshape(tl.broadcast_to(e[:, :, None], (BM, NA, ACT_BLOCK // 32)), (BM, BK // 32))
+        w, ws = weight_codes(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
+        acc = mxf_mma(w, ws, xq, xs, acc, FMT)
+    else:
+        acc = e4m3_product(w_rows, s_rows, n_mask, xq, s, k0, k_end, acc, FMT, BI, ACT_BLOCK, BM, BN, BK)
+    return acc
+
+
+@device_function
+def staged_product(w_rows, s_rows, n_mask, qc, qs, K, KQ, acc, FMT: tl.constexpr, BI: tl.constexpr,
+                   ACT_BLOCK: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """acc [BN, BM] += the weight rows' columns [0, K) times the rows `stage_rows` staged (`staged_tile`)."""
+    for k0 in range(0, K, BK):
+        acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, k0, KQ, k0, K, acc, FMT, BI, ACT_BLOCK, NATIVE, BM, BN, BK)
     return acc
 
 
@@ -312,19 +367,13 @@ def weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT: tl.constexpr,
                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' float32 tile `a` [BM, BK]
-    (FP8-quantized per ACT_BLOCK here, 0: not). FP8/FP4 weights with quantized rows (official numerics)
-    multiply as NATIVE says (_triton.NATIVE_BLOCK_SCALED = 1: `mxf_mma`; NATIVE_E4M3 = 2: `e4m3_product`);
-    otherwise the weights are dequantized to bfloat16 values (`weight_tile`, `mma_parts`)."""
-    if NATIVE == 1 and ACT_BLOCK >= 32 and FMT > 0:
-        w, ws = weight_codes(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK)
-        xq, xs = quant_codes(a, BM, BK, ACT_BLOCK)
-        acc = mxf_mma(w, ws, xq, xs, acc, FMT)
-    elif NATIVE == 2 and ACT_BLOCK >= 32 and FMT > 0:
-        acc = e4m3_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, BM, BN, BK)
-    else:
-        if ACT_BLOCK > 0:
-            a = quant_tile(a, BM, BK, ACT_BLOCK)
-        acc = mma_parts(weight_tile(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK), a, acc, X_PARTS, DOT_BF16)
+    (FP8-quantized per ACT_BLOCK here, 0: not), the weights dequantized to bfloat16 values (`weight_tile`,
+    `mma_parts`). FP8/FP4 weights with quantized rows multiply in the checkpoint's formats where the device
+    can (NATIVE): the rows quantized once before the K loop (`stage_rows` / `staged_product`), not here."""
+    tl.static_assert(NATIVE == 0 or ACT_BLOCK < 32 or FMT == 0, "native products take staged rows")
+    if ACT_BLOCK > 0:
+        a = quant_tile(a, BM, BK, ACT_BLOCK)
+    acc = mma_parts(weight_tile(w_rows, s_rows, n_mask, k0, k_end, FMT, BI, BN, BK), a, acc, X_PARTS, DOT_BF16)
     return acc
 
 
@@ -390,28 +439,47 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
 
 
 @device_function
+def row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr,
+             BM: tl.constexpr, BK: tl.constexpr):
+    """The rows' float32 tile [BM, BK] at k0. NORM: RMS-normalized first (`r` their reciprocal RMS, `nw_ptr`
+    the weight) and rounded to x's dtype, as the RMSNorm kernel computes them."""
+    if NORM:
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < k_end
+        xv = tl.load(x_base + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                     mask=row_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+        a = round_out(nw[None, :] * (xv * r[:, None]), X_BF16).to(tl.float32)
+    else:
+        a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, 0, BM, BK)
+    return a
+
+
+@device_function
 def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn, stride_sn,
-          r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
+          r, nw_ptr, qc, qs, KQ, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
           BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
           NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """float32 [BN, BM]: outputs offs_n of rows `rows` summed over the inputs [k_lo, k_end) of x_base, K tiles
-    in order (`weight_product`). NORM: the rows are RMS-normalized first (`r` their reciprocal RMS, `nw_ptr`
-    the weight) and rounded to x's dtype, as the RMSNorm kernel computes them, then quantized like any input."""
+    in order (`row_tile`, `weight_product`). On the e4m3 MMA the rows are quantized once, into the program's
+    scratch `qc`/`qs` (`stage_codes`), before the weights stream."""
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_end, BK):
-        if NORM:
-            offs_k = k0 + tl.arange(0, BK)
-            km = offs_k < k_end
-            xv = tl.load(x_base + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                         mask=row_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-            nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
-            a = round_out(nw[None, :] * (xv * r[:, None]), X_BF16).to(tl.float32)
-        else:
-            a = act_tile(x_base, rows, row_mask, k0, k_end, stride_xm, 0, BM, BK)
-        acc = weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE,
-                             BM, BN, BK)
+    if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
+        SW: tl.constexpr = STAGE_TILES * BK
+        for k0 in range(k_lo, k_end, SW):
+            a = row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
+            stage_codes(a, qc, qs, k0 - k_lo, KQ, FMT, NATIVE, ACT_BLOCK, BM, SW)
+        tl.debug_barrier()  # every thread's codes are written before any thread reads them
+        for k0 in range(k_lo, k_end, BK):
+            acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, k0 - k_lo, KQ, k0, k_end, acc, FMT, BI, ACT_BLOCK,
+                              NATIVE, BM, BN, BK)
+    else:
+        for k0 in range(k_lo, k_end, BK):
+            a = row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM, X_BF16, BM, BK)
+            acc = weight_product(w_rows, s_rows, n_mask, a, k0, k_end, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
+                                 NATIVE, BM, BN, BK)
     return acc
 
 
@@ -441,12 +509,12 @@ def _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr
 
 
 @device_function
-def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, stride_xm, stride_wn, stride_sn,
-             k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr,
-             NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-             ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
-             K_ALIGN: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr):
+def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, pid_m, M, N, K, stride_xm, stride_wn,
+             stride_sn, k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM: tl.constexpr,
+             X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
+             X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, K_ALIGN: tl.constexpr,
+             SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BHC: tl.constexpr):
     """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
     partials go to `part_ptr` [SPLIT, M, N]; the tile's last program (a counter per tile and row block) adds
     them in split order and stores the result."""
@@ -460,8 +528,8 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
     k_lo = split * k_per_split
     k_end = tl.multiple_of(tl.minimum(K, k_lo + k_per_split), K_ALIGN)  # whole-vector loads up to it
     acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
-                       stride_sn, r, nw_ptr, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, BM, BN,
-                       BK)
+                       stride_sn, r, nw_ptr, qc, qs, q_cols, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
+                       NATIVE, BM, BN, BK)
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -488,12 +556,13 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, p, pid_m, M, N, K, s
 def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride stride_xm
             nw_ptr,     # float32 [K] RMSNorm weight of the input (NORM)
             cnt_ptr,    # int32 counters, zero between launches (split segments' last programs)
+            qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, q_cols] code bytes, [BM, q_cols / 32] scales
             X_ptr, post_ptr, comb_ptr,  # the mHC expand's streams [M, hc, N0] and coefficients (EXPAND)
             # per segment: weight data and E8M0 scale bytes (weight_tile), output [M, N] in its dtype
             # (EXPAND: [M, hc, N0]), float32 partials [SPLIT, M, N] (split segments)
             w0, s0, y0, p0, w1, s1, y1, p1, w2, s2, y2, p2, w3, s3, y3, p3,
             w4, s4, y4, p4,
-            M, K, stride_xm, norm_eps, hc,
+            M, K, stride_xm, norm_eps, hc, q_cols,
             # per segment: outputs, weight and scale row strides, K per split, outputs per group (grouped),
             # one past its last program, its first counter
             N0, swn0, ssn0, kps0, npg0, end0, cnt0,
@@ -516,6 +585,9 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
+    prog = (pid_m * tl.num_programs(0) + pid).to(tl.int64)
+    qc = qc_ptr + prog * (BM * q_cols)  # this program's scratch (NATIVE)
+    qs = qs_ptr + prog * (BM * q_cols // 32)
     r = tl.zeros((BM,), dtype=tl.float32)
     if NORM:  # the rows' reciprocal RMS over all K inputs, BKN-wide blocks added in order (RMSNorm's float32)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -527,28 +599,28 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             ss += tsum(xv * xv, axis=1)
         r = 1.0 / tl.sqrt_rn(ss / K + norm_eps)
     if pid < end0:
-        _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, pid, pid_m, M, N0, K, stride_xm, swn0,
+        _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, qc, qs, q_cols, pid, pid_m, M, N0, K, stride_xm, swn0,
                  ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
                  ACT0, XP0, DOT_BF16, NATIVE, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
     if NSEG > 1:
         if (pid >= end0) & (pid < end1):
-            _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, pid - end0, pid_m, M, N1, K, stride_xm, swn1,
-                     ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
+            _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, qc, qs, q_cols, pid - end0, pid_m, M, N1, K, stride_xm,
+                     swn1, ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
                      ACT1, XP1, DOT_BF16, NATIVE, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
     if NSEG > 2:
         if (pid >= end1) & (pid < end2):
-            _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, pid - end1, pid_m, M, N2, K, stride_xm, swn2,
-                     ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
+            _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, qc, qs, q_cols, pid - end1, pid_m, M, N2, K, stride_xm,
+                     swn2, ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
                      ACT2, XP2, DOT_BF16, NATIVE, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
     if NSEG > 3:
         if (pid >= end2) & (pid < end3):
-            _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, pid - end2, pid_m, M, N3, K, stride_xm, swn3,
-                     ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
+            _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, qc, qs, q_cols, pid - end2, pid_m, M, N3, K, stride_xm,
+                     swn3, ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
                      ACT3, XP3, DOT_BF16, NATIVE, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
     if NSEG > 4:
         if (pid >= end3) & (pid < end4):
-            _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, pid - end3, pid_m, M, N4, K, stride_xm, swn4,
-                     ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
+            _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
+                     swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
                      ACT4, XP4, DOT_BF16, NATIVE, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
 
 
@@ -743,7 +815,14 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
             rt += [0, 0, 0, 0, 1, end, 0]
             cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
                        f"OUT{i}": False})
-    _kernel[(end, row_blocks)](x2, nw, counters(dev, used), X, post, comb, *args, m, k, x2.stride(0), float(eps), hc,
+    if native:  # each program's rows quantized (stage_codes)
+        q_cols = max(kps for kps, _ in splits)
+        qc = torch.empty(end * row_blocks * bm * q_cols, dtype=torch.uint8, device=dev)
+        qs = torch.empty(end * row_blocks * bm * q_cols // 32, dtype=torch.float32, device=dev)
+    else:
+        q_cols, qc, qs = 0, x2, x2
+    _kernel[(end, row_blocks)](x2, nw, counters(dev, used), qc, qs, X, post, comb, *args, m, k, x2.stride(0),
+                               float(eps), hc, q_cols,
                                *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
                                EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,

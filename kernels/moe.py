@@ -63,6 +63,8 @@ from .linear import (
     check_weight,
     kernel_args,
     product_tile,
+    stage_rows,
+    staged_product,
     weight_product,
 )
 
@@ -302,7 +304,7 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
     k_lo = split * k_per_split
     k_end = tl.minimum(D, k_lo + k_per_split)
     acc = product_tile(x_ptr, g_ptr, g_ptr, rows, rmask, offs_n, n_mask, k_lo, k_end, stride_x, stride_g, 0, 0.0,
-                       g_ptr, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, BM, BN, BK)
+                       g_ptr, g_ptr, g_ptr, 0, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, BM, BN, BK)
     mask = n_mask[:, None] & rmask[None, :]
     out = l_ptr + rows[None, :].to(tl.int64) * E + offs_n[:, None]
     done = True
@@ -388,13 +390,14 @@ def expert_table(experts, key) -> ExpertTable:
 
 
 @device_function
-def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, stride_wn, stride_sn, limit,
-              FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
+def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x, stride_wn, stride_sn,
+              limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
               X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr):
+              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
-    [p, end), 16 at a time, into rows of h (IW wide)."""
+    [p, end), 16 at a time, into rows of h (IW wide). On the e4m3 MMA the rows are quantized once for both
+    products, into the group's scratch `qc`/`qs` (linear.stage_rows)."""
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
@@ -408,15 +411,22 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, s
         rows = tl.load(row_ptr + prs, mask=pm, other=0)
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        if a1 != 0:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
-            for k0 in range(0, D, BK):
-                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
-                acc_g = weight_product(w1_rows, s1_rows, n_mask, a, k0, D, acc_g, FMT, BI, ACT_BLOCK, X_PARTS,
-                                       DOT_BF16, NATIVE, BM, BN, BK)
-            for k0 in range(0, D, BK):
-                a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
-                acc_u = weight_product(w3_rows, s3_rows, n_mask, a, k0, D, acc_u, FMT, BI, ACT_BLOCK, X_PARTS,
-                                       DOT_BF16, NATIVE, BM, BN, BK)
+        if a1 != 0:
+            if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
+                stage_rows(x_ptr, rows, pm, D, stride_x, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
+                acc_g = staged_product(w1_rows, s1_rows, n_mask, qc, qs, D, q_cols, acc_g, FMT, BI, ACT_BLOCK, NATIVE,
+                                       BM, BN, BK)
+                acc_u = staged_product(w3_rows, s3_rows, n_mask, qc, qs, D, q_cols, acc_u, FMT, BI, ACT_BLOCK, NATIVE,
+                                       BM, BN, BK)
+            else:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
+                for k0 in range(0, D, BK):
+                    a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
+                    acc_g = weight_product(w1_rows, s1_rows, n_mask, a, k0, D, acc_g, FMT, BI, ACT_BLOCK, X_PARTS,
+                                           DOT_BF16, NATIVE, BM, BN, BK)
+                for k0 in range(0, D, BK):
+                    a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
+                    acc_u = weight_product(w3_rows, s3_rows, n_mask, a, k0, D, acc_u, FMT, BI, ACT_BLOCK, X_PARTS,
+                                           DOT_BF16, NATIVE, BM, BN, BK)
         g = round_out(acc_g, X_BF16).to(tl.float32)
         u = round_out(acc_u, X_BF16).to(tl.float32)
         if HAS_LIMIT:
@@ -440,6 +450,7 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     first_ptr,  # int64 [P] first pair of the pair's expert group (the group leader works)
                     end_ptr,    # int64 [P] one past the group's last pair
                     h_ptr,      # out [P, IW] in x's dtype: the rounded SwiGLU activations, per pair
+                    qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch (NATIVE): per group and N tile (_scratch)
                     P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
@@ -451,23 +462,26 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
+            slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
+            qc = qc_ptr + slot * (BM * q_cols)
+            qs = qs_ptr + slot * (BM * q_cols // 32)
             if e < E:
-                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, p, end, D, I, IW, stride_x, swn, ssn,
-                          limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, APPLY_W,
-                          X_BF16, BM, BN, BK)
+                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x,
+                          swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT,
+                          APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
-                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, p, end, D, I_S, IW, stride_x, s_swn, s_ssn,
-                          limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, 0,
-                          X_BF16, BM, BN, BK)
+                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I_S, IW, stride_x, s_swn,
+                          s_ssn, limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
+                          HAS_LIMIT, 0, X_BF16, BM, BN, BK)
 
 
 @device_function
-def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_sn,
+def _down_group(h_ptr, base, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): float32
-    outputs (values of x's dtype) per pair."""
+    outputs (values of x's dtype) per pair; on the e4m3 MMA through the group's scratch as `_up_group`."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < D
@@ -478,10 +492,15 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_
         pm = prs < end
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if a2 != 0:
-            for k0 in range(0, I, BK):
-                a = act_tile(h_ptr, prs, pm, k0, I, IW, 0, BM, BK)
-                acc = weight_product(w2_rows, s2_rows, n_mask, a, k0, I, acc, FMT, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
-                                     NATIVE, BM, BN, BK)
+            if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
+                stage_rows(h_ptr, prs, pm, I, IW, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
+                acc = staged_product(w2_rows, s2_rows, n_mask, qc, qs, I, q_cols, acc, FMT, BI, ACT_BLOCK, NATIVE, BM,
+                                     BN, BK)
+            else:
+                for k0 in range(0, I, BK):
+                    a = act_tile(h_ptr, prs, pm, k0, I, IW, 0, BM, BK)
+                    acc = weight_product(w2_rows, s2_rows, n_mask, a, k0, I, acc, FMT, BI, ACT_BLOCK, X_PARTS,
+                                         DOT_BF16, NATIVE, BM, BN, BK)
         o = round_out(acc, X_BF16).to(tl.float32)
         if APPLY_W == 2:  # o * weight in x's dtype
             pw = tl.load(pw_ptr + prs, mask=pm, other=0.0)
@@ -496,6 +515,7 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, p, end, I, IW, D, stride_wn, stride_
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
+                 qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
@@ -507,13 +527,16 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
+            slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
+            qc = qc_ptr + slot * (BM * q_cols)
+            qs = qs_ptr + slot * (BM * q_cols // 32)
             if e < E:
-                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, p, end, I, IW, D, swn, ssn, FMT, BO, BI, WDT,
-                            ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, swn, ssn, FMT, BO,
+                            BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
             elif HAS_SHARED:
-                _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT, S_BO, S_BI,
-                            S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0, X_BF16 and not S_PARTIAL, BM, BN,
-                            BK)
+                _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT,
+                            S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
+                            X_BF16 and not S_PARTIAL, BM, BN, BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -572,6 +595,26 @@ def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: in
         first = torch.cat((first, torch.full((m,), n, dtype=torch.int64, device=dev)))
         end = torch.cat((end, torch.full((m,), n + m, dtype=torch.int64, device=dev)))
     return e.contiguous(), r.contiguous(), pw.contiguous(), first.contiguous(), end.contiguous(), pos
+
+
+def pairs_per_program(n_pairs: int) -> int:
+    """Pairs each program of the expert kernels walks (their group leaders work, the others return): one on a
+    device, a program per pair; all of them under the interpreter, which pays per program."""
+    return n_pairs if INTERPRET else 1
+
+
+def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: int, x: torch.Tensor):
+    """(codes, scales, columns, by expert) of an expert kernel's scratch where the rows are staged
+    (linear.stage_rows): an area of `bm` rows' `k` columns per N tile and per expert group (the shared
+    expert's last) or per program along the pairs, whichever is fewer (each group is one expert's, worked by
+    one program): a decode step's few pairs take a few areas, a prefill chunk's at most one per expert (V4.1
+    over 4 ranks on the block-scaled MMA: 257 x 4 x 16 x 4096 bytes for gate and up). Dummies otherwise."""
+    if not native:
+        return x, x, 0, 0
+    areas = min(experts + 1, programs)
+    n = areas * tiles * bm * k
+    return (torch.empty(n, dtype=torch.uint8, device=x.device),
+            torch.empty(n // 32, dtype=torch.float32, device=x.device), k, int(areas == experts + 1))
 
 
 def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -667,7 +710,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
             bn_up = bn_down = 256 if native == NATIVE_E4M3 else 128
         else:  # bfloat16 products from registers: a 128-deep K tile (ACT_BLOCK 128) spills at 32 outputs
             bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)
-    per_program = n_pairs if INTERPRET else 1  # the interpreter pays per program: one program walks all groups
+    per_program = pairs_per_program(n_pairs)
     xb = x.dtype == torch.bfloat16
     parts = 3 if not ab and not xb else 1  # float32 activations: three exact bfloat16 parts
     dot_bf16 = not INTERPRET  # expert weights are FP8 / FP4: bfloat16 values
@@ -679,15 +722,19 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
                   num_stages=2 if native == NATIVE_E4M3 else 3)
     h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
-    _gate_up_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(iw, bn_up))](
-        x, table.table, stab, pe, pr, pw, first, end, h, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
+    programs = triton.cdiv(n_pairs, per_program)
+    q_up = _scratch(native, e, programs, triton.cdiv(iw, bn_up), common["BM"], triton.cdiv(d, bk2) * bk2, x)
+    _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
+        x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e,
+        x.stride(0),
         *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
-    _down_kernel[(triton.cdiv(n_pairs, per_program), triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, n_pairs, per_program, i, i_s, iw, d, e, *table.down[:2],
-        *s_down[:2],
+    q_down = _scratch(native, e, programs, triton.cdiv(d, bn_down), common["BM"], triton.cdiv(iw, bk2) * bk2, x)
+    _down_kernel[(programs, triton.cdiv(d, bn_down))](
+        h, table.table, stab, pe, pw, first, end, o, *q_down, n_pairs, per_program, i, i_s, iw, d, e,
+        *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)

@@ -28,6 +28,8 @@ _BRANCH = re.compile(r"\bBRA\b[^`]*`?\(?(\.L_x_\d+)")
 # no block scales), Blackwell's tcgen05 UTC*MMA (UTCHMMA: bf16/f16; UTCQMMA: fp8/fp6/fp4 with or without
 # block scales; UTCOMMA: mxfp4), QMMA/OMMA
 _MMA = re.compile(r"^(HMMA|HGMMA|QGMMA|QMMA|OMMA|IMMA|UTC[A-Z]*MMA)")
+# float32 -> e4m3 conversions (cvt.rn.satfinite.e4m3x2.f32)
+_E4M3_CVT = re.compile(r"^F2FP\.SATFINITE\.E4M3")
 # MMA kinds that multiply the checkpoint's own formats with their block scales (e4m3 / e2m1 and E8M0 bytes)
 NATIVE_MMA = ("UTCQMMA", "UTCOMMA", "QMMA", "OMMA")
 
@@ -36,6 +38,7 @@ NATIVE_MMA = ("UTCQMMA", "UTCOMMA", "QMMA", "OMMA")
 class Loop:
     instructions: int
     mma: tuple[str, ...]  # the MMA opcodes in it (with their modifiers), sorted
+    stages_codes: bool = False  # converts to e4m3 and stores to memory, without an MMA: rows' quantization
 
     @property
     def native(self) -> bool:
@@ -71,7 +74,9 @@ def loops(sass: str) -> list[Loop]:
     out = []
     for a, b in inner:
         body = [o for o, _ in ops[a: b + 1]]
-        out.append(Loop(len(body), tuple(sorted({o for o in body if _MMA.match(o)}))))
+        mma = tuple(sorted({o for o in body if _MMA.match(o)}))
+        stages = not mma and any(_E4M3_CVT.match(o) for o in body) and any(o.startswith("STG") for o in body)
+        out.append(Loop(len(body), mma, stages))
     return out
 
 
@@ -79,6 +84,13 @@ def main_loop(sass: str) -> Loop | None:
     """The largest innermost loop holding an MMA instruction (see the module docstring), None without one."""
     with_mma = [lp for lp in loops(sass) if lp.mma]
     return max(with_mma, key=lambda lp: lp.instructions) if with_mma else None
+
+
+def staging_loop(sass: str) -> Loop | None:
+    """The largest innermost loop that quantizes rows to e4m3 codes in memory before the main loop takes them
+    (kernels/linear.py's `stage_codes`, on the e4m3 MMA), None without one."""
+    staging = [lp for lp in loops(sass) if lp.stages_codes]
+    return max(staging, key=lambda lp: lp.instructions) if staging else None
 
 
 @functools.cache

@@ -103,10 +103,15 @@ def test_the_moe_sub_block_of_a_row_does_not_depend_on_the_other_rows():
         assert_rows_invariant(name, lambda sl, i=i: call(sl, i), context=ctx)
 
 
+@pytest.mark.parametrize("grid", ["one program walks the pairs", "a program per pair"])
 @pytest.mark.parametrize("fmt,dt", [("fp4", torch.bfloat16), ("fp8", torch.float32)])
-def test_experts_in_the_checkpoints_formats_match_the_reference_and_rows_stay_invariant(native, fmt, dt):
+def test_experts_in_the_checkpoints_formats_match_the_reference_and_rows_stay_invariant(native, fmt, dt, grid,
+                                                                                       monkeypatch):
     """The expert products in the checkpoint's formats on the tensor cores (sm_89 and later; here under the
-    interpreter)."""
+    interpreter), with the rows staged in scratch areas per program or, where the pairs outnumber the
+    experts (15 pairs of 7 experts below), per expert: the device's grid of a program per pair runs here too."""
+    if grid == "a program per pair":
+        monkeypatch.setattr(moe, "pairs_per_program", lambda n_pairs: 1)
     check_ffn(5, 96, 64, 7, 2, fmt, dt, True, True, 10.0)
     s = seed()
     args = list(ffn_args(6, 64, 64, 6, 2, fmt, dt, True, True, 10.0))

@@ -15,11 +15,11 @@ Assumptions (each constant below names its source):
   are not counted. The bytes a launch reads from host memory (the Engram rows the lookup copies, ~12.7 KB per
   token on V4.1-Flash) go over the host link: one round trip (`HOST_READ_LATENCY_S`; the loads are issued
   together) plus the bytes at the link's bandwidth.
-- Instruction issue is priced where it was measured: the weight products' main loops (linear, MoE, Engram),
-  per weight element and format, as the compile check reads them from the SASS for the GPU's architecture
-  (`ISSUE_PER_ELEMENT`), over the GPU's issue rate (lane-instructions per second: 32 lanes x 4 schedulers x
-  SMs x clock, which is half the FP32 FMA FLOPS a datasheet gives). Other kernels' issue is not priced
-  (they move activations and the decode state: bytes bound by design, not measured here).
+- Instruction issue is priced where it was measured: the weight products (linear, MoE, Engram; the main loop
+  and the rows' staging), per weight element and format, as the compile check reads them from the SASS for
+  the GPU's architecture (`ISSUE_PER_ELEMENT`), over the GPU's issue rate (lane-instructions per second: 32
+  lanes x 4 schedulers x SMs x clock, which is half the FP32 FMA FLOPS a datasheet gives). Other kernels'
+  issue is not priced (they move activations and the decode state: bytes bound by design, not measured here).
 - Tensor FLOPs: 2 x 16 x weight elements (a product's 16 rows, the MMA's N side, whatever the rows used), at
   the dense tensor-core peak of the path the kernels take: FP8 on every architecture here (the block-scaled
   MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both).
@@ -86,16 +86,17 @@ LAUNCH_S = 2.0e-6
 # `appliance bench kernels` on the device (its "engram lookup, host tables" row) measures them.
 HOST_LINK = "PCIe Gen5 x16, 50 GB/s, 1.5 us a round trip (assumed; bench kernels measures the lookup)"
 HOST_READ_LATENCY_S = 1.5e-6
-# Lane-instructions the weight products' main loop issues per weight element, by kernel and format: the worst
-# specialization compiled (the tiny models' and V4.1's shapes), read from the SASS by the compile check
-# (`python -m tests.gpu_dry_run --arch 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last
-# changed them. sm_100 (B200) takes sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert
-# (FP8) is priced as their FP4 loop.
+# Lane-instructions the weight products issue per weight element, by kernel and format: the main loop's plus
+# the rows' staging before it (kernels/linear.py's `stage_codes`), the worst specialization compiled (the
+# tiny models' and V4.1's shapes), read from the SASS by the compile check (`python -m tests.gpu_dry_run
+# --arch 90,103`, its `issue` table; BENCHMARKS.md) at the commit that last changed them. sm_100 (B200) takes
+# sm_103's: the same tcgen05 instructions. The MoE kernels' shared expert (FP8) is priced as their FP4 loop,
+# and both at the worse of gate-and-up and down.
 ISSUE_PER_ELEMENT = {
-    90: {("linear", "fp8"): 3.15, ("linear", "fp4"): 4.07, ("moe", "fp4"): 4.50, ("moe", "fp8"): 4.50,
-         ("engram", "fp8"): 3.54},
-    103: {("linear", "fp8"): 2.48, ("linear", "fp4"): 2.45, ("moe", "fp4"): 2.48, ("moe", "fp8"): 2.48,
-          ("engram", "fp8"): 2.29},
+    90: {("linear", "fp8"): 2.20, ("linear", "fp4"): 3.18, ("moe", "fp4"): 3.64, ("moe", "fp8"): 3.64,
+         ("engram", "fp8"): 2.45},
+    103: {("linear", "fp8"): 2.25, ("linear", "fp4"): 2.23, ("moe", "fp4"): 2.34, ("moe", "fp8"): 2.34,
+          ("engram", "fp8"): 2.36},
 }
 ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
