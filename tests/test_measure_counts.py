@@ -216,10 +216,10 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
-            host_bytes=0) -> dict:
+            host_bytes=0, flops=None) -> dict:
     return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
-            "whole_experts": routing is not None, "host_bytes": host_bytes}
+            "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {}}
 
 
 def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
@@ -341,3 +341,77 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
     routing.write_text('[[0, 1]]\n[[0, 999]]\n')
     r = CliRunner().invoke(main, ["bench", "model", *map(str, args), "--routing", str(routing)])
     assert r.exit_code != 0 and "--routing" in r.output and "line 2" in r.output
+
+
+def test_a_prefill_chunk_is_priced_by_its_rows_and_its_prompts_time_to_first_token_sums_its_chunks():
+    """A chunk's weight products pass over their weights once per 16 rows (issue and FP8 tensor FLOPs in
+    proportion), the attention's FLOPs at the bfloat16 peak; a prompt's chunks grow linearly from the first
+    counted chunk's time to the last's, and their sum is its time to first token."""
+    gpu = cm.GPU("toy", hbm_bytes_per_s=1e12, memory_bytes=1e11, nvlink_bytes_per_s=1e11, source="test",
+                 arch=103, issue_per_s=1e12, tensor_flops={"fp8": 2e14, "bf16": 1e14})
+    per = cm.ISSUE_PER_ELEMENT[103][("linear", "fp8")]
+    rows = int(torch.randint(2, 64, ())) * 16
+    elements = int(torch.randint(10**6, 10**7, ()))
+    product = _launch("kernels.linear._kernel", bytes_read=elements, weights={"fp8": elements},
+                      flops={"products": 2 * rows * elements})
+    terms = cm.launch_terms(product, gpu)
+    assert terms["issue"] == pytest.approx(rows / 16 * elements * per / 1e12)
+    assert terms["tensor"] == pytest.approx(2 * rows * elements / 2e14)
+    attention = _launch("kernels.attention._kernel", bytes_read=1000, flops={"attention": 3e12})
+    assert cm.launch_terms(attention, gpu)["tensor"] == pytest.approx(3e12 / 1e14)
+    # undeclared: one pass, a decode step's 16 rows
+    assert cm.launch_terms(dict(product, flops={}), gpu)["issue"] == pytest.approx(elements * per / 1e12)
+
+    def chunk(start, attention_flops):
+        return {"start": start, "chunk": 256, "launches_per_chunk": 2, "launches_per_layer": 2, "scratch_bytes": 0,
+                "collectives": {"per_cycle": 1, "payloads": [{"op": "allgather_", "bytes": 10**6, "count": 1}]},
+                "bytes_per_step": {"total": elements}, "flops": {"products": 0, "attention": attention_flops},
+                "launches": [product, _launch("kernels.attention._kernel", flops={"attention": attention_flops})]}
+
+    first, last = chunk(0, 1e12), chunk(256 * 99, 5e12)
+    out = cm.prefill(first, last, gpu, 4, [256, 256 * 50, 256 * 100])
+    t0, t1 = out["chunks"][0]["chunk_s"], out["chunks"][256 * 99]["chunk_s"]
+    assert t1 - t0 == pytest.approx(4e12 / 1e14)
+    for q, n in zip(out["prompts"], (1, 50, 100)):
+        assert q["chunks"] == n
+        assert q["ttft_s"] == pytest.approx(sum(t0 + (t1 - t0) * j / 99 for j in range(n)))
+    assert out["prompts"][-1]["last_chunk_s"] == pytest.approx(t1)
+    assert out["chunks"][0]["link_bytes_sent"] == pytest.approx(3 * 10**6)
+
+
+def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(released_config):
+    """On the released V4.1-Flash's meta build (4 ranks): each weight product's FLOPs are 2 x the chunk's
+    rows padded to 16 x its weight elements, the attention's 4 x rows x heads x head dim x (window + selected
+    rows); a chunk deep in the context scores more index keys, reads more and sends more over the links."""
+    from appliance.measure.count import count_prefill
+    from appliance.measure.shapes import meta_model
+    from appliance.model.config import load_config
+
+    model = meta_model(load_config(released_config), "bfloat16", drafter=False, world=4, experts="auto").model
+    state = model.new_state(8192, device="meta")
+    rows = int(torch.randint(17, 48, ()))
+    early, late = count_prefill(model, state, 0, rows), count_prefill(model, state, 8192 - rows, rows)
+    padded = -(-rows // 16) * 16
+    products = [la for la in early["launches"] if la["name"] == "kernels.linear._kernel" and la["weights"]]
+    assert products and all(la["flops"]["products"] == 2 * padded * sum(la["weights"].values()) for la in products)
+    attends = [la for la in early["launches"] if "attention" in la["flops"]]
+    assert attends and early["flops"]["attention"] > 0
+    assert late["flops"]["attention"] > early["flops"]["attention"]
+    assert late["bytes_per_step"]["total"] > early["bytes_per_step"]["total"]
+    assert late["collective_bytes"] > early["collective_bytes"]
+    assert early["host_syncs"] == 0
+
+
+def test_bench_model_prices_a_prompts_prefill_against_its_goal(released_config):
+    """`bench model --prefill`: the time to first token of 32K, 128K and 855K prompts (and --context's), from
+    two chunks counted at the start and the end of the longest, each under the same terms as a cycle."""
+    report = bench_model("--model", released_config, "--devices", 4, "--gpu", "b300", "--prefill", "--chunk", 256,
+                         "--context", 65536, "--json")
+    p = report["prefill"]
+    assert [q["prompt"] for q in p["prompts"]] == [32768, 65536, 131072, 855000]
+    assert sorted(int(start) for start in p["chunks"]) == [0, (-(-855000 // 256) - 1) * 256]
+    times = [q["ttft_s"] for q in p["prompts"]]
+    assert times == sorted(times) and times[0] > 0
+    for c in p["chunks"].values():
+        assert c["chunk_s"] == pytest.approx(sum(c["terms_s"].values()))
+    assert report["anchors"]["goal_855k_ttft_s"] == 8.0

@@ -40,3 +40,25 @@ def test_the_released_v41_plan_on_four_b300_fits_855k_tokens_and_names_the_state
     assert plan.details["state_bytes_per_token"] > 890  # bf16 rows as stored, not the packed format
     # the fast path reads packed weights as stored: what it adds is norm vectors and kernel caches (MBs)
     assert plan.parts["weights"] > 70e9 and plan.parts["float_copies_and_caches"] < 1e-3 * plan.parts["weights"]
+
+
+
+def test_the_plan_holds_a_prefill_chunks_scratch_which_fits_855k_tokens_on_b300_not_h200_at_4096(tmp_path):
+    """The scratch of a prompt's last prefill chunk, counted on the meta build (issue 31 put it at ~88 GB a
+    rank for 4096-token chunks at 855K): at least the indexer's float32 scores of every query of the chunk
+    and every index key of the context, all heads' partials gathered from the ranks; 16x smaller chunks need
+    far less; the released V4.1 on 4 ranks fits a B300 (288 GB) with 4096-token chunks, not an H200 (141 GB)."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parent / "data" / "deepseek-v41-flash-config.json", tmp_path / "config.json")
+    cfg = load_config(tmp_path)
+    b300 = fast_path_plan(cfg, 855000, int(288e9), world=4, dtype="bfloat16", drafter=False, chunk=4096)
+    scratch = b300.parts["prefill_scratch"]
+    keys = 855000 // min(r for r in cfg.compress_ratios if r)  # the indexer's rows at the last chunk
+    assert scratch >= 4096 * keys * 4 * (1 + 4), scratch  # a rank's scores and the gathered [4, T, N]
+    assert b300.fits
+    h200 = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=4096)
+    assert not h200.fits and h200.parts["prefill_scratch"] == pytest.approx(scratch, rel=1e-3)
+    small = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=256)
+    assert small.parts["prefill_scratch"] < scratch / 8 and small.fits

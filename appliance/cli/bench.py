@@ -261,15 +261,23 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @click.option("--experts", type=click.Choice(EXPERTS), default="auto", show_default=True,
               help="the experts' placement the cycle is counted with (see `serve --help`)")
 @click.option("--top", type=int, default=8, show_default=True, help="kernels listed per cycle, the slowest first")
+@click.option("--prefill", is_flag=True,
+              help="price a prompt's prefill instead: one chunk counted at the start and one at the end of the "
+                   "longest prompt (--context, at least 855000), the time to first token of 32K, 128K, 855K "
+                   "and --context token prompts")
+@click.option("--chunk", type=int, default=RunOptions.chunk, show_default=True,
+              help="with --prefill: the prefill chunk (serve's --chunk; its checkpoint stride caps it)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, as_json):
+def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, prefill, chunk,
+                as_json):
     """A cost model of one decode cycle on N GPUs of a kind: the cycle's launches, bytes and collectives
     counted on the fast path built from config.json alone (meta device, no weights read), each launch priced
     at what bounds it (its bytes, the instructions its weight products issue, their tensor FLOPs, the host
     link) with the hardware constants it prints, plus the busiest rank's extra expert reads, the launches'
     fixed cost and the collectives; the cycle time, each kernel's bound, and the tokens/s against the best
-    public results. Assumptions: appliance/measure/costmodel.py."""
+    public results. With --prefill, the same for a prompt's prefill chunks and its time to first token.
+    Assumptions: appliance/measure/costmodel.py."""
     from appliance.decode.session import DecodeSession
     from appliance.loader import default_model_dir
     from appliance.measure import costmodel as cm
@@ -289,8 +297,11 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing,
     if k and cfg.dspark is None and not cfg.n_mtp_layers:
         raise ApplianceError("--draft-tokens: this model has no drafter (mtp.* in its config)", field="draft_tokens")
     calls = _routing(routing, cfg.n_routed_experts) if routing is not None else None
-    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices, experts=experts)
     device = cm.GPUS[gpu]
+    if prefill:
+        _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, top, as_json)
+        return
+    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices, experts=experts)
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "context": context,
               "routing": f"{len(calls)} measured calls from {routing}" if calls else "uniform (simulated)",
               "constants": cm.constants(device), "anchors": cm.ANCHORS, "cycles": []}
@@ -362,6 +373,53 @@ def _model_table(report: dict, device, top: int):
                    f"{anchors['vllm_p90_tokens_per_s']:.0f} tok/s; {a['ms_per_token']:.3f} ms a token = "
                    f"{a['vs_sglang_dspark_tpot']:.2f}x SGLang's DSpark TPOT {anchors['sglang_dspark_tpot_ms']} ms "
                    f"(above 1: faster)")
+
+
+PREFILL_PROMPTS = (32768, 131072, 855000)  # the prompts `bench model --prefill` prices (issue 31's goal)
+
+
+def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, top, as_json):
+    from appliance.loader import default_model_dir
+    from appliance.measure import costmodel as cm
+    from appliance.measure.count import count_prefill
+    from appliance.measure.shapes import meta_model
+
+    check_range("--chunk", chunk, 16)
+    longest = max(context, *PREFILL_PROMPTS)
+    prompts = sorted({*PREFILL_PROMPTS, context})
+    mm = meta_model(cfg, dtype, drafter=False, world=n_devices, experts=experts)
+    last_start = (-(-longest // chunk) - 1) * chunk  # the longest prompt's last chunk, priced whole
+    state = mm.model.new_state(last_start + chunk, device="meta")
+    counts = []
+    for start in (0, last_start):
+        if not as_json:
+            click.echo(f"counting a {chunk}-token chunk at position {start} ...", err=True)
+        counts.append(count_prefill(mm.model, state, start, chunk))
+    report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "gpu": device.name,
+              "constants": cm.constants(device), "anchors": cm.PREFILL_ANCHORS,
+              "prefill": cm.prefill(*counts, device, n_devices, prompts)}
+    if as_json:
+        click.echo(json.dumps(report, indent=1, default=str))
+        return
+    p = report["prefill"]
+    click.echo(f"{device.name} x {n_devices}: prefill in chunks of {p['chunk']} (eager, the decode kernels)")
+    for start, c in p["chunks"].items():
+        terms = " + ".join(f"{t.replace('_', ' ')} {v * 1e3:.1f}" for t, v in c["terms_s"].items() if v)
+        click.echo(f"  chunk at {start}: {c['launches']} launches ({c['launches_per_layer']} a layer at most), "
+                   f"{c['collectives']} collectives sending {c['link_bytes_sent'] / 1e9:.2f} GB a rank, "
+                   f"{c['bytes_read'] / 1e9:.1f} GB read, {c['flops']['products'] / 1e12:.1f} TFLOP products + "
+                   f"{c['flops']['attention'] / 1e12:.1f} TFLOP attention and indexer a rank, "
+                   f"{c['scratch_bytes'] / 1e9:.1f} GB scratch")
+        click.echo(f"    {terms} = {c['chunk_s'] * 1e3:.1f} ms ({p['chunk'] / c['chunk_s']:,.0f} tok/s; "
+                   f"dominant: {c['dominant']}); slowest: " + ", ".join(
+                       f"{k['kernel'].removeprefix('kernels.')} {k['s'] * 1e3:.1f} ms ({k['bound']})"
+                       for k in c["kernels"][:top]))
+    for q in p["prompts"]:
+        click.echo(f"  {q['prompt']:>7} tokens: TTFT {q['ttft_s']:8.2f} s, {q['tokens_per_s']:>9,.0f} tok/s on "
+                   f"average, the last chunk {q['last_chunk_tokens_per_s']:>9,.0f} tok/s")
+    a = report["anchors"]
+    click.echo(f"  anchor: {a['sglang_gb300_r1_128k_ttft_s']} s TTFT for a 128K prompt (SGLang, DeepSeek-R1, GB300); "
+               f"goal: {a['goal_32k_ttft_s']} s at 32K, {a['goal_855k_ttft_s']} s at 855K")
 
 
 @bench.command("prefill")

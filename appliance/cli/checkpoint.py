@@ -7,6 +7,7 @@ import click
 
 from appliance.errors import ApplianceError
 from appliance.model.config import FAMILIES
+from appliance.options import RunOptions
 
 from .common import friendly, model_option
 
@@ -37,14 +38,17 @@ def tiny(out_dir, family, seed, shape):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="the run's activation dtype, in which the decode state is stored (as --dtype of a run)")
 @click.option("--no-drafter", is_flag=True, help="plan without the drafter (a run with --draft none)")
+@click.option("--chunk", type=int, default=RunOptions.chunk, show_default=True,
+              help="the prefill chunk (serve's --chunk): the plan holds the scratch of a prompt's last chunk")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (with `fits` and the per-rank table)")
 @friendly
-def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, as_json):
+def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, chunk, as_json):
     """Architecture summary, layer roles, weight bytes by dtype and by where they live, and decode-state
     bytes per token of context. With --devices and --gpu-memory, the memory plan of one rank: what the fast
     path holds (built from the config on the meta device and warmed up by one forward: weights in their
-    stored format, float copies and kernel caches, the decode states as stored), graph buffers, headroom.
-    Needs only config.json (weights are not read)."""
+    stored format, float copies and kernel caches, the decode states as stored), graph buffers, the scratch
+    of a prompt's last prefill chunk (as counted on that build), headroom. Needs only config.json (weights
+    are not read)."""
     from appliance.loader import default_model_dir
     from appliance.measure import costs as inf
     from appliance.measure.memory import fast_path_plan, parse_bytes
@@ -63,8 +67,10 @@ def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, as_json):
         except ValueError:
             raise ApplianceError(f"--gpu-memory {gpu_memory}: not a size like 288GB", field="gpu_memory") from None
         ctx = context or cfg.max_context
-        plan = fast_path_plan(cfg, ctx, capacity, world=n_devices, dtype=dtype, drafter=not no_drafter)
-        report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "dtype": dtype,
+        if chunk < 1:
+            raise ApplianceError(f"--chunk {chunk}: must be at least 1", field="chunk")
+        plan = fast_path_plan(cfg, ctx, capacity, world=n_devices, dtype=dtype, drafter=not no_drafter, chunk=chunk)
+        report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "dtype": dtype, "chunk": chunk,
                           "drafter": not no_drafter, "fits": plan.fits, "per_rank": plan.parts,
                           "total_per_rank": plan.total, "free_per_rank": capacity - plan.total, **plan.details,
                           "weights_per_rank": inf.rank_weights(cfg, n_devices)}
@@ -103,8 +109,8 @@ def _print_info(cfg, report, human):
                f"({s['per_token_reference_bf16']:.1f} B as bf16 rows); constant {human(s['constant_packed'])} packed")
     plan = report.get("plan")
     if plan:
-        click.echo(f"memory plan per rank: {plan['devices']} x {human(plan['gpu_memory'])}, context {plan['context']}: "
-                   f"{'fits' if plan['fits'] else 'DOES NOT FIT'}")
+        click.echo(f"memory plan per rank: {plan['devices']} x {human(plan['gpu_memory'])}, context {plan['context']}, "
+                   f"prefill chunk {plan['chunk']}: {'fits' if plan['fits'] else 'DOES NOT FIT'}")
         for part, n in plan["per_rank"].items():
             click.echo(f"  {part:<24} {human(n):>10}")
         click.echo(f"  {'total':<24} {human(plan['total_per_rank']):>10}   free {human(plan['free_per_rank'])}")

@@ -20,9 +20,13 @@ Assumptions (each constant below names its source):
   the GPU's architecture (`ISSUE_PER_ELEMENT`), over the GPU's issue rate (lane-instructions per second: 32
   lanes x 4 schedulers x SMs x clock, which is half the FP32 FMA FLOPS a datasheet gives). Other kernels'
   issue is not priced (they move activations and the decode state: bytes bound by design, not measured here).
-- Tensor FLOPs: 2 x 16 x weight elements (a product's 16 rows, the MMA's N side, whatever the rows used), at
-  the dense tensor-core peak of the path the kernels take: FP8 on every architecture here (the block-scaled
-  MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both).
+- Tensor FLOPs, as count.py declares them: the weight products' 2 x rows x weight elements, the rows padded
+  to the MMA's 16 (a decode step's products are 16 rows however many it uses; a routed expert's rows are its
+  share of the pairs), at the dense tensor-core peak of the path the kernels take: FP8 on every architecture
+  here (the block-scaled MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both);
+  the attention's (4 x queries x heads x head dim x rows it attends) and the indexer's scores (2 x queries x
+  index heads x visible key rows x index dim) at the bfloat16 peak. Their main loops issue one pass per 16
+  rows.
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
@@ -40,6 +44,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from kernels._triton import MMA_ROWS
 
 
 @dataclass(frozen=True)
@@ -101,38 +107,57 @@ ISSUE_PER_ELEMENT = {
 ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
                   "kernels.moe._down_kernel": "moe", "kernels.engram._layer_kernel": "engram"}
-MMA_ROWS = 16  # a product's rows on the tensor cores, however many are used (kernels/_triton.py)
 # The best public single-user results on 4 x B300 this product is measured against (DESIGN.md): vLLM's P90
 # of 826 tokens/s for one user, SGLang's 1.31 ms time per output token with DSpark drafting.
 ANCHORS = {"vllm_p90_tokens_per_s": 826.0, "sglang_dspark_tpot_ms": 1.31}
+# Prefill: SGLang on GB300 (DeepSeek-R1, chunked pipeline parallelism, FP8 attention), a 128K prompt in 8.6 s
+# TTFT; the goal set for 4 x B300 on released V4.1-Flash (issue 31): 0.25 s at 32K, 8 s at 855K.
+PREFILL_ANCHORS = {"sglang_gb300_r1_128k_ttft_s": 8.6, "goal_32k_ttft_s": 0.25, "goal_855k_ttft_s": 8.0}
 # NCCL all-reduce of a small payload inside a CUDA graph on one NVLink node: about 6 us measured on 2 x
 # H100 with NVLSTree and graphs (NVIDIA/nccl issue #1259); taken for 4 GPUs of any of these generations.
 ALLREDUCE_LATENCY_S = 6.0e-6
+
+
+def moved_bytes(op: str, payload: int, world: int) -> float:
+    """Bytes one collective of `payload` bytes (this rank's input) sends from each of `world` ranks, at ring
+    efficiency."""
+    if world <= 1:
+        return 0.0
+    return payload * 2 * (world - 1) / world if "reduce" in op else payload * (world - 1)
 
 
 def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     """Seconds for one collective of `payload` bytes (this rank's input) over `world` ranks."""
     if world <= 1:
         return 0.0
-    moved = payload * 2 * (world - 1) / world if "reduce" in op else payload * (world - 1)
-    return ALLREDUCE_LATENCY_S + moved / gpu.nvlink_bytes_per_s
+    return ALLREDUCE_LATENCY_S + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 
 def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0) -> dict:
-    """What bounds one counted launch (count.count_cycle's `launches`), in seconds: its bytes from HBM, the
-    instructions its weight products issue, their tensor FLOPs and its reads over the host link; the routed
-    experts' part scaled by `routed_scale` (a busier rank than the mean)."""
+    """What bounds one counted launch (count.py's `launches`), in seconds: its bytes from HBM, the
+    instructions its weight products issue (one pass of the main loop per 16 rows), their tensor FLOPs and
+    the attention's and its reads over the host link; the routed experts' part scaled by `routed_scale` (a
+    busier rank than the mean)."""
     extra = routed_scale - 1.0
     hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
+    counted = sum(la["weights"].values())
     weights = {f: n + extra * la["routed_weights"].get(f, 0) for f, n in la["weights"].items()}
     family = WEIGHT_KERNELS.get(la["name"])
+    # the products' passes over their weights: their declared FLOPs over one pass's (16 rows); one if the
+    # count declared none
+    declared = la["flops"].get("products", 0)
+    passes = declared / (2 * MMA_ROWS * counted) if declared and counted else 1.0
     per_element = ISSUE_PER_ELEMENT.get(gpu.arch, {})
-    issue = sum(n * per_element.get((family, f), 0.0) for f, n in weights.items()) if family else 0.0
-    path = "fp8"  # the MMA the weight products take on every architecture here (module docstring)
-    flops = 2 * MMA_ROWS * sum(weights.values()) if family else 0
+    issue = passes * sum(n * per_element.get((family, f), 0.0) for f, n in weights.items()) if family else 0.0
+    products = 2 * MMA_ROWS * passes * sum(weights.values()) if family else 0.0
+    attention = la["flops"].get("attention", 0)
+    tensor = 0.0
+    if gpu.tensor_flops:  # products on the FP8 path on every architecture here (module docstring), the
+        # attention's and the indexer's dots on bfloat16
+        tensor = products / gpu.tensor_flops["fp8"] + (attention / gpu.tensor_flops["bf16"] if attention else 0.0)
     return {"bytes": hbm / (gpu.hbm_bytes_per_s * COPY_FRACTION),
             "issue": issue / gpu.issue_per_s if gpu.issue_per_s else 0.0,
-            "tensor": flops / gpu.tensor_flops[path] if flops and gpu.tensor_flops else 0.0,
+            "tensor": tensor,
             "host_link": HOST_READ_LATENCY_S + la["host_bytes"] / gpu.host_link_bytes_per_s if la["host_bytes"]
             else 0.0}
 
@@ -278,6 +303,34 @@ def load_routing(path, experts: int) -> list:
                 raise ValueError(f"line {n}: not a list of rows of expert ids in 0..{experts - 1}")
             calls.append(call)
     return calls
+
+
+def prefill(first: dict, last: dict, gpu: GPU, world: int, prompts: list[int]) -> dict:
+    """Time to first token for prompts of `prompts` positions, from two counted chunks (count.count_prefill)
+    at the start and near the end of the longest: each priced as a cycle (`cycle_time`), a chunk's time
+    taken as linear in its start between them (what grows with the context is linear in it: the index keys
+    scored, the compressed rows read and gathered), summed over a prompt's chunks (the last one whole)."""
+    chunk = first["chunk"]
+    t0, t1 = (cycle_time(c, gpu, world) for c in (first, last))
+    slope = (t1["cycle_s"] - t0["cycle_s"]) / max(last["start"] - first["start"], 1)
+    out = []
+    for n_tokens in prompts:
+        n = -(-n_tokens // chunk)
+        ttft = n * t0["cycle_s"] + slope * chunk * n * (n - 1) / 2
+        last_s = t0["cycle_s"] + slope * chunk * (n - 1)
+        out.append({"prompt": n_tokens, "chunks": n, "ttft_s": ttft, "tokens_per_s": n_tokens / ttft,
+                    "last_chunk_s": last_s, "last_chunk_tokens_per_s": chunk / last_s})
+    chunks = {}
+    for c, t in ((first, t0), (last, t1)):
+        chunks[c["start"]] = {
+            "chunk_s": t["cycle_s"], "terms_s": t["terms_s"], "dominant": t["dominant"],
+            "launches": c["launches_per_chunk"], "launches_per_layer": c["launches_per_layer"],
+            "scratch_bytes": c["scratch_bytes"],
+            "collectives": c["collectives"]["per_cycle"], "bytes_read": c["bytes_per_step"]["total"],
+            "link_bytes_sent": sum(p["count"] * moved_bytes(p["op"], p["bytes"], world)
+                                   for p in c["collectives"]["payloads"]),
+            "flops": c["flops"], "kernels": t["kernels"]}
+    return {"chunk": chunk, "chunks": chunks, "prompts": out}
 
 
 def against_anchors(prediction: dict) -> dict:

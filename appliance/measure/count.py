@@ -13,6 +13,10 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
   compressed row distinct (at most the visible rows), and the routed experts of W rows under uniform
   routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).
 
+`count_prefill(model, state, start, chunk)` counts one eager prefill chunk of a meta build the same way (the
+wrappers also declare the tensor-core FLOPs of the weight products, the attention and the indexer's scores,
+which a chunk's rows make matter), with the most bytes its own tensors hold at once (`scratch_bytes`).
+
 The ideal (`ideal_bytes`): each weight the cycle touches read once in its stored format (this rank's
 share of the split ones; embeddings and Engram tables at the rows gathered; routed experts as counted) plus
 the decode state the math must read: the window keys each layer sees, the pooling carry of each
@@ -21,6 +25,7 @@ the distinct compressed rows each attention selects, in the format the state sto
 """
 
 import dataclasses
+import math
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 
@@ -28,9 +33,10 @@ import torch
 
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
+from kernels._triton import MMA_ROWS
 
 from .costs import inventory, split_share
-from .recorder import Recorder, unique_violations
+from .recorder import LiveBytes, Recorder, unique_violations
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
@@ -91,11 +97,17 @@ class DeclaredReads:
         ops = self.rt.ops
         import dataclasses
 
+        rows, tokens = (lambda x: x.reshape(-1, x.shape[-1]).shape[0]), (lambda X: X.shape[0])
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
                                           attend=self._attend(ops.attend),
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
-                                          engram_lookup=self._engram_lookup(ops.engram_lookup))
+                                          engram_lookup=self._engram_lookup(ops.engram_lookup),
+                                          linear=self._products(ops.linear, rows),
+                                          linear_multi=self._products(ops.linear_multi, rows),
+                                          linear_expand=self._products(ops.linear_expand, rows),
+                                          engram=self._products(ops.engram, tokens),
+                                          index_scores=self._index_scores(ops.index_scores))
         try:
             yield
         finally:
@@ -133,15 +145,58 @@ class DeclaredReads:
         return call
 
     def _attend(self, attend):
-        """V4.1's attention reads the window's rows of its ring (not the spare slots) and the selected rows."""
+        """V4.1's attention reads the window's rows of its ring (not the spare slots) and the selected rows;
+        each query multiplies its window and its selected rows, scores and values (its head dimension each)."""
         rec = self.rec
 
         def call(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope):
+            first = len(rec.launches)
             with self._rows_read(comp_kv, comp_index), rec.gather(ring, min(ring.shape[0], window) * _row(ring)), \
                     self._table_rows(rope, q.shape[0]):
-                return attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope)
+                out = attend(q, ring, keys, positions, window, comp_kv, comp_index, sink, scale, p_dtype, rope)
+            selected = comp_index.shape[-1] if comp_index is not None else 0
+            t, h, d = q.shape
+            self._declare(first, "attention", 4 * t * h * d * (window + selected))
+            return out
 
         return call
+
+    def _index_scores(self, scores):
+        """The indexer scores every visible key row for every query and head (the rows past a query's own
+        are masked after they are computed)."""
+        rec = self.rec
+
+        def call(q, w, keys, *rest, **kwargs):
+            first = len(rec.launches)
+            out = scores(q, w, keys, *rest, **kwargs)
+            m, nh, di = q.shape
+            self._declare(first, "attention", 2 * m * nh * keys.shape[0] * di)
+            return out
+
+        return call
+
+    def _products(self, op, rows_of):
+        """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
+        padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D])."""
+        rec = self.rec
+
+        def call(x, *args, **kwargs):
+            first = len(rec.launches)
+            out = op(x, *args, **kwargs)
+            if rec.recording:
+                padded = -(-rows_of(x) // MMA_ROWS) * MMA_ROWS
+                for la in rec.launches[first:]:
+                    if la.weights:
+                        la.flops["products"] = 2 * padded * sum(la.weights.values())
+            return out
+
+        return call
+
+    def _declare(self, first: int, kind: str, flops: float) -> None:
+        """`flops` of `kind` to the (last) Triton launch the op made since launch `first`."""
+        launches = [la for la in self.rec.launches[first:] if la.kind == "triton"] or self.rec.launches[first:]
+        if self.rec.recording and launches:
+            launches[-1].flops[kind] = launches[-1].flops.get(kind, 0) + flops
 
     def _attn_inputs(self, attn_inputs):
         """The window ring is written, not read; the RoPE tables at the call's positions."""
@@ -209,6 +264,15 @@ class DeclaredReads:
                 self.routed[rec.block] += int(n * sum(w.nbytes for w in held[0])) if held else 0
                 _expert_reads(rec.launches[first:], held[0] if held else (), n, shared or (),
                               (len(experts), top_k, x.shape[0]), len(held) < len(experts))
+                # each held routed expert's rows are its share of the pairs, padded to the MMA's; the shared
+                # expert takes every row
+                pairs = x.shape[0] * top_k * len(held) / len(experts)
+                per_expert = math.ceil(round(pairs / max(n, 1), 6) / MMA_ROWS) * MMA_ROWS  # n: an expectation
+                every = -(-x.shape[0] // MMA_ROWS) * MMA_ROWS
+                for la in rec.launches[first:]:
+                    routed = sum(la.routed_weights.values())
+                    if la.weights:
+                        la.flops["products"] = 2 * (per_expert * routed + every * (sum(la.weights.values()) - routed))
             return out
 
         return call
@@ -330,6 +394,41 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
         "capture_violations": unique_violations(rec.violations),
         "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
         "launches": [dataclasses.asdict(la) for la in rec.launches],  # in order: what the cost model prices
+    }
+
+
+def count_prefill(model, state, start: int, chunk: int) -> dict:
+    """Count one eager prefill chunk of `chunk` positions after `start` by `model` built on the meta device
+    into its `state` (sized, not allocated; only declared at that length; a first chunk of 16 warms the
+    caches up): its launches, collectives, bytes and tensor FLOPs, in count_cycle's shape for the cost model.
+    The journal of what a chunk overwrites is off, as in a decode cycle (a prefill keeps it: a copy of each
+    overwritten row, not counted here)."""
+    if torch.device(state.device).type != "meta":
+        raise ValueError("count_prefill counts a meta build (its state only declared)")
+    if start + chunk > state.capacity:
+        raise ValueError(f"start {start} + chunk {chunk} exceed the state's capacity {state.capacity}")
+    rec = Recorder(meta=True, recording=False)
+    reads = DeclaredReads(model.rt, rec, True)
+    calls: dict[str, int] = defaultdict(int)
+    with torch.inference_mode(), rec, tagged(model, None, rec, calls), reads.installed(), state.journal.off():
+        for recording, rows in ((False, min(chunk, 16)), (True, chunk)):
+            state.length = start
+            rec.recording = recording
+            rec.memory = LiveBytes() if recording else None
+            model.forward(torch.zeros(rows, dtype=torch.long, device=state.device), state, logits="last")
+    state.length = start
+    s = rec.summary()
+    layers = [s["by_block"].get(f"layer {i}", {}).get("launches", 0) for i in range(len(model.layers))]
+    paid = payloads(rec.collectives)
+    return {
+        "start": start, "chunk": chunk,
+        "launches_per_chunk": s["launches"], "launches_per_layer": max(layers, default=0),
+        "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak,
+        "collectives": {"per_cycle": s["collectives"], "payloads": paid},
+        "collective_bytes": sum(c["count"] * c["bytes"] for c in paid),
+        "bytes_per_step": {"total": s["bytes_read"]},
+        "flops": {kind: sum(la.flops.get(kind, 0) for la in rec.launches) for kind in ("products", "attention")},
+        "launches": [dataclasses.asdict(la) for la in rec.launches],
     }
 
 

@@ -137,16 +137,18 @@ def plan_context(lm, requested: int | None = None, budget: int | None = None) ->
 
 
 def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: int = 1, dtype: str = "bfloat16",
-                   drafter: bool = True, graphs: bool = True) -> "MemoryPlan":
+                   drafter: bool = True, graphs: bool = True, chunk: int | None = None) -> "MemoryPlan":
     """One rank's plan for the fast path as it allocates: weights (stored format), float copies and the
     first cycle's caches, the target's and drafter's decode state for `context` positions, graph buffers
-    and headroom (`graphs`: on a GPU; both 0 for a CPU plan)."""
+    and headroom (`graphs`: on a GPU; both 0 for a CPU plan); with `chunk`, the scratch a prefill in chunks
+    of that size needs at its last chunk, the largest (`prefill_scratch`)."""
     from .shapes import warm_meta_model
 
     mm, held = warm_meta_model(cfg, dtype, world, drafter)
     tables = rope_tables(mm.model)
     warm_tables = sum(t.tables[0].shape[0] * t.bytes_per_position for t in tables)  # before state_cost grows them
     per_token, constant = state_cost(mm)
+    scratch = prefill_scratch(mm, context, chunk) if chunk else 0  # after: it grows the RoPE tables
     capacity = device_bytes if device_bytes is not None else 0
     parts = {
         "weights": held["stored"],
@@ -158,12 +160,24 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
         # several GPUs: a rank's symmetric-memory buffer, one decode step's largest sum (a CPU rank's stand-in
         # is in host memory)
         "symmetric_sum": 4 * largest_sum(cfg, verify_rows(cfg, drafter), context) if graphs and world > 1 else 0,
+        "prefill_scratch": scratch,
         "headroom": int(capacity * HEADROOM) if graphs else 0,
     }
     plan = MemoryPlan(context, parts, capacity)
     plan.details = {"state_bytes_per_token": per_token, "state_constant": constant, "host_tables": held["host"],
                     "largest_copies": held["largest_copies"]}
     return plan
+
+
+def prefill_scratch(mm, context: int, chunk: int) -> int:
+    """The most bytes a prefill chunk's own tensors hold at once (count.count_prefill's `scratch_bytes`) at
+    the last chunk of a `context`-token prompt, where the indexer's scores are widest, on the meta build."""
+    from .count import count_prefill
+
+    chunk = min(chunk, context)
+    start = (-(-context // chunk) - 1) * chunk
+    state = mm.model.new_state(start + chunk, device="meta")
+    return count_prefill(mm.model, state, start, chunk)["scratch_bytes"]
 
 
 def rope_tables(model) -> list:

@@ -29,6 +29,9 @@ model declares through `gather()`/`read_through()` (`count.py` does this around 
 `attention` and `moe`): a compressed-row cache read at the rows an index selects, experts read through a
 table of their addresses.
 
+With `memory` set (a `LiveBytes`), the storages the code inside makes are followed until no tensor holds
+them: the most live at once is the scratch the counted code needs (count.py's prefill chunks).
+
 Launches, syncs, collectives and bytes are attributed to the block running when they happen (`tag()`):
 the backbone's layers and the drafter's stages, or outside both (embedding, head, sampling, acceptance,
 commit).
@@ -40,6 +43,7 @@ answer (`equal` is True, a scalar read is 0). Used to count the released models 
 
 import os
 import traceback
+import weakref
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -107,6 +111,37 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class LiveBytes:
+    """The bytes of the storages made inside (allocations and operations' results; not views of what was
+    there before, nor what an in-place operation writes), from when an operation returns the first tensor on
+    one until no tensor holds it, and the most live at once: the scratch a step needs beyond its weights and
+    state (a meta build's too: its storages have sizes, not memory)."""
+
+    def __init__(self):
+        self.refs: dict[int, int] = {}  # storage -> tensors holding it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def track(self, outs: list, inputs: set[int]) -> None:
+        for o in outs:
+            key = storage_key(o)
+            if key not in self.refs:
+                if key in inputs:  # a view or an in-place result of a storage made before
+                    continue
+                self.refs[key] = 0
+                self.sizes[key] = o.untyped_storage().nbytes()
+                self.live += self.sizes[key]
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(o, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+
 @dataclass
 class Launch:
     kind: str  # "torch" | "triton"
@@ -123,6 +158,9 @@ class Launch:
     routing: tuple[int, int, int] | None = None  # (experts, top-k, rows) of the MoE call it serves
     whole_experts: bool = False  # the ranks hold whole experts (expert parallel): one may hold more picks
     host_bytes: int = 0  # of bytes_read, what it reads from host memory (declared: the Engram lookup)
+    # tensor-core FLOPs, declared by count.py's wrappers: "products" (the weight products: 2 x rows padded to
+    # the MMA's 16 x weight elements), "attention" (scores and values of the attention and the indexer)
+    flops: dict[str, float] = field(default_factory=dict)
 
 
 WEIGHT_DTYPES = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2)}  # format, elements a stored element
@@ -151,6 +189,7 @@ class Recorder(TorchDispatchMode):
         self.host_scalars: set[int] = set()  # 0-dim tensors made from Python numbers
         self.gathered: dict[int, int] = {}  # storage -> bytes a launch reads of it (declared gathers)
         self.through: dict[int, tuple[int, str]] = {}  # table storage -> (bytes read through it, what)
+        self.memory: LiveBytes | None = None  # set: the storages made inside are tracked (LiveBytes)
         self.triton_launches = 0
         self._saved: dict = {}
 
@@ -334,6 +373,8 @@ class Recorder(TorchDispatchMode):
                 self._sync(HOST_SYNCS[func])
                 return 0
         out = func(*args, **kwargs)
+        if self.memory is not None:
+            self.memory.track(_tensors((out,)), {storage_key(t) for t in _tensors(args, kwargs.values())})
         if self.paused or not self.recording:
             return out
         self._classify(func, args, kwargs, out)
