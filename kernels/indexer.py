@@ -47,11 +47,10 @@ from ._triton import (
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
-           round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
+           round_dtype: torch.dtype | None) -> torch.Tensor:
     """q [M, nh, dI], w [M, nh] (already scaled), keys [N, dI], the queries' positions [M] -> float32 [M, N]
-    (a query at p sees the rows of its completed groups: n_valid = (p + 1) // ratio).
-    `reduce` (tensor parallel, heads split over ranks) is applied to the float64 head sum before its
-    final rounding: an all-reduce makes every rank's scores those of all heads.
+    (a query at p sees the rows of its completed groups: n_valid = (p + 1) // ratio). Every head on every
+    rank (appliance/parallel/sharding.py keeps the indexer whole).
     Bytes moved: keys once (N x dI) + q + w + the [M, N] scores."""
     n_valid = (positions + 1) // ratio
     d = torch.einsum("mhd,nd->mhn", q.double(), keys.double())
@@ -60,8 +59,6 @@ def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torc
         s = (torch.relu(d) * w.double().unsqueeze(-1)).to(round_dtype).double().sum(1)
     else:
         s = (torch.relu(d) * w.double().unsqueeze(-1)).sum(1)
-    if reduce is not None:
-        s = reduce(s)
     s = s.to(round_dtype).float() if round_dtype is not None else s.float()
     t = torch.arange(keys.shape[0], device=keys.device)
     return s.masked_fill(t.unsqueeze(0) >= n_valid.unsqueeze(1), float("-inf"))
@@ -137,7 +134,6 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    s_ptr,   # out float32 [M, N]
                    M, N, NH, DI, stride_k, rows_per_prog, ratio,
                    RD: tl.constexpr,
-                   FINAL: tl.constexpr,  # round the head sum (not when it is one rank's part of the sum)
                    DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    BDC: tl.constexpr):
     keys = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -170,9 +166,7 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
         w = tl.load(w_ptr + m64 * NH + heads, mask=hmask, other=0.0).to(tl.float32)
         d = _round_to(d, RD)
         u = _round_to(tl.maximum(d, 0.0) * w[:, None], RD)
-        s = tsum(u, axis=0)
-        if FINAL:
-            s = _round_to(s, RD)
+        s = _round_to(tsum(u, axis=0), RD)
         nv = (tl.load(pos_ptr + m) + 1) // ratio
         s = tl.where(keys < nv, s, float("-inf"))
         tl.store(s_ptr + m64 * N + keys, s, mask=kmask)
@@ -182,10 +176,8 @@ _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
 def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
-                round_dtype: torch.dtype | None, reduce=None) -> torch.Tensor:
-    """The kernel for `scores` (same signature and result). With heads split over ranks, `reduce` (a
-    fixed-order float32 sum over the ranks) adds the ranks' unrounded head sums, which are then rounded once
-    (the head sum's order differs from one rank's: within float32 rounding of it)."""
+                round_dtype: torch.dtype | None) -> torch.Tensor:
+    """The kernel for `scores` (same signature and result)."""
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
     m, nh, di = q.shape
@@ -212,10 +204,8 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
     bd = pow2(di, 16 if not INTERPRET else 1)
     _scores_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
         q, w, keys, pos, out, m, n, nh, di, keys.stride(0), rows, ratio,
-        RD=_ROUND[round_dtype], FINAL=reduce is None, DOT_BF16=bf16 and not INTERPRET, BN=bn,
+        RD=_ROUND[round_dtype], DOT_BF16=bf16 and not INTERPRET, BN=bn,
         BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32))
-    if reduce is not None:  # -inf past a row's visible keys on every rank: the sum keeps it
-        out = reduce(out, round_to=round_dtype)  # the sum rounded once, kept as float32
     return out
 
 

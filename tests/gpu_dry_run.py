@@ -304,10 +304,9 @@ def drive_benchmark_cases(failures: list):
 
 def drive_split_specializations(failures: list):
     """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
-    the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine)
-    and the indexer's partial head sums, each summed over four ranks by the rank-order sum (the gathers
-    are stand-ins: nothing runs)."""
-    from kernels import bench, indexer, moe, rank_sum
+    the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
+    summed over four ranks by the rank-order sum (the gathers are stand-ins: nothing runs)."""
+    from kernels import bench, moe, rank_sum
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -326,9 +325,6 @@ def drive_split_specializations(failures: list):
                 x, X = torch.randn(m, s.dim).to(dt), torch.randn(m, 4, s.dim).to(dt)
                 moe.fast_ffn(x, gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5, 1e-20, None, experts,
                              shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=split)
-                q, w = torch.randn(m, s.index_heads // 4, s.index_dim).to(dt), torch.randn(m, s.index_heads // 4)
-                indexer.fast_scores(q, w.to(dt), torch.randn(4096, s.index_dim).to(dt), torch.full((m,), 4095), 1,
-                                    dt if dt != torch.float32 else None, reduce=four)
             except Exception:
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
 

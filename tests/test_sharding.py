@@ -1,13 +1,14 @@
-"""Where a split model's MoE experts live (appliance/parallel/sharding.py `shard_moe`): every rank a share of
-each expert's intermediate, or whole experts per rank; `--experts` chooses, auto by whether the slices keep
-the checkpoint's scale blocks whole. (The four-rank runs in test_distributed.py check what the ranks compute.)"""
+"""Where a split model's weights live (appliance/parallel/sharding.py): the MoE's experts (`shard_moe`), every
+rank a share of each expert's intermediate, or whole experts per rank, `--experts` choosing, auto by whether
+the slices keep the checkpoint's scale blocks whole; the attention's query heads split and its indexer whole
+(`shard_attention`). (The four-rank runs in test_distributed.py check what the ranks compute.)"""
 
 from types import SimpleNamespace
 
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.parallel.sharding import Comm, shard_moe
+from appliance.parallel.sharding import Comm, shard_attention, shard_moe
 from kernels.bench import fp4_weight
 
 
@@ -43,3 +44,18 @@ def test_whole_experts_when_asked_even_where_they_split():
     shard_moe(m, Comm(2, 4), "whole")
     assert [e is not None for e in m.experts] == [False, False, False, False, True, True, False, False]
     assert m.experts[4][0].shape == (128, 64)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_query_heads_split_and_the_indexer_stays_whole_on_every_rank(rank):
+    """Each rank a quarter of the attention's query heads; every index head on every rank (the same scores
+    and rows as one device, nothing sent over the links)."""
+    from tests.conftest import load
+
+    model = load(None).model  # the embedded tiny V4.1
+    attn = next(layer.attn for layer in model.layers if getattr(layer.attn, "iq", None) is not None)
+    iq, weights, index_heads = attn.iq.weight, attn.weights_proj.weight, attn.index_heads
+    q_rows, heads = attn.wq_b.weight.shape[0], attn.heads
+    shard_attention(attn, Comm(rank, 4))
+    assert attn.heads == heads // 4 and attn.wq_b.weight.shape[0] == q_rows // 4
+    assert attn.iq.weight is iq and attn.weights_proj.weight is weights and attn.index_heads == index_heads

@@ -161,13 +161,13 @@ def step_bytes(cfg: ModelConfig, context: int) -> dict:
 
 
 # What tensor parallelism splits (appliance/parallel/sharding.py); everything else is replicated on every rank.
-_SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".indexer.wq_b.", ".indexer.weights_proj.", "head.weight",
-          ".markov_head.head.", ".markov_head.markov_w2.", ".shared_experts.")
+_SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", "head.weight", ".markov_head.head.", ".markov_head.markov_w2.",
+          ".shared_experts.")
 
 
 def split_share(name: str, world: int) -> float:
     """The share of tensor `name` one of `world` ranks holds: 1/world for what the split divides (attention
-    heads and groups, indexer heads, the head, routed and shared experts), 1 for what it replicates."""
+    heads and groups, the head, routed and shared experts), 1 for what it replicates (the indexer too)."""
     routed = ".experts." in name and ".shared_experts." not in name
     return 1 / world if routed or any(k in name for k in _SPLIT) else 1.0
 

@@ -61,8 +61,7 @@ class V4Attention(AttentionProjections):
         self.kind = c.layer_kinds[layer] if layer < c.n_layers else "window"
         self.ratio = c.compress_ratios[layer] if layer < c.n_layers else 0
         super().__init__(rt, c, ckpt, p)
-        # index heads this process computes, and how their partial scores meet (sharding.py)
-        self.index_heads, self.index_reduce = c.index_n_heads, None
+        self.index_heads = c.index_n_heads  # every one on every rank (sharding.py keeps the indexer whole)
         blk, ab = c.weight_block, c.act_block
         self.compressor = self.index_compressor = None
         if self.kind != "window":
@@ -149,8 +148,7 @@ class V4Attention(AttentionProjections):
         else:
             w = self.weights_proj(x, torch.float32) * scale
         keys = step.state.rows[f"index_keys.{L}"].visible(step.bound)
-        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if self.rt.num.official else None,
-                                  self.index_reduce)
+        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if self.rt.num.official else None)
         topk, _ = ops.index_select(scores, c.index_topk)
         if step.probe is not None:
             step.probe[f"index_topk.{L}"] = topk

@@ -41,8 +41,7 @@ class V41Attention(AttentionProjections):
         self.kv_source = c.kv_source_of(layer)
         self.index_source = c.index_source_of(layer)
         super().__init__(rt, c, ckpt, p)
-        # index heads this process computes, and how their partial scores meet (sharding.py)
-        self.index_heads, self.index_reduce = c.index_n_heads, None
+        self.index_heads = c.index_n_heads  # every one on every rank (sharding.py keeps the indexer whole)
         blk, ab = c.weight_block, c.act_block
         self.compressor = None
         if self.kv_source == layer:
@@ -164,8 +163,7 @@ class V41Attention(AttentionProjections):
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
         keys = step.state.rows[f"index_keys.{self._keys_owner(step)}"].visible(step.bound)
         official = self.rt.num.official
-        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if official else None,
-                                  self.index_reduce)
+        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if official else None)
         source = L == c.candidate_source_layer
         inside = 0 <= c.candidate_source_layer < L  # level two: only inside the source's candidate blocks
         topk, made = ops.index_select(scores, c.index_topk, step.positions, self.ratio,

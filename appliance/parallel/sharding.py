@@ -5,8 +5,11 @@ the reduce hooks that sum partial results over ranks.
 - attention: query heads (`wq_b` rows), their sinks and output groups (`wo_a`) are split; `wo_b` takes
   the rank's columns and its partial sum is all-reduced. The shared KV head (`wkv`, compressors, index
   keys), `wq_a` and the norms are replicated: every head reads the same KV, and they are small.
-- indexer: query heads (`wq_b`) and their weights (`weights_proj`) are split; the head sum of the scores
-  is all-reduced before its final rounding, so every rank selects the same rows.
+- indexer: replicated (its query heads `wq_b` and their weights `weights_proj` on every rank, ~8 MB a
+  layer): every rank scores every head and selects the same rows as one device would, with no collective.
+  Split heads would send each rank's partial scores of every query and visible key (float32 [T, N]: 354 GB
+  a rank for a 4096-token prefill chunk at 855K, `bench model --prefill`) and cost a decode step one
+  all-reduce an indexing layer (2.434 -> 2.371 ms a plain cycle on 4 x B300 modeled without it).
 - MoE: every expert's intermediate is split (rank r holds rows [r I/n, (r+1) I/n) of each expert's w1 and
   w3 and those columns of its w2, and computes every slot's partial output): each rank reads a 1/n share
   of every selected expert, so no rank waits on a busier one (with whole experts per rank the busiest holds
@@ -113,19 +116,13 @@ def _linear_rows(lin: Linear, start: int, end: int) -> None:
 
 
 def shard_attention(attn, comm: Comm) -> None:
-    """Split an attention module's query heads, output groups and indexer heads over the ranks."""
+    """Split an attention module's query heads and output groups over the ranks (its indexer stays whole)."""
     c = attn.cfg
     h0, h1 = comm.span(attn.heads)
     _linear_rows(attn.wq_b, h0 * c.head_dim, h1 * c.head_dim)
     attn.sink = attn.sink[h0:h1]
     attn.heads = h1 - h0
     shard_output(attn.out, comm)
-    if getattr(attn, "iq", None) is not None:
-        i0, i1 = comm.span(attn.index_heads)
-        _linear_rows(attn.iq, i0 * c.index_head_dim, i1 * c.index_head_dim)
-        attn.weights_proj = _dense_rows(attn.weights_proj, i0, i1)
-        attn.index_heads = i1 - i0
-        attn.index_reduce = partial_sum(attn.rt, comm)[1]
 
 
 def _dense_rows(d: Dense, start: int, end: int) -> Dense:
