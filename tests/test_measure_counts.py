@@ -382,8 +382,8 @@ def test_a_prefill_chunk_is_priced_by_its_rows_and_its_prompts_time_to_first_tok
 def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(released_config):
     """On the released V4.1-Flash's meta build (4 ranks): each weight product's FLOPs are 2 x the chunk's
     rows padded to 16 x its weight elements, the attention's 4 x rows x heads x head dim x (window + selected
-    rows); a chunk deep in the context scores more index keys and reads more, but sends no more over the
-    links (activations only: every rank scores every index head)."""
+    rows); a chunk deep in the context scores more index keys and reads more, but sends about as much over
+    the links (activations and selections, not scores: the candidate blocks' flags grow, a byte a block)."""
     from appliance.measure.count import count_prefill
     from appliance.measure.shapes import meta_model
     from appliance.model.config import load_config
@@ -399,7 +399,7 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     assert attends and early["flops"]["attention"] > 0
     assert late["flops"]["attention"] > early["flops"]["attention"]
     assert late["bytes_per_step"]["total"] > early["bytes_per_step"]["total"]
-    assert late["collective_bytes"] == early["collective_bytes"] > 0
+    assert 0 < early["collective_bytes"] <= late["collective_bytes"] < 1.1 * early["collective_bytes"]
     assert early["host_syncs"] == 0
 
 

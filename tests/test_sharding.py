@@ -6,6 +6,7 @@ the slices keep the checkpoint's scale blocks whole; the attention's query heads
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from appliance.errors import ApplianceError
 from appliance.parallel.sharding import Comm, shard_attention, shard_moe
@@ -59,3 +60,33 @@ def test_query_heads_split_and_the_indexer_stays_whole_on_every_rank(rank):
     shard_attention(attn, Comm(rank, 4))
     assert attn.heads == heads // 4 and attn.wq_b.weight.shape[0] == q_rows // 4
     assert attn.iq.weight is iq and attn.weights_proj.weight is weights and attn.index_heads == index_heads
+
+
+def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order():
+    """appliance/model/rowsplit.py: each rank a contiguous share of a call's rows (a decode step's few rows
+    not split), every row exactly once; gathered back (booleans too) in row order, whatever the remainder."""
+    from appliance.model.rowsplit import ALL_ROWS, SPLIT_ROWS, gather_rows, query_share
+
+    class Gathering:  # four ranks' all_gather: each rank's part of `full`, as rank `rank` sees them
+        def __init__(self, rank, full):
+            self.rank, self.world, self.full = rank, 4, full
+
+        def all_gather(self, t, dim):
+            parts = []
+            for r in range(self.world):
+                p = self.full[query_share(Gathering(r, None), self.full.shape[0])]
+                if p.dtype == torch.bool:
+                    p = p.to(torch.uint8)
+                per = -(-self.full.shape[0] // self.world)
+                parts.append(torch.cat((p, p.new_zeros((per - p.shape[0], *p.shape[1:])))))
+            assert parts[self.rank].shape == t.shape and parts[self.rank].equal(t)
+            return torch.cat(parts, dim)
+
+    assert query_share(Gathering(0, None), SPLIT_ROWS - 1) == ALL_ROWS and query_share(None, 100) == ALL_ROWS
+    rows = int(torch.randint(SPLIT_ROWS, 200, ()))
+    shares = [query_share(Gathering(r, None), rows) for r in range(4)]
+    assert torch.cat([torch.arange(rows)[s] for s in shares]).equal(torch.arange(rows))
+    for full in (torch.randint(-1, 50, (rows, 7)), torch.rand(rows, 5) > 0.5):
+        for rank in range(4):
+            comm = Gathering(rank, full)
+            assert gather_rows(comm, full[query_share(comm, rows)], rows).equal(full)

@@ -26,6 +26,7 @@ from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
 from .rope import RopeTable, frequencies
+from .rowsplit import ALL_ROWS, gather_rows, query_share
 from .runtime import Runtime
 from .state import DecodeState, new_state
 from .step import Output, Step, begin, finish
@@ -42,6 +43,7 @@ class V41Attention(AttentionProjections):
         self.index_source = c.index_source_of(layer)
         super().__init__(rt, c, ckpt, p)
         self.index_heads = c.index_n_heads  # every one on every rank (sharding.py keeps the indexer whole)
+        self.index_comm = None  # split over ranks: the ranks share a long call's queries (`_index`)
         blk, ab = c.weight_block, c.act_block
         self.compressor = None
         if self.kv_source == layer:
@@ -159,16 +161,23 @@ class V41Attention(AttentionProjections):
 
     def _index(self, qi: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
         """The compressed rows each query reads: the top-k of its index scores (qi [T, heads, dI] and the
-        head weights w [T, heads] as attn_inputs made them)."""
+        head weights w [T, heads] as attn_inputs made them). Split over ranks (`index_comm`), a call of more
+        rows than a verify block scores and selects this rank's share of the queries and gathers the
+        selections: a query's scores do not depend on the other rows, so they are one device's."""
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
         keys = step.state.rows[f"index_keys.{self._keys_owner(step)}"].visible(step.bound)
         official = self.rt.num.official
-        scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if official else None)
+        rows = query_share(self.index_comm, qi.shape[0])
+        positions = step.positions[rows]
+        scores = ops.index_scores(qi[rows], w[rows], keys, positions, self.ratio, dt if official else None)
         source = L == c.candidate_source_layer
         inside = 0 <= c.candidate_source_layer < L  # level two: only inside the source's candidate blocks
-        topk, made = ops.index_select(scores, c.index_topk, step.positions, self.ratio,
-                                      step.candidates if inside else None,
+        topk, made = ops.index_select(scores, c.index_topk, positions, self.ratio,
+                                      step.candidates[rows] if inside else None,
                                       c.candidate_block_size if source else 0, c.candidate_topk_blocks)
+        if rows != ALL_ROWS:
+            topk = gather_rows(self.index_comm, topk, qi.shape[0])
+            made = gather_rows(self.index_comm, made, qi.shape[0]) if made is not None else None
         if source:
             step.candidates = made
         step.topk[L] = topk

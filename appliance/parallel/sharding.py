@@ -6,7 +6,9 @@ the reduce hooks that sum partial results over ranks.
   the rank's columns and its partial sum is all-reduced. The shared KV head (`wkv`, compressors, index
   keys), `wq_a` and the norms are replicated: every head reads the same KV, and they are small.
 - indexer: replicated (its query heads `wq_b` and their weights `weights_proj` on every rank, ~8 MB a
-  layer): every rank scores every head and selects the same rows as one device would, with no collective.
+  layer): every rank scores every head and selects the same rows as one device would. A decode step
+  sends nothing for it; a longer call (a prefill chunk) has each rank score and select a quarter of its
+  queries and gathers the selections (V4.1: appliance/model/rowsplit.py; rows x top-k indices, not scores).
   Split heads would send each rank's partial scores of every query and visible key (float32 [T, N]: 354 GB
   a rank for a 4096-token prefill chunk at 855K, `bench model --prefill`) and cost a decode step one
   all-reduce an indexing layer (2.434 -> 2.371 ms a plain cycle on 4 x B300 modeled without it).
@@ -123,6 +125,8 @@ def shard_attention(attn, comm: Comm) -> None:
     attn.sink = attn.sink[h0:h1]
     attn.heads = h1 - h0
     shard_output(attn.out, comm)
+    if hasattr(attn, "index_comm"):  # V4.1's: a long call's queries shared out (appliance/model/rowsplit.py)
+        attn.index_comm = comm
 
 
 def _dense_rows(d: Dense, start: int, end: int) -> Dense:
