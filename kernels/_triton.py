@@ -54,7 +54,7 @@ def native_products(dev: torch.device) -> int:
 # Rows one launch may take (a prefill chunk; a verify block has at most 9). Every offset that multiplies a
 # row index is int64, so no index overflows at any size; the bound keeps a launch's float32 scratch
 # (attention logits [rows, heads, keys], index scores [rows, compressed rows]) to what one device holds at
-# the longest context. appliance/options.py bounds --chunk by it (tests/test_options_chunk.py checks both
+# the longest context. appliance/options.py bounds --chunk by it (tests/test_citations.py checks both
 # say the same).
 MAX_ROWS = 4096
 

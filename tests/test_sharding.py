@@ -82,8 +82,8 @@ def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order()
             assert parts[self.rank].shape == t.shape and parts[self.rank].equal(t)
             return torch.cat(parts, dim)
 
-    assert query_share(Gathering(0, None), SPLIT_ROWS - 1) == ALL_ROWS and query_share(None, 100) == ALL_ROWS
-    rows = int(torch.randint(SPLIT_ROWS, 200, ()))
+    assert query_share(Gathering(0, None), SPLIT_ROWS) == ALL_ROWS and query_share(None, 100) == ALL_ROWS
+    rows = int(torch.randint(SPLIT_ROWS + 1, 200, ()))
     shares = [query_share(Gathering(r, None), rows) for r in range(4)]
     assert torch.cat([torch.arange(rows)[s] for s in shares]).equal(torch.arange(rows))
     for full in (torch.randint(-1, 50, (rows, 7)), torch.rand(rows, 5) > 0.5):

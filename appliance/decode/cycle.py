@@ -4,7 +4,7 @@ replay it with one small device-to-host copy of the result.
 Inputs (`CycleBuffers`, device tensors written in place by the host before a run):
     anchor [1]   the token for position N, not processed yet
     start  []    N
-    params [3]   temperature, top_p, top_k (kernels.acceptance)
+    params [3]   temperature, top_p, top_k (kernels.sampling)
     key    [2]   seed and counter of the device RNG (the counter advances inside the cycle)
     force  []    benchmarks: accept exactly this many drafts (-1: off)
 Output: result [width + 2] = count (tokens produced), accepted drafts, then the tokens.
@@ -12,7 +12,7 @@ Output: result [width + 2] = count (tokens produced), accepted drafts, then the 
 Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
   1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B;
   2. verify (`VerifyStep`, width k+1): one target forward over [anchor, d_1..d_k] at positions N..N+k;
-  3. accept: j drafts and the next token b (kernels.acceptance: greedy prefix, or min(1, p/r));
+  3. accept: j drafts and the next token b (kernels.sampling: greedy prefix, or min(1, p/r));
   4. commit: the drafter's rows of N..N+k-1 are written; the host then counts N+j+1 positions. The writes
      for rejected positions stay where no reader reaches them (appliance/model/state.py, `Journal`):
      nothing is copied or rolled back, as in a plain cycle.

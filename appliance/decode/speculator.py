@@ -1,5 +1,5 @@
 """Speculative decoding: a drafter proposes k tokens, the target verifies them in one forward, and the
-accepted prefix plus one target token are committed (the cycle itself: appliance/cycle.py). Lossless:
+accepted prefix plus one target token are committed (the cycle itself: appliance/decode/cycle.py). Lossless:
 greedy output equals plain greedy decoding token for token (the target's forward is batch invariant: a
 verified row equals a single-step row bitwise), and sampled output has the target's distribution.
 

@@ -169,7 +169,7 @@ class DSpark:
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
               params: torch.Tensor, key: torch.Tensor) -> Draft:
         """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
-        sampled with `params` / `key` (kernels.acceptance). `q` may be a device scalar: no host reads."""
+        sampled with `params` / `key` (kernels.sampling). `q` may be a device scalar: no host reads."""
         c, ops = self.cfg, self.rt.ops
         self.commit(state, row_q.unsqueeze(0), anchor, q)
         B = self.block_size

@@ -140,7 +140,7 @@ class EngramHash:
 class Engram:
     """One Engram layer: FP8 table (memory-mapped), `wkv`, and the per-copy gates."""
 
-    HOST_TENSORS = ("table", "table_scale")  # large tables stay in host memory (appliance/placement.py)
+    HOST_TENSORS = ("table", "table_scale")  # large tables stay in host memory (appliance/parallel/placement.py)
 
     def __init__(self, rt: Runtime, ckpt, cfg, layer: int, rows: int):
         e = cfg.engram

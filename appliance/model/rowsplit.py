@@ -17,7 +17,7 @@ ALL_ROWS = slice(None)
 def query_share(comm, rows: int) -> slice:
     """This rank's contiguous share of `rows` rows (ceil(rows / world) each, the last rank the rest), or
     ALL_ROWS where the call is not split."""
-    if comm is None or rows < max(SPLIT_ROWS, comm.world):
+    if comm is None or rows <= max(SPLIT_ROWS, comm.world):
         return ALL_ROWS
     per = -(-rows // comm.world)
     return slice(min(comm.rank * per, rows), min((comm.rank + 1) * per, rows))
