@@ -62,3 +62,17 @@ def test_rewind_beyond_the_spare_positions_is_refused_with_a_clear_error(family_
         state.rewind(10)
     state.rewind(0)  # a full reset is always possible
     assert state.position() == 0
+
+
+@pytest.mark.slow
+def test_on_the_fast_path_a_prompts_prefill_does_not_depend_on_its_chunking(tiny_dirs):
+    """Issue 31's chunk invariance on the fused kernels (bfloat16, the interpreter): a 48-token prompt's
+    logits and the next steps' are the same bits prefilled in one call or in chunks of 16 or 7 (crossing the
+    window, compression groups and candidate blocks elsewhere): every kernel's tiles and sum orders come from
+    its shapes, never from the rows a call holds."""
+    lm = load(tiny_dirs["deepseek_v41"], path="fast", dtype="bfloat16")
+    tokens = torch.randint(0, lm.cfg.vocab_size, (52,))
+    whole = decode(lm.model, tokens, 48, 48, lm.model.new_state(64))
+    for chunk in (16, 7):
+        got = decode(lm.model, tokens, chunk, 48, lm.model.new_state(64))
+        assert torch.equal(got, whole), f"chunk {chunk}: max |delta| {(got - whole).abs().max():.3g}"

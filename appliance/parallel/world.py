@@ -30,7 +30,9 @@ import torch
 
 from .collectives import CallCheck, all_gather, make_sum
 
-TIMEOUT = datetime.timedelta(seconds=20)  # one collective, inside a request
+# One collective, inside a request: a rank gone quiet that long fails the request. APPLIANCE_COLLECTIVE_TIMEOUT_S
+# sets it (tests shorten it to show that a follower waiting for the next request outwaits it).
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("APPLIANCE_COLLECTIVE_TIMEOUT_S", "20")))
 STARTUP = datetime.timedelta(seconds=300)  # the ranks meeting: processes start and import torch first
 BEAT_S = 0.5  # every rank bumps its heartbeat this often
 # A peer whose heartbeat has not moved for this long is hung. Long enough that a rank starved of CPU is not
