@@ -32,11 +32,12 @@ import threading
 
 from aiohttp import web
 
-from appliance.api import Done, Error, Progress, Started, Tokens
+from appliance.api import Done, Error, Progress, Started
 from appliance.errors import ApplianceError, RequestError
 
 from . import anthropic_api, gate, openai_api, responses_api, strict_json
 from .box import Running
+from .protocol import token_runs
 
 STATUS = {"invalid_request": 400, "context_length_exceeded": 400, "unauthorized": 401, "forbidden": 403,
           "not_found": 404, "method_not_allowed": 405, "timeout": 408, "too_large": 413,
@@ -296,21 +297,18 @@ class ApiCall:
 
     async def _whole(self, reply, first: Started) -> web.Response:
         reply.started(first)
-        run: list[Tokens] = []
-        while True:
-            ev = await self._next()
-            if isinstance(ev, Tokens):
-                run.append(ev)
-                continue
-            if run:
-                reply.tokens(run)
-                run = []
-            if isinstance(ev, Done):
+        events = [await self._next()]
+        while not isinstance(events[-1], Done | Error):
+            events.append(await self._next())
+        for ev in token_runs(events):
+            if isinstance(ev, list):
+                reply.tokens(ev)
+            elif isinstance(ev, Done):
                 if ev.finish_reason == "cancelled":
                     raise ApiFailure("cancelled", "the request was cancelled: the server is stopping (SIGTERM)")
                 reply.done(ev)
                 return _json(200, reply.body())
-            if isinstance(ev, Error):
+            elif isinstance(ev, Error):
                 raise ApiFailure(ev.code, ev.message, ev.param)
 
     async def _stream(self, request, reply, first: Started) -> web.StreamResponse:
@@ -368,17 +366,13 @@ class ApiCall:
 
     def _items(self, reply, batch: list) -> tuple[list, bool]:
         """SSE items for a batch of events (runs of tokens merged); True once the terminal one is in."""
-        items, run = [], []
-        for ev in batch + [None]:
-            if isinstance(ev, Tokens):
-                run.append(ev)
-                continue
-            if run:
-                items += reply.tokens(run)
-                run = []
-            if isinstance(ev, Done) and ev.finish_reason != "cancelled":
+        items = []
+        for ev in token_runs(batch):
+            if isinstance(ev, list):
+                items += reply.tokens(ev)
+            elif isinstance(ev, Done) and ev.finish_reason != "cancelled":
                 return items + reply.done(ev), True
-            if isinstance(ev, Done | Error):
+            elif isinstance(ev, Done | Error):
                 error = ev if isinstance(ev, Error) else Error(ev.id, "cancelled", "the request was cancelled: "
                                                                "the server is stopping (SIGTERM)")
                 self.app.metrics.errors.labels(error.code if error.code in STATUS else "internal").inc()

@@ -320,19 +320,23 @@ def event_frames(events: list, timings: str = "final") -> list[dict]:
     """Engine events (in order) -> frames. Runs of Tokens events become one `delta` each: this is how a
     client that reads slowly gets fewer, larger frames with every token in them (never a dropped one);
     `index` is the first token's index and `t_ms` (timings=per_token) keeps each token's own time."""
-    frames: list[dict] = []
+    return [delta(ev, timings) if isinstance(ev, list) else _frame(ev, timings) for ev in token_runs(events)]
+
+
+def token_runs(events):
+    """The events in order, each run of consecutive Tokens events as one list (what a reader that fell
+    behind gets in one piece, here and in the HTTP APIs)."""
     run: list[Tokens] = []
     for ev in events:
         if isinstance(ev, Tokens):
             run.append(ev)
             continue
         if run:
-            frames.append(delta(run, timings))
+            yield run
             run = []
-        frames.append(_frame(ev, timings))
+        yield ev
     if run:
-        frames.append(delta(run, timings))
-    return frames
+        yield run
 
 
 def delta(run: list[Tokens], timings: str) -> dict:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from appliance.errors import MemoryPlanError
 from appliance.parallel.sharding import largest_sum, verify_rows
 
-from .costs import rank_weights, state_bytes, weight_bytes
-
 GRAPH_BUFFERS = 64 << 20  # static inputs/outputs and scratch of the captured decode cycle (upper estimate)
 HEADROOM = 0.08  # of device memory, for the allocator, NCCL and the CUDA context
 
@@ -45,35 +43,6 @@ class MemoryPlan:
                 f"memory plan for a {self.context}-token context does not fit: needs {self.total} bytes, "
                 f"the device has {self.capacity}; short by {self.total - self.capacity} bytes "
                 f"(largest part: {part}, {size} bytes)", field=part, value=self.total - self.capacity)
-
-
-def device_plan(cfg, context: int, device_bytes: int, ranks: int = 1) -> MemoryPlan:
-    """Packed formats (what the kernels store) on one of `ranks` devices: weights on the device split
-    evenly (Engram tables stay in host memory), the decode state for `context` tokens, graph buffers and
-    headroom."""
-    w = weight_bytes(cfg)
-    s = state_bytes(cfg)
-    parts = {
-        "weights": w["by_where"].get("device", 0) // ranks,
-        "decode_state": int(s["per_token_packed"] * context + s["constant_packed"]) // ranks,
-        "graph_buffers": GRAPH_BUFFERS,
-        "headroom": int(device_bytes * HEADROOM),
-    }
-    return MemoryPlan(context, parts, device_bytes)
-
-
-def rank_plan(cfg, context: int, device_bytes: int, world: int) -> MemoryPlan:
-    """One rank's plan when the model is split over `world` devices: its weight shard (attention heads,
-    experts, the shared expert and the head split; the rest replicated), the whole decode state (every
-    rank's heads read the same compressed KV), graph buffers and headroom."""
-    s = state_bytes(cfg)
-    parts = {
-        "weights": rank_weights(cfg, world)["total"],
-        "decode_state": int(s["per_token_packed"] * context + s["constant_packed"]),
-        "graph_buffers": GRAPH_BUFFERS,
-        "headroom": int(device_bytes * HEADROOM),
-    }
-    return MemoryPlan(context, parts, device_bytes)
 
 
 def parse_bytes(text: str) -> int:

@@ -29,7 +29,7 @@ from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
 from appliance.parallel.placement import HOST_TABLE_BYTES, place
-from appliance.parallel.sharding import shard
+from appliance.parallel.sharding import Comm, shard
 from kernels import rank_sum
 from kernels.linear import PackedWeight
 from kernels.registry import resolve
@@ -109,11 +109,7 @@ class ShapeComm:
         with rec.pause():  # written by the collective: not a fresh allocation
             return torch.empty(shape, dtype=like.dtype, device=like.device)
 
-    def span(self, n: int) -> tuple[int, int]:
-        if n % self.world:
-            raise ValueError(f"{n} does not split over {self.world} ranks")
-        per = n // self.world
-        return self.rank * per, (self.rank + 1) * per
+    span = Comm.span  # the real split's: one rank's share
 
 
 @dataclass
