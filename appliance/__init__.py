@@ -18,7 +18,7 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
               checkpoints (checkpoint.py), the prefix cache (prefix_cache.py: a radix trie in host memory) and its
               disk tier (prefix_disk.py)
     parallel/ several devices: process group and collectives (world.py), sharding, placement
-    measure/  costs from a config (costs.py), memory plans (memory.py), the benchmark library (bench.py), the
+    measure/  sizes from a config (sizes.py), memory plans (memory.py), the benchmark library (bench.py), the
               cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py), an
               agent's conversation replayed (agent.py) and the costs of prefix reuse (prefix.py)
     cli/      one module per command family; the only place that imports server/

@@ -30,7 +30,7 @@ from appliance.chat import check_depth
 from appliance.errors import RequestError, shown
 
 from . import fields
-from .openai_api import Call, checked
+from .openai_api import ApiRequest, checked
 
 # Error code -> (Anthropic error type).
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "context_length_exceeded": "invalid_request_error",
@@ -183,7 +183,7 @@ def _thinking(body: dict) -> bool | None:
     return kind != "disabled"
 
 
-def messages_call(body, counting: bool = False) -> Call:
+def messages_call(body, counting: bool = False) -> ApiRequest:
     """`counting`: a count_tokens body (no max_tokens, nothing generated)."""
     body = fields.body_object(body)
     max_tokens = fields.integer(body, "max_tokens", 1)
@@ -196,10 +196,10 @@ def messages_call(body, counting: bool = False) -> Call:
     req = Request(id="msg_" + secrets.token_hex(12), messages=_messages(body), max_tokens=max_tokens,
                   sampling=sampling, stop=fields.stop_list(body, "stop_sequences"), tools=tools,
                   tool_choice=tool_choice, thinking=_thinking(body))
-    return Call(checked(req), fields.boolean(body, "stream"), False)
+    return ApiRequest(checked(req), fields.boolean(body, "stream"), False)
 
 
-def count_call(body) -> Call:
+def count_call(body) -> ApiRequest:
     """`POST /v1/messages/count_tokens`: the messages, system, tools and thinking of a Messages body."""
     return messages_call(body, counting=True)
 
@@ -212,7 +212,7 @@ class MessagesReply:
     """Events of one request -> (event name, data) pairs (streaming) and the message body (not). Blocks
     open and close as the kind of output changes: thinking, text, one per tool call."""
 
-    def __init__(self, call: Call, model: str):
+    def __init__(self, call: ApiRequest, model: str):
         self.id = call.request.id
         self.model = model
         self.blocks: list[dict] = []

@@ -63,7 +63,7 @@ class ApiFailure(Exception):
 
 
 class _Api:
-    """What differs between the APIs: body -> Call, the reply builder, the error shape, SSE framing and its
+    """What differs between the APIs: body -> ApiRequest, the reply builder, the error shape, SSE framing and its
     keepalive."""
 
     def __init__(self, module, parse, reply, named_events: bool, keepalive: str = ": keep-alive\n\n"):

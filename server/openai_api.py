@@ -43,7 +43,7 @@ def error_body(code: str, message: str, param: str | None = None) -> dict:
 
 
 @dataclass
-class Call:
+class ApiRequest:
     """What one API body asks for."""
 
     request: Request
@@ -85,7 +85,7 @@ def checked(req: Request) -> Request:
     return req
 
 
-def chat_call(body) -> Call:
+def chat_call(body) -> ApiRequest:
     body = fields.body_object(body)
     if body.get("messages") is None:
         raise RequestError("messages: required (a list of {role, content})", field="messages")
@@ -97,10 +97,10 @@ def chat_call(body) -> Call:
                   tools=body.get("tools") or None, tool_choice=body.get("tool_choice"), thinking=thinking_switch(body),
                   reasoning_effort=body.get("reasoning_effort"), response_format=body.get("response_format"),
                   **_common(body, max_tokens))
-    return Call(checked(req), stream, usage)
+    return ApiRequest(checked(req), stream, usage)
 
 
-def completion_call(body) -> Call:
+def completion_call(body) -> ApiRequest:
     """`prompt`: text, or token ids (a list of integers); a batch of one is taken too."""
     body = fields.body_object(body)
     prompt = body.get("prompt")
@@ -121,7 +121,7 @@ def completion_call(body) -> Call:
     req = Request(id="cmpl-" + secrets.token_hex(12), **({"prompt": prompt} if isinstance(prompt, str)
                                                           else {"input_ids": prompt}),
                   **_common(body, 16 if max_tokens is None else max_tokens))
-    return Call(checked(req), stream, usage)
+    return ApiRequest(checked(req), stream, usage)
 
 
 def model_body(model: str, max_context: int, created: int) -> dict:
@@ -153,7 +153,7 @@ class _Reply:
 
     object = ""
 
-    def __init__(self, call: Call, model: str):
+    def __init__(self, call: ApiRequest, model: str):
         self.call = call
         self.id = call.request.id
         self.model = model
@@ -189,7 +189,7 @@ class _Reply:
 class ChatReply(_Reply):
     object = "chat.completion"
 
-    def __init__(self, call: Call, model: str):
+    def __init__(self, call: ApiRequest, model: str):
         super().__init__(call, model)
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -236,7 +236,7 @@ class ChatReply(_Reply):
 class CompletionReply(_Reply):
     object = "text_completion"
 
-    def __init__(self, call: Call, model: str):
+    def __init__(self, call: ApiRequest, model: str):
         super().__init__(call, model)
         self.text: list[str] = []
 

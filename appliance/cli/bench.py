@@ -39,7 +39,7 @@ def _loop(options: RunOptions, capacity: int, lm=None):
 
 
 def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None = None):
-    from appliance.measure.costs import step_bytes
+    from appliance.measure.sizes import step_bytes
 
     for r in rows:
         b = step_bytes(cfg, r["context"])

@@ -50,7 +50,7 @@ def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, chunk, as
     of a prompt's last prefill chunk (as counted on that build), headroom. Needs only config.json (weights
     are not read)."""
     from appliance.loader import default_model_dir
-    from appliance.measure import costs as inf
+    from appliance.measure import sizes as inf
     from appliance.measure.memory import fast_path_plan, parse_bytes
     from appliance.model.config import load_config, summary
 

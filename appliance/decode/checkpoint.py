@@ -25,7 +25,7 @@ import torch
 
 
 @dataclass
-class Checkpoint:
+class RingSnapshot:
     """The rings of a target state (and its drafter's, under `draft.`) after `position` ids."""
 
     position: int
@@ -69,17 +69,17 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def take(position: int, buffers: dict[str, torch.Tensor]) -> Checkpoint:
+def take(position: int, buffers: dict[str, torch.Tensor]) -> RingSnapshot:
     """Copy the rings `buffers` (ring_buffers) of a state at `position`."""
     rings = {name: to_host(t) for name, t in buffers.items()}
     ready = None
     if any(t.device.type == "cuda" for t in buffers.values()):
         ready = torch.cuda.Event()
         ready.record()
-    return Checkpoint(position, rings, ready)
+    return RingSnapshot(position, rings, ready)
 
 
-def restore(ckpt: Checkpoint | None, buffers: dict[str, torch.Tensor], fills: dict[str, float]) -> int:
+def restore(ckpt: RingSnapshot | None, buffers: dict[str, torch.Tensor], fills: dict[str, float]) -> int:
     """Copy a checkpoint's rings into the live tensors `buffers`, in place; None: the rings of an empty state.
     Returns the bytes copied."""
     if ckpt is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import Checkpoint, host_empty_like
+from .checkpoint import RingSnapshot, host_empty_like
 
 PROTECT_REQUESTS = 8  # a longer conversation used this recently is not evicted for a shorter one
 
@@ -38,7 +38,7 @@ class CheckpointRef:
     """The checkpoint at `position`, held in host memory, on disk (the id of the file that holds it), or both."""
 
     position: int
-    host: Checkpoint | None = None
+    host: RingSnapshot | None = None
     file: str | None = None
 
 
@@ -220,7 +220,7 @@ class PrefixCache:
         return lower
 
     def insert(self, ids: torch.Tensor, rows_of: Callable[[int, int], dict[str, torch.Tensor]],
-               ckpts: dict[int, Checkpoint]) -> tuple[Node | None, list[Node], dict[int, CheckpointRef]]:
+               ckpts: dict[int, RingSnapshot]) -> tuple[Node | None, list[Node], dict[int, CheckpointRef]]:
         """Add the conversation `ids` (host int64): walk its cached prefix, then one new node for the rest
         with `rows_of(start, end)` (host rows [start // m, end // m) per cache); attach `ckpts` (position
         -> checkpoint) to the nodes holding their positions. Returns (the new node or None, the path,
@@ -272,7 +272,7 @@ class PrefixCache:
         for ref in refs:
             if ref.host is None:
                 ck = read(ref.file)["ckpts"][ref.position]
-                ref.host = Checkpoint(ck.position, {k: _host_clone(v) for k, v in ck.rings.items()})
+                ref.host = RingSnapshot(ck.position, {k: _host_clone(v) for k, v in ck.rings.items()})
                 self.host_bytes += ref.host.nbytes
 
     # --- the disk tier ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import Checkpoint
+from .checkpoint import RingSnapshot
 
 FORMAT = "decode-appliance-prefix-cache/1"
 SUFFIX = ".prefix"
@@ -243,7 +243,7 @@ class DiskTier:
     # --- files ------------------------------------------------------------------------------------------
 
     @staticmethod
-    def tensors(tokens: torch.Tensor, rows: dict[str, torch.Tensor], ckpts: dict[int, Checkpoint]) -> dict:
+    def tensors(tokens: torch.Tensor, rows: dict[str, torch.Tensor], ckpts: dict[int, RingSnapshot]) -> dict:
         """What a file of these ids, rows and checkpoints holds, by name (`write` takes it; its bytes are
         what eviction makes room for)."""
         out = {"tokens": tokens.contiguous()}
@@ -275,7 +275,7 @@ class DiskTier:
         return fid
 
     def read(self, fid: str) -> dict:
-        """{"tokens", "rows": name -> tensor, "ckpts": position -> Checkpoint}, checked against the layout and
+        """{"tokens", "rows": name -> tensor, "ckpts": position -> RingSnapshot}, checked against the layout and
         the checksums. Raises CacheFileError (and removes the file) when it cannot be used."""
         info = self.files.get(fid)
         if info is None:
@@ -313,7 +313,8 @@ class DiskTier:
                 raise CacheFileError(f"{name} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
             if _crc(t) != crc.get(name):
                 raise CacheFileError(f"checksum of {name} differs")
-        ckpts = {c: Checkpoint(c, {name: tensors[f"ckpt.{c}.{name}"] for name in lay.rings}) for c in info.checkpoints}
+        ckpts = {c: RingSnapshot(c, {name: tensors[f"ckpt.{c}.{name}"] for name in lay.rings})
+                 for c in info.checkpoints}
         rows = {name: tensors[f"rows.{name}"] for name in lay.rows}
         return {"tokens": tensors["tokens"], "rows": rows, "ckpts": ckpts}
 

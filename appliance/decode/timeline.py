@@ -53,7 +53,7 @@ class Timeline:
         self.fills = ckpt.ring_fills(state, draft_state)
         self.rows = {name: r.data for name, r in state.rows.items()}
         self.history: list[int] = []  # the ids at positions 0 .. state.length - 1
-        self.ckpts: dict[int, ckpt.Checkpoint] = {}  # live checkpoints not in the cache (yet)
+        self.ckpts: dict[int, ckpt.RingSnapshot] = {}  # live checkpoints not in the cache (yet)
         self.branch: int | None = None  # a position the running prefill checkpoints (the match point)
         self.last: dict = {}  # what the last restore did (Done.prefix_cache)
         self.executed: Restore | None = None  # the last restore carried out (the ranks compare it)
@@ -216,7 +216,7 @@ class Timeline:
                 best = Restore("cache", min(found.position, target), target, live, found.position)
         return best
 
-    def _restore(self, rings: ckpt.Checkpoint | None, landed: int) -> int:
+    def _restore(self, rings: ckpt.RingSnapshot | None, landed: int) -> int:
         """Put the rings of a checkpoint in place and cut the target state to `landed` (its drafter to
         landed - 1); returns the bytes copied."""
         if landed == 0:

@@ -35,8 +35,8 @@ from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
 from kernels._triton import MMA_ROWS
 
-from .costs import inventory, split_share
 from .recorder import LiveBytes, Recorder, unique_violations
+from .sizes import inventory, split_share
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:

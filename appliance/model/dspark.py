@@ -29,7 +29,7 @@ from .step import Draft
 
 
 @dataclass
-class DraftStep:
+class DraftBlock:
     """One DSpark draft: the block's rows sit at positions q+1 .. q+B."""
 
     state: DecodeState
@@ -76,7 +76,7 @@ class DraftAttention(AttentionProjections):
         self.rt.ops.attn_inputs(none, kv, positions, self.rope.tables, self.kv_norm.weight, self.kv_norm.eps,
                                 ring.data, True, self.rt.num.official)
 
-    def rows(self, step: DraftStep, B: int) -> torch.Tensor:
+    def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
         """[B, W + B]: for every query, the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then
         the block rows (in the [ring, block] keys, block row i is ring.size + i)."""
         c, ring = self.cfg, step.state.rings[self.name]
@@ -85,7 +85,7 @@ class DraftAttention(AttentionProjections):
         rows = torch.cat((ring_rows, ring.size + torch.arange(B, device=step.positions.device)))
         return rows.unsqueeze(0).expand(B, -1).contiguous()
 
-    def __call__(self, x: torch.Tensor, step: DraftStep) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
         B = x.shape[0]
         ring = step.state.rings[self.name]
         if self.v4:
@@ -175,7 +175,7 @@ class DSpark:
         B = self.block_size
         ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
         X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        step = DraftStep(state, q, q + 1 + torch.arange(B, device=anchor.device), ids)
+        step = DraftBlock(state, q, q + 1 + torch.arange(B, device=anchor.device), ids)
         step.cos, step.sin = self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
         if self.v41:

@@ -1,4 +1,4 @@
-"""What a model is and what it costs, from its config alone: architecture, layer roles, weight bytes by
+"""What a model is and what it weighs, from its config alone: architecture, layer roles, weight bytes by
 dtype and by where they live, and decode-state bytes per token of context (packed formats, as the
 kernels store them, and as the reference path holds them)."""
 
