@@ -1,5 +1,5 @@
-"""The `appliance` command line: one module per command family (run: generate and score; checkpoint: tiny
-and info; chat; bench; serve; probe; service), the group assembled here. Every command that fails on its input
+"""The `appliance` command line: one module per command family (run: generate and score; tiny; info;
+chat; bench; serve; probe; service), the group assembled here. Every command that fails on its input
 prints one line to stderr naming the problem and exits with status 2 (never a traceback)."""
 
 import click
@@ -8,11 +8,12 @@ from .bench import bench
 from .bench_prefix import agent as bench_agent
 from .bench_prefix import prefix as bench_prefix
 from .chat import chat
-from .checkpoint import info, tiny
+from .info import info
 from .probe import probe
 from .run import generate, score
 from .serve import serve
 from .service import service
+from .tiny import tiny
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
