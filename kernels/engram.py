@@ -40,7 +40,9 @@ from .linear import (
     check_act_block,
     check_weight,
     kernel_args,
+    scratch_area,
     stage_codes,
+    stage_scratch,
     staged_product,
     weight_product,
 )
@@ -115,9 +117,7 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:  # the rows quantized once, into the program's scratch
         KQ = tl.cdiv(K, BK) * BK
-        prog = (pid_m * tl.num_programs(0) + tile).to(tl.int64)
-        qc = qc_ptr + prog * (BM * KQ)
-        qs = qs_ptr + prog * (BM * KQ // 32)
+        qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + tile, KQ, BM)
         SW: tl.constexpr = STAGE_TILES * BK
         for k0 in range(0, KQ, SW):
             stage_codes(_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, SW), qc, qs, k0, KQ, FMT, NATIVE,
@@ -200,9 +200,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
     programs = triton.cdiv(n, bn) * blocks
     if native:  # each program's rows quantized (linear.stage_codes)
-        kq = triton.cdiv(k, bk) * bk
-        qc = torch.empty(programs * bm * kq, dtype=torch.uint8, device=dev)
-        qs = torch.empty(programs * bm * kq // 32, dtype=torch.float32, device=dev)
+        qc, qs = stage_scratch(programs, bm, triton.cdiv(k, bk) * bk, dev)
     else:
         qc = qs = kv
     # the gates' tiles are [BM, hc, BD] float32, several live at once: 2048 elements keep them in registers

@@ -269,6 +269,21 @@ STAGE_TILES = tl.constexpr(4)
 
 
 @device_function
+def scratch_area(qc_ptr, qs_ptr, area, KQ, BM: tl.constexpr):
+    """Area `area` of a launch's staging scratch (`stage_scratch`): its codes [BM, KQ] and its powers of two
+    [BM, KQ / 32] (an activation block is at least 32 columns)."""
+    area = area.to(tl.int64)
+    return qc_ptr + area * (BM * KQ), qs_ptr + area * (BM * KQ // 32)
+
+
+def stage_scratch(areas: int, rows: int, cols: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A launch's scratch for its rows staged (`stage_codes`, `scratch_area`): `areas` areas of `rows` rows'
+    e4m3 codes for `cols` columns (uint8) and their powers of two, one per 32 columns at most (float32)."""
+    n = areas * rows * cols
+    return torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n // 32, dtype=torch.float32, device=dev)
+
+
+@device_function
 def stage_codes(a, qc, qs, c0, KQ, FMT: tl.constexpr, NATIVE: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 BM: tl.constexpr, SW: tl.constexpr):
     """Writes the rows' columns [c0, c0 + SW) of a program's span (`a` [BM, SW] float32) quantized
@@ -585,9 +600,7 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
-    prog = (pid_m * tl.num_programs(0) + pid).to(tl.int64)
-    qc = qc_ptr + prog * (BM * q_cols)  # this program's scratch (NATIVE)
-    qs = qs_ptr + prog * (BM * q_cols // 32)
+    qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + pid, q_cols, BM)  # this program's (NATIVE)
     r = tl.zeros((BM,), dtype=tl.float32)
     if NORM:  # the rows' reciprocal RMS over all K inputs, BKN-wide blocks added in order (RMSNorm's float32)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -817,8 +830,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
                        f"OUT{i}": False})
     if native:  # each program's rows quantized (stage_codes)
         q_cols = max(kps for kps, _ in splits)
-        qc = torch.empty(end * row_blocks * bm * q_cols, dtype=torch.uint8, device=dev)
-        qs = torch.empty(end * row_blocks * bm * q_cols // 32, dtype=torch.float32, device=dev)
+        qc, qs = stage_scratch(end * row_blocks, bm, q_cols, dev)
     else:
         q_cols, qc, qs = 0, x2, x2
     _kernel[(end, row_blocks)](x2, nw, counters(dev, used), qc, qs, X, post, comb, *args, m, k, x2.stride(0),

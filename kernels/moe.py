@@ -63,7 +63,9 @@ from .linear import (
     check_weight,
     kernel_args,
     product_tile,
+    scratch_area,
     stage_rows,
+    stage_scratch,
     staged_product,
     weight_product,
 )
@@ -463,8 +465,7 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
             slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-            qc = qc_ptr + slot * (BM * q_cols)
-            qs = qs_ptr + slot * (BM * q_cols // 32)
+            qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)  # the group's own (expert or program, N tile)
             if e < E:
                 _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x,
                           swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT,
@@ -528,8 +529,7 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
             slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-            qc = qc_ptr + slot * (BM * q_cols)
-            qs = qs_ptr + slot * (BM * q_cols // 32)
+            qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)  # the group's own (expert or program, N tile)
             if e < E:
                 _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, swn, ssn, FMT, BO,
                             BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
@@ -612,9 +612,7 @@ def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: i
     if not native:
         return x, x, 0, 0
     areas = min(experts + 1, programs)
-    n = areas * tiles * bm * k
-    return (torch.empty(n, dtype=torch.uint8, device=x.device),
-            torch.empty(n // 32, dtype=torch.float32, device=x.device), k, int(areas == experts + 1))
+    return (*stage_scratch(areas * tiles, bm, k, x.device), k, int(areas == experts + 1))
 
 
 def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,

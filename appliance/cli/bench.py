@@ -381,14 +381,14 @@ PREFILL_PROMPTS = (32768, 131072, 855000)  # the prompts `bench model --prefill`
 def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, top, as_json):
     from appliance.loader import default_model_dir
     from appliance.measure import costmodel as cm
-    from appliance.measure.count import count_prefill
+    from appliance.measure.count import count_prefill, last_chunk_start
     from appliance.measure.shapes import meta_model
 
     check_range("--chunk", chunk, 16)
     longest = max(context, *PREFILL_PROMPTS)
     prompts = sorted({*PREFILL_PROMPTS, context})
     mm = meta_model(cfg, dtype, drafter=False, world=n_devices, experts=experts)
-    last_start = (-(-longest // chunk) - 1) * chunk  # the longest prompt's last chunk, priced whole
+    last_start = last_chunk_start(longest, chunk)  # the longest prompt's last chunk, priced whole
     state = mm.model.new_state(last_start + chunk, device="meta")
     counts = []
     for start in (0, last_start):

@@ -397,6 +397,11 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
     }
 
 
+def last_chunk_start(prompt: int, chunk: int) -> int:
+    """Where a `prompt`-token prompt's last prefill chunk starts, its chunks taken whole from 0."""
+    return (-(-prompt // chunk) - 1) * chunk
+
+
 def count_prefill(model, state, start: int, chunk: int) -> dict:
     """Count one eager prefill chunk of `chunk` positions after `start` by `model` built on the meta device
     into its `state` (sized, not allocated; only declared at that length; a first chunk of 16 warms the

@@ -141,10 +141,10 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
 def prefill_scratch(mm, context: int, chunk: int) -> int:
     """The most bytes a prefill chunk's own tensors hold at once (count.count_prefill's `scratch_bytes`) at
     the last chunk of a `context`-token prompt, where the indexer's scores are widest, on the meta build."""
-    from .count import count_prefill
+    from .count import count_prefill, last_chunk_start
 
     chunk = min(chunk, context)
-    start = (-(-context // chunk) - 1) * chunk
+    start = last_chunk_start(context, chunk)
     state = mm.model.new_state(start + chunk, device="meta")
     return count_prefill(mm.model, state, start, chunk)["scratch_bytes"]
 
