@@ -55,11 +55,11 @@ def test_query_heads_split_and_the_indexer_stays_whole_on_every_rank(rank):
 
     model = load(None).model  # the embedded tiny V4.1
     attn = next(layer.attn for layer in model.layers if getattr(layer.attn, "iq", None) is not None)
-    iq, weights, index_heads = attn.iq.weight, attn.weights_proj.weight, attn.index_heads
+    iq, weights = attn.iq.weight, attn.weights_proj.weight
     q_rows, heads = attn.wq_b.weight.shape[0], attn.heads
     shard_attention(attn, Comm(rank, 4))
     assert attn.heads == heads // 4 and attn.wq_b.weight.shape[0] == q_rows // 4
-    assert attn.iq.weight is iq and attn.weights_proj.weight is weights and attn.index_heads == index_heads
+    assert attn.iq.weight is iq and attn.weights_proj.weight is weights
 
 
 def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order():

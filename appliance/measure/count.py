@@ -184,7 +184,7 @@ class DeclaredReads:
             first = len(rec.launches)
             out = op(x, *args, **kwargs)
             if rec.recording:
-                padded = -(-rows_of(x) // MMA_ROWS) * MMA_ROWS
+                padded = _mma_rows(rows_of(x))
                 for la in rec.launches[first:]:
                     if la.weights:
                         la.flops["products"] = 2 * padded * sum(la.weights.values())
@@ -267,8 +267,8 @@ class DeclaredReads:
                 # each held routed expert's rows are its share of the pairs, padded to the MMA's; the shared
                 # expert takes every row
                 pairs = x.shape[0] * top_k * len(held) / len(experts)
-                per_expert = math.ceil(round(pairs / max(n, 1), 6) / MMA_ROWS) * MMA_ROWS  # n: an expectation
-                every = -(-x.shape[0] // MMA_ROWS) * MMA_ROWS
+                per_expert = _mma_rows(round(pairs / max(n, 1), 6))  # n: an expectation
+                every = _mma_rows(x.shape[0])
                 for la in rec.launches[first:]:
                     routed = sum(la.routed_weights.values())
                     if la.weights:
@@ -276,6 +276,11 @@ class DeclaredReads:
             return out
 
         return call
+
+
+def _mma_rows(rows: float) -> int:
+    """Rows a product computes for `rows`: whole tiles of the MMA's (a decode step's 16 however many it uses)."""
+    return math.ceil(rows / MMA_ROWS) * MMA_ROWS
 
 
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],

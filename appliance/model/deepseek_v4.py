@@ -61,7 +61,6 @@ class V4Attention(AttentionProjections):
         self.kind = c.layer_kinds[layer] if layer < c.n_layers else "window"
         self.ratio = c.compress_ratios[layer] if layer < c.n_layers else 0
         super().__init__(rt, c, ckpt, p)
-        self.index_heads = c.index_n_heads  # every one on every rank (sharding.py keeps the indexer whole)
         blk, ab = c.weight_block, c.act_block
         self.compressor = self.index_compressor = None
         if self.kind != "window":
@@ -140,7 +139,7 @@ class V4Attention(AttentionProjections):
         self._compress(x, step, self.index_compressor, f"index_compressor.{L}", f"index_keys.{L}",
                        self._index_quant)
         cos, sin = self.rope(step.positions)
-        qi = self.iq(c_q).view(T, self.index_heads, c.index_head_dim)
+        qi = self.iq(c_q).view(T, c.index_n_heads, c.index_head_dim)
         qi = self._index_quant(ops.rope(qi, cos.unsqueeze(1), sin.unsqueeze(1)))
         scale = torch.tensor(c.index_head_dim**-0.5 * c.index_n_heads**-0.5, dtype=torch.float32)
         if self.rt.num.official:

@@ -42,7 +42,6 @@ class V41Attention(AttentionProjections):
         self.kv_source = c.kv_source_of(layer)
         self.index_source = c.index_source_of(layer)
         super().__init__(rt, c, ckpt, p)
-        self.index_heads = c.index_n_heads  # every one on every rank (sharding.py keeps the indexer whole)
         self.index_comm = None  # split over ranks: the ranks share a long call's queries (`_index`)
         blk, ab = c.weight_block, c.act_block
         self.compressor = None
@@ -105,7 +104,7 @@ class V41Attention(AttentionProjections):
         scale = c.index_head_dim**-0.5 * c.index_n_heads**-0.5
         q, k, qi, w = ops.attn_inputs(qs[0].view(T, self.heads, c.head_dim), ys[1], positions, self.rope.tables,
                                       self.kv_norm.weight, self.kv_norm.eps, ring.data, now, official,
-                                      qs[1].view(T, self.index_heads, c.index_head_dim) if index else None,
+                                      qs[1].view(T, c.index_n_heads, c.index_head_dim) if index else None,
                                       ys[-1] if index else None, scale)
         if self.compressor is not None:
             self._compress(ys[2], ys[3] if gate else None, step, now)
