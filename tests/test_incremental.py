@@ -64,6 +64,31 @@ def test_rewind_beyond_the_spare_positions_is_refused_with_a_clear_error(family_
     assert state.position() == 0
 
 
+def test_a_committed_chunk_journals_only_its_last_spare_positions_and_rewinds_within_them_exactly(family_model):
+    """A prefill chunk commits what it writes (DecodeState.committing): the journal keeps the overwritten
+    rows of its last `spare` positions, not of the whole chunk, so the state still rewinds exactly within
+    them and refuses, naming the journal, to rewind a committed rewind further back."""
+    from appliance.errors import StateError
+
+    family, lm = family_model
+    m = lm.model
+    tokens = torch.randint(0, lm.cfg.vocab_size, (90,))
+    state = m.new_state(256, spare=6)
+    m.forward(tokens[:20], state)
+    with state.committing(80):
+        m.forward(tokens[20:80], state)
+    kept = {int(p) for *_, positions, _ in state.journal.entries for p in positions}
+    assert kept and min(kept) >= 74, f"{family}: the journal kept positions {sorted(kept)[:4]}..."
+    first = m.forward(tokens[80:82], state).logits
+    state.rewind(76)
+    state.rewind(74)  # twice, as far as the spare reaches from 80
+    again = torch.cat([m.forward(tokens[i:i + 1], state).logits for i in range(74, 82)])[-2:]
+    assert torch.equal(first, again)
+    state.rewind(76)
+    with pytest.raises(StateError, match="no write before 74"):
+        state.rewind(71)  # within `spare` of the length, below what the chunk journaled
+
+
 @pytest.mark.slow
 def test_on_the_fast_path_a_prompts_prefill_does_not_depend_on_its_chunking(tiny_dirs):
     """Issue 31's chunk invariance on the fused kernels (bfloat16, the interpreter): a 48-token prompt's

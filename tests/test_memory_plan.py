@@ -1,15 +1,21 @@
 """The memory plan tells the truth: what a load of the fast path holds is what the plan, computed from
-config.json alone, says it holds (weights in their stored format, float copies, caches, decode states)."""
+config.json alone, says it holds (weights in their stored format, float copies, caches, decode states), and
+a long prefill in chunks needs no more than the plan's prefill scratch on top."""
+
+import random
 
 import pytest
 
 from appliance.decode.session import DecodeSession
 from appliance.loader import default_model_dir, load_model
 from appliance.measure.memory import fast_path_plan
+from appliance.measure.recorder import LiveBytes, Recorder
 from appliance.measure.shapes import live_bytes, live_spans
 from appliance.model.config import load_config
 from appliance.options import RunOptions
 from appliance.parallel.world import World
+
+from .ranks import call
 
 
 @pytest.mark.parametrize("world,rank", [(1, 0), (4, 0), (4, 3)])
@@ -62,3 +68,50 @@ def test_the_plan_holds_a_prefill_chunks_scratch_and_855k_tokens_fit_b300_and_h2
     assert h200.fits and h200.parts["prefill_scratch"] == pytest.approx(scratch, rel=1e-3)
     small = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=256)
     assert small.parts["prefill_scratch"] < scratch / 8
+
+
+def prefill_footprint(world, context: int, chunk: int, seed: int) -> dict:
+    """Every rank (or the one, `world` None): load the fast path, prefill a `context`-token prompt in chunks
+    of `chunk` (no checkpoints: their copies live in host memory, outside a device's plan) and return the
+    bytes the load holds, the most the prefill's own tensors held at once (the chunk's scratch and what a
+    chunk leaves for the next: the journal's last positions, the last logits) and the plan's figures."""
+    size = world.size if world else 1
+    options = RunOptions(path="fast", dtype="bfloat16", draft="none", chunk=chunk, checkpoint_stride=0,
+                         devices=f"cpu:{size}" if world else "cpu")
+    plan = fast_path_plan(load_config(default_model_dir()), context, world=size, dtype="bfloat16", drafter=False,
+                          graphs=False, chunk=chunk)
+    baseline = live_spans("cpu")
+    lm = load_model(options, notice=None, world=world)
+    session = DecodeSession(lm, options, capacity=context)
+    loaded = live_bytes("cpu", baseline)
+    rng = random.Random(seed)  # the same prompt on every rank
+    ids = [lm.cfg.bos_token_id] + [rng.randrange(8, lm.cfg.vocab_size) for _ in range(context - 1)]
+    recorder = Recorder(recording=False)
+    recorder.memory = LiveBytes()
+    with recorder:
+        for _ in session.prefill(ids, chunk=chunk):
+            pass
+    return {"loaded": loaded, "prefill": recorder.memory.peak, "plan": plan.total,
+            "scratch": plan.parts["prefill_scratch"]}
+
+
+def _holds_its_plan(rank: dict) -> None:
+    held = rank["loaded"] + rank["prefill"]
+    assert abs(held - rank["plan"]) <= 0.05 * rank["plan"], rank
+    # not vacuous: without its scratch the plan would miss by more than 5%
+    assert rank["scratch"] > 0.1 * rank["plan"] and rank["prefill"] >= 0.9 * rank["scratch"], rank
+
+
+@pytest.mark.slow
+def test_a_load_and_a_long_prefill_hold_what_the_plan_with_its_chunk_says_within_five_percent():
+    """One rank, a 256-token prompt in chunks of 128 (the last chunk's indexer scores the widest)."""
+    _holds_its_plan(prefill_footprint(None, 256, 128, random.randrange(1 << 30)))
+
+
+@pytest.mark.slow
+def test_four_cpu_ranks_each_hold_their_plan_through_a_long_prefill(tmp_path):
+    """Four gloo ranks in lockstep, a 128-token prompt in chunks of 64: each rank's load and prefill against
+    its own plan (a quarter of the experts' and heads' weights, its share of the indexer's queries)."""
+    for rank in call("tests.test_memory_plan:prefill_footprint", tmp_path, world=4, timeout=600, context=128,
+                     chunk=64, seed=random.randrange(1 << 30)):
+        _holds_its_plan(rank)

@@ -297,23 +297,25 @@ class DecodeSession:
         chunk's logits end up in `self.logits` (None if stopped)."""
         self.logits = None
         pos = self.state.length
-        out = None
+        last = None
         chunk = chunk or self.chunk
         cuts = self.timeline.cut_points(pos, len(ids))  # chunks end there, and a checkpoint is taken
         while pos < len(ids):
             if proceed is not None and not proceed():
                 return
             n = min(chunk, next(c for c in cuts if c > pos) - pos)
-            out = self.forward_out(ids[pos:pos + n], "last")
+            with self.state.committing(pos + n):
+                out = self.forward_out(ids[pos:pos + n], "last")
             if self.spec is not None:
-                self.spec.observe(out, pos)
+                with self.spec.state.committing(pos + n):
+                    self.spec.observe(out, pos)
+            last, out = out.logits[-1], None  # the chunk's outputs go before the next chunk makes its own
             self.timeline.extend(ids[pos:pos + n])
             pos += n
             if pos in cuts:
                 self.timeline.checkpoint()
             yield pos
-        if out is not None:
-            self.logits = out.logits[-1]
+        self.logits = last
 
     def prefill_all(self, ids: list[int]) -> torch.Tensor:
         """Prepare and prefill without events: the logits of the last prompt position."""

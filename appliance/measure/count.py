@@ -411,8 +411,8 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
     """Count one eager prefill chunk of `chunk` positions after `start` by `model` built on the meta device
     into its `state` (sized, not allocated; only declared at that length; a first chunk of 16 warms the
     caches up): its launches, collectives, bytes and tensor FLOPs, in count_cycle's shape for the cost model.
-    The journal of what a chunk overwrites is off, as in a decode cycle (a prefill keeps it: a copy of each
-    overwritten row, not counted here)."""
+    The journal of what a chunk overwrites is off, as in a decode cycle (a prefill keeps the rows its last
+    `spare` positions overwrite, DecodeState.committing: kilobytes, not counted here)."""
     if torch.device(state.device).type != "meta":
         raise ValueError("count_prefill counts a meta build (its state only declared)")
     if start + chunk > state.capacity:

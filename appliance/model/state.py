@@ -42,6 +42,7 @@ class Journal:
         # (buffer, written indices, overwritten values, their positions, the newest position as an int)
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.paused = False
+        self.floor = 0  # writes for positions below it are not kept (DecodeState.committing)
 
     @property
     def recording(self) -> bool:
@@ -60,6 +61,11 @@ class Journal:
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
         if self.paused:
             return
+        if self.floor:  # a long call's writes: only its last `keep` positions can ever be undone
+            kept = positions >= self.floor
+            if not bool(kept.any()):
+                return
+            index, positions = index[kept], positions[kept]
         self.entries.append((data, index.clone(), data[index], positions.clone(), int(positions.max())))
 
     def undo(self, position: int) -> None:
@@ -165,7 +171,7 @@ class DecodeState:
         self.device = device
         self.length = 0
         self.high = 0  # the longest length since the last reset: rows and ids past it are still as allocated
-        self.journal_floor = 0  # the journal holds every write since this position (a restore drops it)
+        self.journal_floor = 0  # the journal holds every write since this position (a restore, a prefill)
         self.journal = Journal(spare)
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.rings: dict[str, PositionRing] = {}
@@ -187,8 +193,9 @@ class DecodeState:
                              "rewound (rings keep no older rows); prefill again instead", field="position",
                              value=position)
         if position < self.journal_floor:
-            raise StateError(f"rewind({position}): the state was restored at {self.journal_floor} and holds no "
-                             "journal before it; rewind from a checkpoint instead", field="position", value=position)
+            raise StateError(f"rewind({position}): the journal holds no write before {self.journal_floor} (the "
+                             "state was restored or prefilled there); rewind from a checkpoint instead",
+                             field="position", value=position)
         self.journal.undo(position)
         self.length = position
 
@@ -242,6 +249,17 @@ class DecodeState:
         self.tokens.zero_()
         self.journal.entries.clear()
         self.length = self.high = self.journal_floor = 0
+
+    @contextmanager
+    def committing(self, end: int):
+        """Writes inside are for positions the caller commits up to `end` (a prefill chunk): the journal keeps
+        the last `spare` of them, not a copy of everything the chunk overwrites, and cannot rewind below."""
+        self.journal.floor = max(end - self.spare, 0)
+        try:
+            yield
+        finally:
+            self.journal.floor = 0
+        self.journal_floor = max(self.journal_floor, end - self.spare)
 
     def check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
