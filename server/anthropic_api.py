@@ -25,7 +25,7 @@ stop_sequence or tool_use. Usage: `input_tokens` are the prompt tokens not read 
 import json
 import secrets
 
-from appliance.api import Done, Error, Request, Sampling, Started, Tokens
+from appliance.api import TOP_K, TOP_P, ChatRequest, Done, Error, Request, Sampling, Started, Tokens
 from appliance.chat import check_depth
 from appliance.errors import RequestError, shown
 
@@ -190,12 +190,12 @@ def messages_call(body, counting: bool = False) -> ApiRequest:
     if max_tokens is None and not counting:
         raise RequestError("max_tokens: required (an integer of at least 1)", field="max_tokens")
     tools, tool_choice = _tools(body)
-    sampling = Sampling(temperature=fields.number(body, "temperature", 0.0, 1.0),
-                        top_p=fields.number(body, "top_p", 0.0, 1.0, low_open=True),
-                        top_k=fields.integer(body, "top_k", 0, 100000) or 0)
-    req = Request(id="msg_" + secrets.token_hex(12), messages=_messages(body), max_tokens=max_tokens,
-                  sampling=sampling, stop=fields.stop_list(body, "stop_sequences"), tools=tools,
-                  tool_choice=tool_choice, thinking=_thinking(body))
+    sampling = Sampling(temperature=fields.number(body, "temperature", 0.0, 1.0),  # Anthropic's range
+                        top_p=fields.number(body, "top_p", *TOP_P, low_open=True),
+                        top_k=fields.integer(body, "top_k", *TOP_K) or 0)
+    chat = ChatRequest(_messages(body), tools=tools, tool_choice=tool_choice, thinking=_thinking(body))
+    req = Request(id="msg_" + secrets.token_hex(12), chat=chat, max_tokens=max_tokens, sampling=sampling,
+                  stop=fields.stop_list(body, "stop_sequences"))
     return ApiRequest(checked(req), fields.boolean(body, "stream"), False)
 
 

@@ -2,6 +2,7 @@
 value (None when absent or null) or raises RequestError naming the parameter and what it must be. Fields a
 reader is not asked about are ignored, as OpenAI and other servers ignore unknown fields."""
 
+from appliance.api import MAX_STOPS, SEED_LIMIT
 from appliance.errors import RequestError, shown
 
 
@@ -57,15 +58,15 @@ def obj(body: dict, name: str) -> dict:
     return value
 
 
-def stop_list(body: dict, name: str, limit: int = 16) -> list[str]:
-    """A stop string or a list of them (at most `limit`, none empty)."""
+def stop_list(body: dict, name: str) -> list[str]:
+    """A stop string or a list of them (at most MAX_STOPS, none empty)."""
     value = body.get(name)
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > limit or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"{name}={shown(value)}: must be a non-empty string or a list of at most {limit} of them",
-                           field=name, value=value)
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"{name}={shown(value)}: must be a non-empty string or a list of at most {MAX_STOPS} of "
+                           "them", field=name, value=value)
     return stops
 
 
@@ -77,10 +78,10 @@ def unsupported(body: dict, name: str, neutral: tuple, why: str) -> None:
 
 
 def seed(body: dict) -> int | None:
-    """Any 64-bit integer; the engine's generator takes 0..2^63-1, so a negative seed is folded into it."""
+    """Any 64-bit integer; the engine's generator takes 0..SEED_LIMIT-1, so a negative seed is folded into it."""
     value = body.get("seed")
     if value is None:
         return None
     if not _is_int(value) or not -(2**63) <= value < 2**64:
         raise RequestError(f"seed={shown(value)}: must be a 64-bit integer", field="seed", value=value)
-    return value % 2**63
+    return value % SEED_LIMIT

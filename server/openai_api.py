@@ -22,8 +22,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from appliance.api import Done, Error, Request, Sampling, Started, Tokens
-from appliance.chat.request import thinking_switch
+from appliance.api import TEMPERATURE, TOP_K, TOP_P, ChatRequest, Done, Error, Request, Sampling, Started, Tokens
 from appliance.errors import RequestError, shown
 
 from . import fields
@@ -61,9 +60,9 @@ def _common(body: dict, max_tokens: int | None) -> dict:
         fields.unsupported(body, name, (0, 0.0), "penalties are not applied by this engine's sampler")
     if body.get("logit_bias"):
         raise RequestError("logit_bias: not supported by this engine's sampler", field="logit_bias")
-    top_k = fields.integer(body, "top_k", -1, 100000, " (-1 or 0: off)")
-    sampling = Sampling(temperature=fields.number(body, "temperature", 0.0, 2.0),
-                        top_p=fields.number(body, "top_p", 0.0, 1.0, low_open=True),
+    top_k = fields.integer(body, "top_k", -1, TOP_K[1], " (-1 or 0: off)")
+    sampling = Sampling(temperature=fields.number(body, "temperature", *TEMPERATURE),
+                        top_p=fields.number(body, "top_p", *TOP_P, low_open=True),
                         top_k=max(0, top_k or 0), seed=fields.seed(body))
     return dict(max_tokens=max_tokens, sampling=sampling, stop=fields.stop_list(body, "stop"),
                 ignore_eos=fields.boolean(body, "ignore_eos"))
@@ -93,10 +92,7 @@ def chat_call(body) -> ApiRequest:
     if max_tokens is None:
         max_tokens = fields.integer(body, "max_tokens", 1)
     stream, usage = _stream(body)
-    req = Request(id="chatcmpl-" + secrets.token_hex(12), messages=body["messages"],
-                  tools=body.get("tools") or None, tool_choice=body.get("tool_choice"), thinking=thinking_switch(body),
-                  reasoning_effort=body.get("reasoning_effort"), response_format=body.get("response_format"),
-                  **_common(body, max_tokens))
+    req = Request(id="chatcmpl-" + secrets.token_hex(12), chat=ChatRequest.from_body(body), **_common(body, max_tokens))
     return ApiRequest(checked(req), stream, usage)
 
 

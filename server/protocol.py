@@ -18,7 +18,7 @@ a client sends can make a frame unwritable; a frame that still cannot be written
 import math
 from dataclasses import dataclass
 
-from appliance.api import Done, Error, Progress, Request, Sampling, Started, Tokens
+from appliance.api import ChatRequest, Done, Error, Progress, Request, Sampling, Started, Tokens
 from appliance.errors import ApplianceError, RequestError, shown
 
 from . import strict_json
@@ -191,8 +191,10 @@ def _generate(msg: dict, limits: Limits) -> Request:
         raise ProtocolError(f"sampling is a {_type_name(sampling)}: must be an object with "
                             f"{', '.join(SAMPLING_FIELDS)}", field="sampling", request_id=rid)
     _only(sampling, SAMPLING_FIELDS, "sampling", rid, prefix="sampling.")
-    kw = {k: msg[k] for k in ("input_ids", "prompt", "messages", "max_tokens", "stop", "ignore_eos", "timings",
-                              *CHAT_FIELDS) if k in msg}
+    kw = {k: msg[k] for k in ("input_ids", "prompt", "max_tokens", "stop", "ignore_eos", "timings") if k in msg}
+    chat = {k: msg[k] for k in CHAT_FIELDS if k in msg}
+    if msg.get("messages") is not None or chat:  # chat fields without messages: refused by validate, named
+        kw["chat"] = ChatRequest(msg.get("messages"), **chat)
     if "messages" in msg:  # a chat request samples as the checkpoint recommends unless told otherwise
         sampling = {"temperature": None, "top_p": None, **sampling}
     req = Request(id=rid or "", sampling=Sampling(**sampling), **kw)

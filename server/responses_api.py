@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from appliance.api import Done, Error, Request, Sampling, Started, Tokens
+from appliance.api import TEMPERATURE, TOP_P, ChatRequest, Done, Error, Request, Sampling, Started, Tokens
 from appliance.errors import RequestError, shown
 
 from . import fields
@@ -205,10 +205,11 @@ def responses_call(body, store: ResponseStore) -> ResponsesCall:
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + _messages(items)
     tools, tool_choice = _tools(body)
     effort, thinking = _effort(body)
-    sampling = Sampling(temperature=fields.number(body, "temperature", 0.0, 2.0),
-                        top_p=fields.number(body, "top_p", 0.0, 1.0, low_open=True))
-    req = Request(id="resp_" + secrets.token_hex(12), messages=messages, tools=tools, tool_choice=tool_choice,
-                  thinking=thinking, reasoning_effort=effort, response_format=_response_format(body),
+    sampling = Sampling(temperature=fields.number(body, "temperature", *TEMPERATURE),
+                        top_p=fields.number(body, "top_p", *TOP_P, low_open=True))
+    chat = ChatRequest(messages, tools=tools, tool_choice=tool_choice, thinking=thinking, reasoning_effort=effort,
+                       response_format=_response_format(body))
+    req = Request(id="resp_" + secrets.token_hex(12), chat=chat,
                   max_tokens=fields.integer(body, "max_output_tokens", 1), sampling=sampling)
     echo = {k: body.get(k) for k in ECHOED}
     echo["tools"] = body.get("tools") or []

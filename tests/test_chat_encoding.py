@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.api import ChatRequest
 from appliance.chat import DIALECTS, dialect_for_model, encode_messages, encode_request, get_dialect, parse
 from appliance.chat.dialects import BOS, EOS, SYSTEM
 from appliance.errors import RequestError
@@ -16,6 +17,11 @@ ENCODE = json.loads((DATA / "encode_examples.json").read_text())
 REQUESTS = json.loads((DATA / "request_examples.json").read_text())
 PARSE = json.loads((DATA / "parse_examples.json").read_text())
 WEATHER = ENCODE[8]["messages"][0]["tools"][0]
+
+
+def encode(body, dialect):
+    """A request body through the one way in: ChatRequest.from_body, then the encoder."""
+    return encode_request(ChatRequest.from_body(body), dialect)
 
 
 def _cases(cases):
@@ -31,7 +37,7 @@ def test_every_worked_example_encodes_to_the_exact_prompt(case, dialect):
 
 @pytest.mark.parametrize("case", REQUESTS, ids=[f"{c['example']}-{c['dialect']}" for c in REQUESTS])
 def test_every_worked_request_body_encodes_to_the_exact_prompt(case):
-    prompt = encode_request(case["request"], DIALECTS[case["dialect"]])
+    prompt = encode(case["request"], DIALECTS[case["dialect"]])
     assert prompt.text == case["prompt"]
     assert prompt.thinking == prompt.text.endswith("<think>")
 
@@ -63,8 +69,8 @@ def test_a_parsed_tool_call_turn_re_encodes_to_exactly_the_model_output(dialect,
 
 def test_request_tools_create_a_leading_system_message_when_there_is_none():
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "thinking": False}
-    v4 = encode_request(body, DIALECTS["deepseek_v4"]).text
-    v41 = encode_request(body, DIALECTS["deepseek_v41"]).text
+    v4 = encode(body, DIALECTS["deepseek_v4"]).text
+    v41 = encode(body, DIALECTS["deepseek_v41"]).text
     assert v4.startswith(BOS + "\n\n## Tools\n\n") and '"<｜DSML｜tool_calls>" block' in v4
     assert v41.startswith(BOS + SYSTEM + "\n\n## Tools\n\n") and '"<｜DSML｜ calls>" block' in v41
     assert v4.endswith("tool calls.\n<｜User｜>Weather?<｜Assistant｜></think>")
@@ -72,20 +78,20 @@ def test_request_tools_create_a_leading_system_message_when_there_is_none():
 
 def test_tool_choice_none_leaves_the_tools_out_of_the_prompt():
     body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "tool_choice": "none"}
-    assert encode_request(body, DIALECTS["deepseek_v41"]).text == \
-        encode_request({"messages": body["messages"]}, DIALECTS["deepseek_v41"]).text
+    assert encode(body, DIALECTS["deepseek_v41"]).text == \
+        encode({"messages": body["messages"]}, DIALECTS["deepseek_v41"]).text
 
 
 def test_response_format_follows_the_tools_in_the_system_message():
     rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
     body = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
             "tools": [WEATHER], "response_format": rf, "thinking": False}
-    text = encode_request(body, DIALECTS["deepseek_v4"]).text
+    text = encode(body, DIALECTS["deepseek_v4"]).text
     tail = ("invoke tool calls.\n\n\n## Response Format:\n\n"
             "You MUST strictly adhere to the following schema to reply:\n"
             '{"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}<｜User｜>Hi')
     assert text.startswith(BOS + "S\n\n## Tools") and tail in text
-    plain = encode_request({**body, "response_format": {"type": "text"}, "tools": None}, DIALECTS["deepseek_v4"])
+    plain = encode({**body, "response_format": {"type": "text"}, "tools": None}, DIALECTS["deepseek_v4"])
     assert plain.text == BOS + "S<｜User｜>Hi<｜Assistant｜></think>"
 
 
@@ -98,7 +104,7 @@ def test_content_parts_consecutive_user_turns_and_tool_results_join_with_a_blank
         {"role": "tool", "tool_call_id": "c1",
          "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
         {"role": "user", "content": "next"}]}
-    assert encode_request(body, DIALECTS["deepseek_v4"]).text == (
+    assert encode(body, DIALECTS["deepseek_v4"]).text == (
         BOS + "<｜User｜>a\n\nb\n\nc<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n\n"
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>" + EOS + "<｜User｜><tool_result>r1\n\nr2</tool_result>\n\nnext"
         "<｜Assistant｜></think>")
@@ -131,9 +137,9 @@ def test_arguments_are_written_raw_for_strings_and_as_json_otherwise():
 def test_a_developer_message_is_a_user_turn_on_v4_and_the_system_prompt_on_v41():
     body = {"messages": [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "Hi"}],
             "thinking": False}
-    assert encode_request(body, DIALECTS["deepseek_v4"]).text == \
+    assert encode(body, DIALECTS["deepseek_v4"]).text == \
         BOS + "<｜User｜>Rules.<｜User｜>Hi<｜Assistant｜></think>"
-    assert encode_request(body, DIALECTS["deepseek_v41"]).text == \
+    assert encode(body, DIALECTS["deepseek_v41"]).text == \
         BOS + SYSTEM + "Rules.<｜User｜>Hi<｜Assistant｜></think>"
     with pytest.raises(RequestError, match="no developer role"):
         encode_messages(body["messages"], DIALECTS["deepseek_v41"], thinking=False)
@@ -141,14 +147,14 @@ def test_a_developer_message_is_a_user_turn_on_v4_and_the_system_prompt_on_v41()
 
 def test_reasoning_effort_none_turns_thinking_off_and_efforts_map_to_each_table():
     user = [{"role": "user", "content": "q"}]
-    off = encode_request({"messages": user, "reasoning_effort": "none"}, DIALECTS["deepseek_v41"])
+    off = encode({"messages": user, "reasoning_effort": "none"}, DIALECTS["deepseek_v41"])
     assert not off.thinking and off.text.endswith("</think>") and SYSTEM not in off.text
     for value, level in (("minimal", 50), ("medium", 50), ("xhigh", 75), (None, 75), (7, 7)):
-        text = encode_request({"messages": user, "reasoning_effort": value}, DIALECTS["deepseek_v41"]).text
+        text = encode({"messages": user, "reasoning_effort": value}, DIALECTS["deepseek_v41"]).text
         assert f"Reasoning Effort: {level} (" in text, value
-    assert "Beyond maximum" in encode_request({"messages": user, "reasoning_effort": "max"},
+    assert "Beyond maximum" in encode({"messages": user, "reasoning_effort": "max"},
                                               DIALECTS["deepseek_v4_0731"]).text
-    assert "Reasoning" not in encode_request({"messages": user, "reasoning_effort": "medium"},
+    assert "Reasoning" not in encode({"messages": user, "reasoning_effort": "medium"},
                                              DIALECTS["deepseek_v4"]).text
 
 
@@ -209,18 +215,18 @@ USER = {"role": "user", "content": "q"}
 ])
 def test_a_bad_request_raises_a_request_error_naming_the_field(body, field):
     with pytest.raises(RequestError) as e:
-        encode_request(body, DIALECTS["deepseek_v41"])
+        encode(body, DIALECTS["deepseek_v41"])
     assert e.value.field == field and e.value.code == "invalid_request"
     assert e.value.message.startswith(field.split("[")[0]) or field == "body", e.value.message
 
 
 def test_integer_efforts_and_empty_developer_messages_are_refused_on_v4_the_image_placeholder_on_v41():
     with pytest.raises(RequestError, match="developer message needs text"):
-        encode_request({"messages": [{"role": "developer", "content": ""}, USER]}, DIALECTS["deepseek_v4"])
+        encode({"messages": [{"role": "developer", "content": ""}, USER]}, DIALECTS["deepseek_v4"])
     with pytest.raises(RequestError, match="reasoning_effort=42"):
-        encode_request({"messages": [USER], "reasoning_effort": 42}, DIALECTS["deepseek_v4_0731"])
+        encode({"messages": [USER], "reasoning_effort": 42}, DIALECTS["deepseek_v4_0731"])
     with pytest.raises(RequestError, match="image placeholder"):
-        encode_request({"messages": [{"role": "user", "content": "<｜deepseek_image｜>"}]}, DIALECTS["deepseek_v41"])
+        encode({"messages": [{"role": "user", "content": "<｜deepseek_image｜>"}]}, DIALECTS["deepseek_v41"])
 
 
 def test_arguments_may_be_an_object_or_json_of_json_and_empty_text_is_the_one_string_parameter_arguments():
@@ -228,14 +234,14 @@ def test_arguments_may_be_an_object_or_json_of_json_and_empty_text_is_the_one_st
     parameter named `arguments` (spec §2.7); no arguments at all is a call without parameters."""
     for arguments in ({"city": "Paris"}, json.dumps(json.dumps({"city": "Paris"})), '{"city": "Paris"}'):
         body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(arguments)]}, USER]}
-        assert 'name="city" string="true">Paris<' in encode_request(body, DIALECTS["deepseek_v4"]).text
+        assert 'name="city" string="true">Paris<' in encode(body, DIALECTS["deepseek_v4"]).text
     for blank in ("", "  \n"):
         body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(blank)]}, USER]}
         want = f'<｜DSML｜parameter name="arguments" string="true">{blank}</｜DSML｜parameter>'
-        prompt = encode_request(body, DIALECTS["deepseek_v4"]).text
+        prompt = encode(body, DIALECTS["deepseek_v4"]).text
         assert f'<｜DSML｜invoke name="f">\n{want}\n</｜DSML｜invoke>' in prompt
     body = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [_call(None)]}, USER]}
-    assert '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>' in encode_request(body, DIALECTS["deepseek_v4"]).text
+    assert '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>' in encode(body, DIALECTS["deepseek_v4"]).text
 
 
 def _nested(depth: int):
@@ -259,13 +265,13 @@ def test_json_nested_past_the_limit_anywhere_is_refused_naming_the_field_and_64_
                    if where == "response_format" else {})}
 
     shallow = 63  # one level more holds it: the function object, the response format, the arguments' {"x": ...}
-    encode_request(body(_nested(shallow)), DIALECTS["deepseek_v41"])
+    encode(body(_nested(shallow)), DIALECTS["deepseek_v41"])
     for depth in (shallow + 1, 5000):  # far deeper than the JSON writers could recurse
         text = "[" * 100_000 if depth == 5000 and where == "arguments text" else None
         bad = body(_nested(depth)) if text is None else {"messages": [USER, {
             "role": "assistant", "content": "", "tool_calls": [_call(text)]}, USER]}
         with pytest.raises(RequestError) as e:
-            encode_request(bad, DIALECTS["deepseek_v41"])
+            encode(bad, DIALECTS["deepseek_v41"])
         assert "nested deeper than 64" in e.value.message and e.value.field.endswith(
             {"parameters": "function", "response_format": "response_format"}.get(where, "arguments")), e.value.field
 
@@ -280,8 +286,8 @@ def test_an_empty_content_list_next_to_another_user_or_tool_block_adds_no_block(
     without = [USER, {"role": "assistant", "content": "", "tool_calls": [call]},
                {"role": "tool", "tool_call_id": "c1", "content": "r"}]
     for thinking in (True, False):
-        got = encode_request({"messages": with_empty, "thinking": thinking}, d).text
-        assert got == encode_request({"messages": without, "thinking": thinking}, d).text
+        got = encode({"messages": with_empty, "thinking": thinking}, d).text
+        assert got == encode({"messages": without, "thinking": thinking}, d).text
         assert "<tool_result>r</tool_result><｜Assistant｜>" in got
 
 
@@ -290,18 +296,18 @@ def test_an_assistant_prefill_ends_the_prompt_inside_the_assistant_turn(dialect)
     """The last message an assistant's: the prompt ends where its text ends (no end-of-sentence), so the model
     continues it; in thinking mode a prefill of reasoning alone leaves the reasoning open."""
     d = DIALECTS[dialect]
-    base = encode_request({"messages": [USER]}, d).text
+    base = encode({"messages": [USER]}, d).text
     assert base.endswith("<｜Assistant｜><think>")
-    content = encode_request({"messages": [USER, {"role": "assistant", "content": "Sure, "}]}, d)
+    content = encode({"messages": [USER, {"role": "assistant", "content": "Sure, "}]}, d)
     assert content.text == base + "</think>Sure, " and not content.thinking
-    reasoning = encode_request({"messages": [USER, {"role": "assistant", "content": None,
+    reasoning = encode({"messages": [USER, {"role": "assistant", "content": None,
                                                     "reasoning_content": "First, "}]}, d)
     assert reasoning.text == base + "First, " and reasoning.thinking
-    chat = encode_request({"messages": [USER, {"role": "assistant", "content": "Sure"}], "thinking": False}, d)
-    assert chat.text == encode_request({"messages": [USER], "thinking": False}, d).text + "Sure"
+    chat = encode({"messages": [USER, {"role": "assistant", "content": "Sure"}], "thinking": False}, d)
+    assert chat.text == encode({"messages": [USER], "thinking": False}, d).text + "Sure"
     assert not chat.thinking and EOS not in chat.text[len(base) - 20:]
     with pytest.raises(RequestError) as e:
-        encode_request({"messages": [USER, {"role": "assistant", "content": "x"}], "tools": [WEATHER],
+        encode({"messages": [USER, {"role": "assistant", "content": "x"}], "tools": [WEATHER],
                         "tool_choice": "required"}, d)
     assert e.value.field == "tool_choice"
 

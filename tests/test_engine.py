@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from appliance.api import Done, Error, Progress, Request, Started
+from appliance.api import ChatRequest, Done, Error, Progress, Request, Started
 from appliance.engine import Engine
 from appliance.errors import MemoryPlanError
 from appliance.options import RunOptions
@@ -106,7 +106,7 @@ def test_a_prompt_that_is_not_unicode_is_invalid_request_and_keeps_the_cached_pr
     text = "Zebras and yaks walked over the quiet hills"
     list(engine.generate(Request(id="u1", prompt=text, max_tokens=2)))
     for bad in (Request(id="u2", prompt=text + "\ud800", max_tokens=2),
-                Request(id="u3", messages=[{"role": "user", "content": "\udfff"}], max_tokens=2)):
+                Request(id="u3", chat=ChatRequest([{"role": "user", "content": "\udfff"}]), max_tokens=2)):
         events = list(engine.generate(bad))
         assert len(events) == 1 and isinstance(events[0], Error) and events[0].code == "invalid_request", events
         assert events[0].param in ("prompt", "messages[0].content")

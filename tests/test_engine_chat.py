@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from appliance.api import Done, Error, Request, Sampling, Tokens
+from appliance.api import ChatRequest, Done, Error, Request, Sampling, Tokens
 from appliance.chat import DIALECTS, encode_request, sampling_defaults
 from appliance.chat.dialects import ASSISTANT, BOS, DSML, EOS, HIDDEN_TOKENS, THINK_CLOSE, THINK_OPEN, USER
 from appliance.errors import ModelLoadError
@@ -45,8 +45,9 @@ def test_a_chat_request_gets_the_dialects_prompt_and_its_output_comes_back_split
                    f"</｜DSML｜ invoke>\n</｜DSML｜ calls>")
     tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
     messages = [{"role": "user", "content": "weather?"}]
-    events = list(engine.generate(Request(id="c", messages=messages, tools=tools, max_tokens=600)))
-    expected = encode_request({"messages": messages, "tools": tools}, DIALECTS["deepseek_v41"]).text
+    chat = ChatRequest(messages, tools=tools)
+    events = list(engine.generate(Request(id="c", chat=chat, max_tokens=600)))
+    expected = encode_request(chat, DIALECTS["deepseek_v41"]).text
     assert session.prompt_text() == expected
     tokens = [e for e in events if isinstance(e, Tokens)]
     assert "".join(t.reasoning for t in tokens) == thought and "".join(t.text for t in tokens) == answer
@@ -60,7 +61,7 @@ def test_a_chat_request_gets_the_dialects_prompt_and_its_output_comes_back_split
 def test_a_chat_request_samples_as_the_checkpoint_recommends_and_a_prompt_request_stays_greedy(scripted):
     engine, session = scripted
     session.script("x")
-    list(engine.generate(Request(id="a", messages=[{"role": "user", "content": "hi"}],
+    list(engine.generate(Request(id="a", chat=ChatRequest([{"role": "user", "content": "hi"}]),
                                  sampling=Sampling(temperature=None, top_p=None))))
     assert (session.samplings[-1].temperature, session.samplings[-1].top_p) == (1.0, 1.0)  # the model card
     session.script("y")
@@ -70,8 +71,8 @@ def test_a_chat_request_samples_as_the_checkpoint_recommends_and_a_prompt_reques
 
 def test_a_dialect_error_names_the_field_before_any_output(scripted):
     engine, _ = scripted
-    events = list(engine.generate(Request(id="e", messages=[{"role": "user", "content": "hi"}],
-                                          reasoning_effort=500)))
+    chat = ChatRequest([{"role": "user", "content": "hi"}], reasoning_effort=500)
+    events = list(engine.generate(Request(id="e", chat=chat)))
     assert len(events) == 1 and isinstance(events[0], Error) and events[0].param == "reasoning_effort"
 
 

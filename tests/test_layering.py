@@ -1,9 +1,14 @@
 """The import rules of the house (README, Layout), read from the source with `ast` (imports inside functions
 count too): which wing may import which, no import circles, and the one upward arrow (appliance/cli ->
-server)."""
+server). Also the one chat request: typed from the API edge to the chat encoder, never rebuilt as a body."""
 
 import ast
+import inspect
+import typing
 from pathlib import Path
+
+from appliance.api import ChatRequest, Request
+from appliance.chat import encode_request
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("appliance", "kernels", "graphs", "server")
@@ -15,7 +20,7 @@ ALLOWED = {
     "appliance.errors": set(),
     "appliance.api": {"appliance.errors"},
     "appliance.options": {"appliance.errors"},
-    "appliance.chat": {"appliance.errors"},
+    "appliance.chat": {"appliance.errors", "appliance.api"},  # api: the ChatRequest it encodes, roles, limits
     "appliance.model": {"appliance.errors", "appliance.chat", "kernels"},
     # kernels: the sums over ranks are a kernel's (kernels/rank_sum.py), launched by the collectives
     "appliance.parallel": {"appliance.errors", "appliance.model", "kernels"},
@@ -160,3 +165,44 @@ def test_the_checker_sees_a_forbidden_import_and_a_circle():
                                                                        "appliance.model.blocks"}
     assert any(b.startswith("appliance.model.state imports appliance.decode.session") for b in forbidden_imports(edges))
     assert ["appliance.model.blocks", "appliance.model.state", "appliance.model.blocks"] in circles(edges)
+
+
+# Where a chat request travels from the wire to the chat encoder: the API edges and the rest of the server, the
+# engine, the request loop. server.probe is a client of the server: it writes bodies to send.
+CHAT_PATH = ("server", "appliance.engine", "appliance.decode")
+OFF_THE_PATH = ("server.probe",)
+
+
+def under(name: str, parts: tuple) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in parts)
+
+
+def rebuilt_bodies(source: str) -> list[int]:
+    """Lines of `source` that build a dict with a "messages" key (a literal, or dict(messages=...)): a chat
+    request turned back into a body for the encoder to parse again."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "messages"
+                                              for k in node.keys):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" \
+                and any(k.arg == "messages" for k in node.keywords):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_a_chat_request_reaches_the_encoder_as_the_api_edge_built_it():
+    """The edge builds one ChatRequest, the Request carries it, the encoder takes it; nothing on the way turns
+    it back into a {"messages": ...} body."""
+    first = next(iter(inspect.signature(encode_request).parameters.values()))
+    assert first.annotation is ChatRequest, f"encode_request takes {first.name}: {first.annotation}"
+    assert typing.get_type_hints(Request)["chat"] == ChatRequest | None
+    on_the_way = [n for n in modules() if under(n, CHAT_PATH) and not under(n, OFF_THE_PATH)]
+    assert "appliance.decode.chat" in on_the_way
+    bodies = {n: rebuilt_bodies(modules()[n].read_text()) for n in on_the_way}
+    assert {n: lines for n, lines in bodies.items() if lines} == {}
+
+
+def test_the_checker_sees_a_chat_body_rebuilt():
+    assert rebuilt_bodies('body = {"messages": req.chat.messages, "tools": None}\nx = {"tools": 1}') == [1]
+    assert rebuilt_bodies("f(1)\nbody = dict(messages=m)") == [2]

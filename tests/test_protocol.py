@@ -7,7 +7,7 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from appliance.api import Done, Error, Progress, Request, Started, Tokens
+from appliance.api import ChatRequest, Done, Error, Progress, Request, Started, Tokens
 from server import gate
 from server import protocol as proto
 from server.protocol import Cancel, Generate, Ping, ProtocolError
@@ -266,9 +266,10 @@ def test_a_frame_that_cannot_be_encoded_becomes_an_internal_error_for_its_reques
 def test_the_engine_api_refuses_text_that_is_not_unicode_so_the_tokenizer_never_sees_it():
     from appliance.errors import RequestError
 
+    chat = ChatRequest([{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}])
     for req, field in [(Request(prompt="ab\ud800"), "prompt"), (Request(id="\udfff", input_ids=[1]), "id"),
-                       (Request(messages=[{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]),
-                        "messages[1].content"), (Request(input_ids=[1], stop=["\ud800"]), "stop[0]")]:
+                       (Request(chat=chat), "messages[1].content"),
+                       (Request(input_ids=[1], stop=["\ud800"]), "stop[0]")]:
         with pytest.raises(RequestError) as e:
             req.validate()
         assert (e.value.code, e.value.field) == ("invalid_request", field)

@@ -7,6 +7,7 @@ Inputs are fresh random words each run."""
 import anthropic
 import pytest
 
+from appliance.api import ChatRequest
 from appliance.chat import DIALECTS, encode_request
 from tests.scripted_engine import scripted_box, words
 from tests.server_harness import TOKEN
@@ -33,8 +34,8 @@ def test_a_message_answers_with_a_thinking_block_then_a_text_block(box, client):
                                messages=[{"role": "user", "content": question}])
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == thought and m.content[1].text == answer and m.stop_reason == "end_turn"
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    assert session.prompts[-1] == session.tokenizer.encode(encode_request(body, DIALECTS["deepseek_v41"]).text)
+    chat = ChatRequest([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    assert session.prompts[-1] == session.tokenizer.encode(encode_request(chat, DIALECTS["deepseek_v41"]).text)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(session.prompts[-1])
     assert m.usage.output_tokens > 0 and m.role == "assistant" and m.model == "scripted"
 

@@ -12,6 +12,7 @@ import urllib.request
 import openai
 import pytest
 
+from appliance.api import ChatRequest
 from appliance.chat import DIALECTS, encode_request
 from tests.scripted_engine import scripted_box, scripted_engine, words
 from tests.server_harness import TOKEN, InProcessServer
@@ -36,7 +37,7 @@ def client(box):
 
 
 def expected_ids(session, body: dict) -> list[int]:
-    return session.tokenizer.encode(encode_request(body, V41).text)
+    return session.tokenizer.encode(encode_request(ChatRequest.from_body(body), V41).text)
 
 
 def test_an_unstreamed_chat_answers_with_the_scripted_reasoning_and_content_and_the_exact_prompt(box, client):

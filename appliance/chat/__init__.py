@@ -1,9 +1,10 @@
 """The chat wing: DeepSeek V4 / V4.1 chat encoding (messages -> prompt text) and output parsing (model
 text -> reasoning, content, tool calls), for the three prompt dialects of the family. Pure Python: it
-imports nothing of the project but appliance.errors, so the server and the CLI can use it without torch.
+imports nothing of the project but appliance.errors and appliance.api (the ChatRequest it encodes, the chat
+roles, the sampling limits), so the server and the CLI can use it without torch.
 
     dialects.py   special tokens and ids, DSML tag names, effort tables, sampling defaults
-    request.py    an OpenAI chat-completions body -> ChatPrompt (validated; RequestError names the field)
+    request.py    a ChatRequest -> ChatPrompt (validated; RequestError names the field)
     encoding.py   the reference encoder: messages -> prompt text
     dsml.py       the tool markup: tools block, tool calls in history
     output.py     the streaming output parser and parse()

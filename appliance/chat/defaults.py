@@ -8,6 +8,7 @@ where given), else the model card's recommendation in the dialect table (`dialec
 import json
 from pathlib import Path
 
+from appliance.api import TEMPERATURE, TOP_P
 from appliance.errors import ModelLoadError
 
 from .dialects import Dialect
@@ -28,8 +29,7 @@ def sampling_defaults(model_dir, dialect: Dialect) -> dict:
         raise ModelLoadError(f"{path}: not readable JSON ({e})", field=GENERATION_CONFIG) from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: must be a JSON object", field=GENERATION_CONFIG)
-    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-    for name, (lo, hi) in limits.items():
+    for name, (lo, hi) in (("temperature", TEMPERATURE), ("top_p", TOP_P)):
         value = data.get(name)
         if value is None:
             continue

@@ -16,12 +16,12 @@ them; assistant `tool_calls` in OpenAI form. Not rendered: the internal quick-in
 
 import json
 
+from appliance.api import CHAT_ROLES
 from appliance.errors import RequestError
 
 from .dialects import ASSISTANT, LATEST_REMINDER, SYSTEM, THINK_CLOSE, THINK_OPEN, USER, Dialect
 from .dsml import render_tool_calls, tools_prompt
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 _RESPONSE_FORMAT = "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 
@@ -87,8 +87,8 @@ def _render(i: int, m: dict, dialect: Dialect, show_reasoning: bool, begun: bool
         think = (m.get("reasoning_content") or "") + THINK_CLOSE if show_reasoning else ""
         calls = "\n\n" + render_tool_calls(m["tool_calls"], dialect) if m.get("tool_calls") else ""
         return think + content + calls + dialect.eos
-    raise RequestError(f"messages[{i}].role={role!r}: must be one of {', '.join(ROLES)}", field=f"messages[{i}].role",
-                       value=role)
+    raise RequestError(f"messages[{i}].role={role!r}: must be one of {', '.join(CHAT_ROLES)}",
+                       field=f"messages[{i}].role", value=role)
 
 
 def _system_blocks(m: dict, dialect: Dialect) -> str:

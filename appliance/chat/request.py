@@ -1,13 +1,12 @@
-"""An OpenAI chat-completions request body -> the prompt text and the parser's start state.
+"""A chat request (appliance.api.ChatRequest, OpenAI's shapes) -> the prompt text and the parser's start state.
 
-    prompt = encode_request(body, dialect)        # raises RequestError naming the field at fault
+    request = ChatRequest.from_body(body)         # an OpenAI chat-completions body, as the CLI and tests hold it
+    prompt = encode_request(request, dialect)     # raises RequestError naming the field at fault
     ids = tokenizer.encode(prompt.text)           # special tokens recognized, no automatic BOS
     parser = OutputParser(dialect, thinking=prompt.thinking)
 
-Read from the body: `messages`, `tools`, `tool_choice`, `response_format`, `reasoning_effort`, and the
-thinking switch (`thinking`: true/false or {"type": "enabled"|"disabled"}, or
-`chat_template_kwargs.thinking` / `.enable_thinking` as other servers accept it). Other fields are the
-server's business and are ignored here.
+The API edges build the ChatRequest once (server/openai_api.py from the body, the Anthropic and Responses
+APIs from their own shapes); it reaches the encoder as built.
 
 Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6, §9):
 
@@ -40,6 +39,7 @@ Where the OpenAI vocabulary meets the reference encoder (spec §2.1, §2.5, §6,
 import json
 from dataclasses import dataclass
 
+from appliance.api import CHAT_ROLES, ChatRequest
 from appliance.errors import RequestError, shown
 
 from .dialects import IMAGE, THINK_CLOSE, Dialect
@@ -47,7 +47,6 @@ from .dsml import Tags
 from .encoding import encode_messages
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"}
-_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 MAX_DEPTH = 64  # nesting levels of a schema, a response format or arguments (a client may send 100,000)
 
 
@@ -72,20 +71,18 @@ class ChatPrompt:
     forced: str = ""  # the end of `text` that opens a forced tool call: the parser reads it first
 
 
-def encode_request(body: dict, dialect: Dialect) -> ChatPrompt:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field="body")
-    thinking, effort = read_thinking(body, dialect)
-    messages = normalize_messages(body.get("messages"), dialect)
+def encode_request(request: ChatRequest, dialect: Dialect) -> ChatPrompt:
+    thinking, effort = read_thinking(request.thinking, request.reasoning_effort, dialect)
+    messages = normalize_messages(request.messages, dialect)
     prefill = _check_last_turn(messages, dialect)
-    tools = _tools(body)
-    messages = _attach(messages, tools, _response_format(body))
+    tools = _tools(request.tools, request.tool_choice)
+    messages = _attach(messages, tools, _response_format(request.response_format))
     text = encode_messages(messages, dialect, thinking=thinking, reasoning_effort=effort, prefill=prefill)
-    forced = forced_call(body.get("tool_choice"), dialect, thinking) if tools else ""
+    forced = forced_call(request.tool_choice, dialect, thinking) if tools else ""
     if prefill and forced:
         raise RequestError("tool_choice: a forced tool call cannot follow an assistant prefill (the last message "
                            "is the assistant's answer begun): use auto, or end the conversation with a user turn",
-                           field="tool_choice", value=body.get("tool_choice"))
+                           field="tool_choice", value=request.tool_choice)
     # the output starts in reasoning when the prompt ends in <think> or inside a begun reasoning
     in_reasoning = thinking and not (prefill and messages[-1]["content"])
     return ChatPrompt(text + forced, in_reasoning, effort if thinking else None, messages, forced)
@@ -103,10 +100,8 @@ def forced_call(tool_choice, dialect: Dialect, thinking: bool) -> str:
     return text
 
 
-def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]:
-    """(thinking on?, the encoder's effort value) from the body's switch and `reasoning_effort`."""
-    switch = thinking_switch(body)
-    value = body.get("reasoning_effort")
+def read_thinking(switch: bool | None, value, dialect: Dialect) -> tuple[bool, str | int | None]:
+    """(thinking on?, the encoder's effort value) from the request's switch and `reasoning_effort`."""
     if value == "none":
         if switch:
             raise RequestError("reasoning_effort='none' turns thinking off, but thinking is switched on",
@@ -128,35 +123,13 @@ def read_thinking(body: dict, dialect: Dialect) -> tuple[bool, str | int | None]
     return (True if switch is None else switch), effort
 
 
-def thinking_switch(body: dict) -> bool | None:
-    """The thinking switch of an OpenAI-style body: `thinking` first, then `chat_template_kwargs.thinking`,
-    then `.enable_thinking`; None when none is given (the model's default: thinking on)."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs: must be an object", field="chat_template_kwargs")
-    kwargs = kwargs or {}
-    for name, value in (("thinking", body.get("thinking")), ("chat_template_kwargs.thinking", kwargs.get("thinking")),
-                        ("chat_template_kwargs.enable_thinking", kwargs.get("enable_thinking"))):
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, dict) and value.get("type") in ("enabled", "disabled"):
-            return value["type"] == "enabled"
-        raise RequestError(f'{name}={shown(value)}: must be true, false or {{"type": "enabled" | "disabled"}}',
-                           field=name, value=value)
-    return None
-
-
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
+def _tools(tools, choice) -> list[dict] | None:
     if tools is not None:
         if not isinstance(tools, list):
             raise RequestError("tools: must be a list of {type: function, function: {name, ...}}", field="tools")
         for i, tool in enumerate(tools):
             _check_tool(tool, f"tools[{i}]")
     names = [t["function"]["name"] for t in tools or []]
-    choice = body.get("tool_choice")
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -191,10 +164,9 @@ def _check_tool(tool, where: str) -> None:
     check_depth(fn, f"{where}.function")
 
 
-def _response_format(body: dict) -> dict | None:
+def _response_format(rf) -> dict | None:
     """json_object and json_schema are rendered as the reference renders a message's `response_format`: the
     object itself, after "## Response Format". text (the default) adds nothing."""
-    rf = body.get("response_format")
     if rf is None:
         return None
     kind = rf.get("type") if isinstance(rf, dict) else None
@@ -252,9 +224,9 @@ def normalize_messages(messages, dialect: Dialect) -> list[dict]:
         if not isinstance(m, dict):
             raise RequestError(f"{where}: must be an object with a role", field=where)
         role = m.get("role")
-        if role not in _ROLES:
-            raise RequestError(f"{where}.role={role!r}: must be one of {', '.join(_ROLES)}", field=f"{where}.role",
-                               value=role)
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role={role!r}: must be one of {', '.join(CHAT_ROLES)}",
+                               field=f"{where}.role", value=role)
         if role == "developer" and not dialect.developer_role:
             role = "system"
         if role == "system" and started and not dialect.system_token:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from appliance.api import ChatRequest
 from appliance.chat import DIALECTS, encode_request, get_dialect, parse
 from appliance.errors import ApplianceError
 
@@ -38,7 +39,7 @@ def chat():
 def encode(family, request_file, as_json, model_dir):
     """Print the prompt text that a chat-completions request becomes."""
     dialect = get_dialect(family)
-    prompt = encode_request(_read_json(request_file, "--request"), dialect)
+    prompt = encode_request(ChatRequest.from_body(_read_json(request_file, "--request")), dialect)
     if not as_json:
         click.echo(prompt.text, nl=False)
         return

@@ -49,9 +49,5 @@ def chat_prompt(req: Request, dialect: Dialect, tokenizer) -> tuple[list[int], C
     if missing:
         raise RequestError(f"messages: this checkpoint's tokenizer has no {', '.join(missing)} token: chat needs "
                            f"DeepSeek's special tokens; send prompt or input_ids", field="messages")
-    body = {"messages": req.messages, "tools": req.tools, "tool_choice": req.tool_choice,
-            "response_format": req.response_format, "reasoning_effort": req.reasoning_effort}
-    if req.thinking is not None:
-        body["thinking"] = req.thinking
-    prompt = encode_request(body, dialect)
+    prompt = encode_request(req.chat, dialect)
     return tokenizer.encode(prompt.text), ChatOutput(dialect, prompt.thinking, prompt.forced)
