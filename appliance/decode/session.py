@@ -61,7 +61,6 @@ class DecodeSession:
         self.notice = notice or (lambda m: None)
         self.check_ranks = options.check_ranks  # compare every rank's whole live state after each job
         self.chunk = options.chunk
-        self.index_keys = options.index_keys
         self.state = self.model.new_state(self.capacity, spare)
         self.spec = make_speculator(lm.drafter, options.draft, options.draft_tokens, options.index_keys,
                                     self.model, self.state)
@@ -325,9 +324,7 @@ class DecodeSession:
     @torch.inference_mode()
     def forward_out(self, ids: list[int], logits: str = "all"):
         """An eager forward over `ids` at the state's length (prefill, tests, benchmarks)."""
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model.forward(tokens, self.state, logits=logits, index_keys=self.index_keys,
-                                  keep_streams=self.target.keep_streams)
+        return self.target.forward(torch.tensor(ids, dtype=torch.long, device=self.device), logits)
 
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
         return self.forward_out(ids, logits).logits
