@@ -52,7 +52,6 @@ class _Job:
     request: Request
     cancel: threading.Event
     emit: Callable
-    warmup: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -99,10 +98,11 @@ class Engine:
         nothing behind on any rank (not filed in the prefix cache, the state reset at its end)."""
         req = Request(id="warmup", input_ids=[self.session.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
         events = queue.Queue()
-        self._inbox.put(_Job(req, threading.Event(), events.put, warmup=True))
-        while not isinstance(event := events.get(), Done | Error):
-            pass
-        self.wait_idle()  # the engine thread ends the job after its Done
+        with self.session.warming():  # read by the engine thread when the job starts, before its Done
+            self._inbox.put(_Job(req, threading.Event(), events.put))
+            while not isinstance(event := events.get(), Done | Error):
+                pass
+            self.wait_idle()  # the engine thread ends the job after its Done
         if not isinstance(event, Done):
             raise ApplianceError(f"warm-up generation failed: {event}", code="internal")
 
@@ -182,7 +182,7 @@ class Engine:
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
         ended = False
         try:
-            for event in self.loop.run(job.request, job.cancel, warmup=job.warmup):
+            for event in self.loop.run(job.request, job.cancel):
                 self.heartbeat = time.monotonic()
                 if isinstance(event, Done):
                     event.timings["queue_ms"] = queue_ms

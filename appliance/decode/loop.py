@@ -26,7 +26,7 @@ from appliance.errors import ApplianceError
 from appliance.model.tokenizer import check_ids
 
 from .chat import ChatOutput, chat_prompt
-from .plan import Job, Steer
+from .plan import Job
 from .session import Sampled
 from .text import TextStream
 
@@ -58,16 +58,15 @@ class RequestLoop:
             return self.tokenizer.encode(req.prompt), None
         return chat_prompt(req, self.dialect, self.tokenizer)
 
-    def job(self, req: Request, ids: list[int], warmup: bool = False) -> Job:
+    def job(self, req: Request, ids: list[int]) -> Job:
         """Rank 0's decisions for `req`, as every rank runs it: the sampling values and seed, the restore its
-        timeline plans, the chunk; a warm-up leaves nothing behind (not filed in the prefix cache, the live
-        state reset at its end)."""
+        timeline plans, the chunk."""
         sampling = req.sampling.resolved(self.defaults)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         return Job(req.id, tuple(ids), sampling.temperature, sampling.top_p, sampling.top_k, seed,
-                   self.session.plan(ids), self.session.chunk, commit=not warmup, reset=warmup)
+                   self.session.plan(ids), self.session.chunk)
 
-    def run(self, req: Request, cancel=None, warmup: bool = False) -> Iterator:
+    def run(self, req: Request, cancel=None) -> Iterator:
         """The request's events. On several ranks this is rank 0's: its job runs on every rank (the
         followers in `DecodeSession.follow`). `cancel` (an Event or None) is read between chunks and cycles."""
         t0 = time.perf_counter()
@@ -81,18 +80,16 @@ class RequestLoop:
             yield Error(req.id, "internal", f"the request could not be encoded ({type(e).__name__}: {e}); the "
                         "decode state is kept")
             return
-        steer = Steer(self.session.world)
-        steps = self.session.run(self.job(req, ids, warmup), steer)
+        steps = self.session.run(self.job(req, ids))
         try:
-            yield from self._run(req, ids, chat, steps, steer, cancel, t0)
+            yield from self._run(req, ids, chat, steps, cancel, t0)
         except ApplianceError as e:
             self.session.reset()
             yield Error(req.id, e.code, e.message, e.field)
         finally:
             steps.close()  # a job left half way (this loop failed) is aborted on every rank
 
-    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, steps, steer: Steer, cancel,
-             t0: float) -> Iterator:
+    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, steps, cancel, t0: float) -> Iterator:
         session = self.session
         max_tokens = req.max_tokens or session.capacity - len(ids)
         cached = next(steps).cached
@@ -103,7 +100,7 @@ class RequestLoop:
         if first is None:
             yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
                        prefix_cache=session.restored)
-            self._finish(req, steps, steer)
+            self._finish(req, steps)
             return
         text = TextStream(self.tokenizer, req.stop, chat)
         finish, produced, t_first = yield from self._decode(req, first, steps, text, max_tokens, cancel, t0)
@@ -115,7 +112,7 @@ class RequestLoop:
         spec = session.stats.as_dict() if session.spec is not None else None
         yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, produced), spec,
                    stop_sequence=text.stop, prefix_cache=session.restored)
-        self._finish(req, steps, steer)  # after Done: filing the conversation is off the client's clock
+        self._finish(req, steps)  # after Done: filing the conversation is off the client's clock
 
     def _decode(self, req: Request, pending: list[int], steps, text: TextStream, max_tokens: int, cancel,
                 t0: float):
@@ -139,11 +136,11 @@ class RequestLoop:
                 return "cancelled", produced, t_first
             pending = next(steps).tokens  # every rank runs one more cycle
 
-    def _finish(self, req: Request, steps, steer: Steer) -> None:
+    def _finish(self, req: Request, steps) -> None:
         """Rank 0 is done with the request (its Done is out): every rank stops at its next step and ends the
         job (checkpoint, file the conversation). Nothing that fails now may change the request's outcome or
         add a second terminal event: it is reported, and the live state reset."""
-        steer.stop()
+        self.session.stop()
         try:
             for _ in steps:
                 pass
