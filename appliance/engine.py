@@ -15,7 +15,6 @@ then ends with `Done(finish_reason="cancelled")` and the engine is free for the 
 """
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -74,9 +73,11 @@ class Engine:
 
     @classmethod
     def load(cls, options: RunOptions, warmup: bool = True, status: Callable[[str], None] | None = None,
-             memory_budget: int | None = None) -> "Engine":
+             memory_budget: int | None = None) -> "Engine | None":
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
-        the device's memory), build the decode state, capture the cycle, warm up. `status` hears progress."""
+        the device's memory), build the decode state, capture the cycle, warm up. `status` hears progress.
+        On ranks 1..n-1 of a split model there is no engine: the rank runs rank 0's jobs until rank 0
+        closes its engine, then returns None (its command is done)."""
         say = status or (lambda m: None)
         world = start(options.devices)
         say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
@@ -86,12 +87,11 @@ class Engine:
         session = DecodeSession(lm, options, capacity=capacity, notice=say)
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=options.draft, device=options.devices)
-        loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
         if not world.main:
             session.follow()  # the other ranks run rank 0's jobs in lockstep until it stops
-            sys.exit(0)
+            return None
         say("warming up")
-        return cls(loop, info, warmup=warmup)
+        return cls(RequestLoop(session, lm.tokenizer, lm.model_dir), info, warmup=warmup)
 
     def _warmup(self) -> None:
         """One real generation end to end (readiness means a request has gone through); as a job that leaves
