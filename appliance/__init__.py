@@ -11,12 +11,12 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
     model/    what a checkpoint computes, in plain torch over the op registry (kernels/): config, weights,
               tokenizer, runtime, state, step, blocks, rope, compressor, engram, one file per family
               (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py, tiny.py
-    decode/   the request loop (loop.py; chat.py: a chat request's prompt ids and output parser), the job
-              every rank runs and rank 0's decisions in it (plan.py), the decode session that owns state,
-              speculator and graphs (session.py), the cycle steps (cycle.py), the speculator (speculator.py);
-              prefix reuse: the timeline of the live state (timeline.py), ring
-              checkpoints (checkpoint.py), the prefix cache (prefix_cache.py: a radix trie in host memory) and its
-              disk tier (prefix_disk.py)
+    decode/   the request loop (loop.py; chat.py: a chat request's prompt ids and output parser; text.py: the
+              output's ids as text, stop strings held back), the job every rank runs and rank 0's decisions
+              in it (plan.py), the decode session that owns state, speculator and graphs (session.py), the
+              cycle steps (cycle.py), the speculator (speculator.py); prefix reuse: the timeline of the live
+              state (timeline.py), ring checkpoints (checkpoint.py), the prefix cache (prefix_cache.py: a
+              radix trie in host memory) and its disk tier (prefix_disk.py)
     parallel/ several devices: process group and collectives (world.py), sharding, placement
     measure/  sizes from a config (sizes.py), memory plans (memory.py), the benchmark library (bench.py), the
               cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py), an

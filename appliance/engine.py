@@ -15,7 +15,6 @@ then ends with `Done(finish_reason="cancelled")` and the engine is free for the 
 """
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,7 +51,6 @@ class _Job:
     request: Request
     cancel: threading.Event
     emit: Callable
-    warmup: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -75,9 +73,11 @@ class Engine:
 
     @classmethod
     def load(cls, options: RunOptions, warmup: bool = True, status: Callable[[str], None] | None = None,
-             memory_budget: int | None = None) -> "Engine":
+             memory_budget: int | None = None) -> "Engine | None":
         """Read config and weights, check the memory plan (against `memory_budget` bytes when given, else
-        the device's memory), build the decode state, capture the cycle, warm up. `status` hears progress."""
+        the device's memory), build the decode state, capture the cycle, warm up. `status` hears progress.
+        On ranks 1..n-1 of a split model there is no engine: the rank runs rank 0's jobs until rank 0
+        closes its engine, then returns None (its command is done)."""
         say = status or (lambda m: None)
         world = start(options.devices)
         say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
@@ -87,22 +87,22 @@ class Engine:
         session = DecodeSession(lm, options, capacity=capacity, notice=say)
         info = EngineInfo(model=Path(lm.model_dir).name, family=lm.cfg.family, max_context=capacity,
                           vocab_size=lm.cfg.vocab_size, draft=options.draft, device=options.devices)
-        loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
         if not world.main:
             session.follow()  # the other ranks run rank 0's jobs in lockstep until it stops
-            sys.exit(0)
+            return None
         say("warming up")
-        return cls(loop, info, warmup=warmup)
+        return cls(RequestLoop(session, lm.tokenizer, lm.model_dir), info, warmup=warmup)
 
     def _warmup(self) -> None:
         """One real generation end to end (readiness means a request has gone through); as a job that leaves
         nothing behind on any rank (not filed in the prefix cache, the state reset at its end)."""
         req = Request(id="warmup", input_ids=[self.session.cfg.bos_token_id] * 4, max_tokens=2, ignore_eos=True)
         events = queue.Queue()
-        self._inbox.put(_Job(req, threading.Event(), events.put, warmup=True))
-        while not isinstance(event := events.get(), Done | Error):
-            pass
-        self.wait_idle()  # the engine thread ends the job after its Done
+        with self.session.warming():  # read by the engine thread when the job starts, before its Done
+            self._inbox.put(_Job(req, threading.Event(), events.put))
+            while not isinstance(event := events.get(), Done | Error):
+                pass
+            self.wait_idle()  # the engine thread ends the job after its Done
         if not isinstance(event, Done):
             raise ApplianceError(f"warm-up generation failed: {event}", code="internal")
 
@@ -182,7 +182,7 @@ class Engine:
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
         ended = False
         try:
-            for event in self.loop.run(job.request, job.cancel, warmup=job.warmup):
+            for event in self.loop.run(job.request, job.cancel):
                 self.heartbeat = time.monotonic()
                 if isinstance(event, Done):
                     event.timings["queue_ms"] = queue_ms

@@ -17,7 +17,6 @@ from pathlib import Path
 import graphs.runner
 from appliance.api import Request
 from appliance.decode.loop import RequestLoop
-from appliance.decode.plan import Steer
 from appliance.decode.session import DecodeSession, Sampled
 from appliance.loader import load_model
 from appliance.measure.recorder import Recorder, unique_violations
@@ -33,7 +32,7 @@ def greedy(lm, options: RunOptions, prompt: list[int], tokens: int) -> list[int]
     reach = one_reach(len(prompt), tokens)
     session = DecodeSession(lm, options, capacity=reach, reach_floor=reach)
     if not lm.world.main:
-        steps = session.run(lm.world.next_job(), Steer(lm.world))
+        steps = session.run(lm.world.next_job())
         return [t for step in steps if isinstance(step, Sampled) for t in step.tokens][:tokens]
     loop = RequestLoop(session, lm.tokenizer, lm.model_dir)
     ids = []

@@ -21,6 +21,7 @@ import time
 from appliance.api import Sampling
 from appliance.chat.dialects import EOS
 from appliance.decode.loop import RequestLoop
+from appliance.decode.plan import Steer
 from appliance.decode.session import Prefilled, Restored, Sampled
 from appliance.engine import Engine, EngineInfo
 from appliance.loader import default_model_dir
@@ -29,9 +30,9 @@ from appliance.model.tokenizer import load_tokenizer
 
 
 class ScriptedSession:
-    """The DecodeSession calls the request loop makes (plan, run, reset, restored), answered from scripts:
-    `run` goes through a job's steps as the real session does, asking the steer before each prefill chunk
-    and each cycle."""
+    """The DecodeSession calls the request loop makes (plan, run, stop, reset, restored), answered from
+    scripts: `run` goes through a job's steps as the real session does, asking its steer before each prefill
+    chunk and each cycle."""
 
     def __init__(self, cfg, tokenizer, capacity: int = 4096, chunk: int = 16):
         self.cfg, self.tokenizer, self.capacity, self.chunk = cfg, tokenizer, capacity, chunk
@@ -47,6 +48,7 @@ class ScriptedSession:
         self.lock = threading.Lock()
         self._out: list[int] = []
         self.cached = 0  # what the last restore kept
+        self._steer: Steer | None = None  # the running job's
 
     def script(self, text: str, eos: bool = True) -> list[int]:
         """The model's next output: `text` (special tokens as single ids), then EOS unless `eos` is False."""
@@ -67,7 +69,14 @@ class ScriptedSession:
         n = self.cached
         return {"source": "device" if n else "none", "matched_tokens": n, "cached_tokens": n}
 
-    def run(self, job, steer):
+    def run(self, job):
+        self._steer = Steer()
+        return self._steps(job, self._steer)
+
+    def stop(self) -> None:
+        self._steer.stop()
+
+    def _steps(self, job, steer):
         ids = list(job.ids)
         common = 0
         while common < min(len(ids) - 1, len(self.state)) and ids[common] == self.state[common]:

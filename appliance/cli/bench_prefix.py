@@ -44,6 +44,8 @@ def agent(options: RunOptions, turns, context, max_tokens, side_every, trace, sa
     from appliance.measure import agent as ma
 
     engine = Engine.load(options)
+    if engine is None:  # a follower rank: it ran rank 0's jobs, its command is done
+        return
     cfg, tokenizer = engine.session.cfg, engine.loop.tokenizer
     dialect = dialect_for_model(cfg.family, getattr(cfg, "dspark", None) is not None)
     limit, notes = engine.info.max_context, []

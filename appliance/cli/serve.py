@@ -88,8 +88,9 @@ def serve(options: RunOptions, host, port, token_file, metrics_auth, origins, on
         return Engine.load(options, status=status)
 
     world = start(options.devices)
-    if not world.main:  # ranks 1..n-1 of a split model: no server, they follow rank 0's jobs; their notices
-        load_engine(lambda m: click.echo(f"appliance: rank {world.rank}: {m}", err=True))  # (own caches) are logged
+    if not world.main:  # ranks 1..n-1 of a split model: no server, they follow rank 0's jobs until it closes and
+        # exit; their notices (own caches) are logged
+        load_engine(lambda m: click.echo(f"appliance: rank {world.rank}: {m}", err=True))
         return
     check_model_dir(options)
     check_range("--port", port, 0, 65535)

@@ -71,8 +71,9 @@ class CycleBuffers:
 
 @dataclass(frozen=True)
 class Target:
-    """The target model as a cycle step runs it: its decode state, its op registry, and the two options of
-    its forward (V4.1's index-key order; whether the final streams are kept, for V4's MTP drafter)."""
+    """The target model as the session's prefill and every cycle step run it: its decode state, its op
+    registry, and the two options of its forward (V4.1's index-key order; whether the final streams are
+    kept, for V4's MTP drafter), bound once."""
 
     model: object
     state: object  # appliance.model.state.DecodeState
@@ -80,10 +81,14 @@ class Target:
     index_keys: str
     keep_streams: bool
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, reach: int, logits: str = "all"):
-        """A static forward over `tokens` at positions start.. (a device scalar), none past reach - 1."""
+    def forward(self, tokens: torch.Tensor, logits: str = "all", start: torch.Tensor | None = None,
+                reach: int | None = None):
+        """The one call of the target: without `start` an eager forward at the state's length (prefill, tests;
+        exact shapes, the length advances), with it a static one at positions start.. (a device scalar),
+        none past reach - 1 (a cycle step; the host counts what it kept)."""
+        bound = None if reach is None else reach - 1
         return self.model.forward(tokens, self.state, logits=logits, index_keys=self.index_keys, start=start,
-                                  keep_streams=self.keep_streams, bound=reach - 1)
+                                  keep_streams=self.keep_streams, bound=bound)
 
     def inputs(self) -> dict[str, torch.Tensor]:
         return self.state.buffers()
@@ -105,7 +110,7 @@ class PlainCycle:
     def __call__(self) -> dict[str, torch.Tensor]:
         target, buf = self.target, self.buf
         with target.state.journal.off():  # a cycle's writes are not journaled (state.py, `Journal`)
-            out = target.forward(buf.anchor, buf.start, self.reach, logits="last")
+            out = target.forward(buf.anchor, "last", buf.start, self.reach)
         self.result[2:].copy_(target.ops.sample(out.logits[-1:], buf.params, buf.key))
         return {"result": self.result}
 
@@ -152,7 +157,7 @@ class VerifyStep:
         # not journaled (state.py, `Journal`): the writes for rejected positions, the drafter's rows of N+j..
         # included, are rewritten before anything reads them
         with state.journal.off(), spec.state.journal.off():
-            out = target.forward(tokens, N, self.reach)
+            out = target.forward(tokens, "all", N, self.reach)
             rows = spec.drafter.rows(out)
             spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
             j, b = target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key)

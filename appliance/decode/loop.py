@@ -7,12 +7,13 @@ For each request the loop
    state, the prefix cache), the sampling seed, the chunk;
 3. reads the job's steps from the session: progress while it prefills, then the tokens of each decode
    cycle (one token each, or a speculative block when a drafter is on), checking `cancel` between chunks
-   and cycles, until max_tokens (None: the context's end), EOS or a stop string, turning ids into text as
-   it goes; a chat request's text goes through its output parser (answer, reasoning, tool calls);
+   and cycles, until max_tokens (None: the context's end), EOS or a stop string; the request's
+   `TextStream` (text.py) turns the ids into what each event shows: decoded text held back at a possible
+   stop string, a chat request's answer, reasoning and tool calls;
 4. after its Done, tells the job to stop: the session files the conversation in the prefix cache.
-Stop strings match the model's text as decoded, markup included. Sampling values a request leaves None come
-from the checkpoint (generation_config.json, else the model card: appliance.chat.sampling_defaults).
-The device work is the session's (session.py); this file owns ids, stops, text, events and timings.
+Sampling values a request leaves None come from the checkpoint (generation_config.json, else the model
+card: appliance.chat.sampling_defaults). The device work is the session's (session.py), the text is
+text.py's; this file owns ids, events and timings.
 """
 
 import secrets
@@ -22,11 +23,12 @@ from collections.abc import Iterator
 from appliance.api import Done, Error, Progress, Request, Started, Tokens
 from appliance.chat import dialect_for_model, sampling_defaults
 from appliance.errors import ApplianceError
-from appliance.model.tokenizer import StreamDecoder, check_ids
+from appliance.model.tokenizer import check_ids
 
 from .chat import ChatOutput, chat_prompt
-from .plan import Job, Steer
+from .plan import Job
 from .session import Sampled
+from .text import TextStream
 
 
 class RequestLoop:
@@ -56,16 +58,15 @@ class RequestLoop:
             return self.tokenizer.encode(req.prompt), None
         return chat_prompt(req, self.dialect, self.tokenizer)
 
-    def job(self, req: Request, ids: list[int], warmup: bool = False) -> Job:
+    def job(self, req: Request, ids: list[int]) -> Job:
         """Rank 0's decisions for `req`, as every rank runs it: the sampling values and seed, the restore its
-        timeline plans, the chunk; a warm-up leaves nothing behind (not filed in the prefix cache, the live
-        state reset at its end)."""
+        timeline plans, the chunk."""
         sampling = req.sampling.resolved(self.defaults)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         return Job(req.id, tuple(ids), sampling.temperature, sampling.top_p, sampling.top_k, seed,
-                   self.session.plan(ids), self.session.chunk, commit=not warmup, reset=warmup)
+                   self.session.plan(ids), self.session.chunk)
 
-    def run(self, req: Request, cancel=None, warmup: bool = False) -> Iterator:
+    def run(self, req: Request, cancel=None) -> Iterator:
         """The request's events. On several ranks this is rank 0's: its job runs on every rank (the
         followers in `DecodeSession.follow`). `cancel` (an Event or None) is read between chunks and cycles."""
         t0 = time.perf_counter()
@@ -79,18 +80,16 @@ class RequestLoop:
             yield Error(req.id, "internal", f"the request could not be encoded ({type(e).__name__}: {e}); the "
                         "decode state is kept")
             return
-        steer = Steer(self.session.world)
-        steps = self.session.run(self.job(req, ids, warmup), steer)
+        steps = self.session.run(self.job(req, ids))
         try:
-            yield from self._run(req, ids, chat, steps, steer, cancel, t0)
+            yield from self._run(req, ids, chat, steps, cancel, t0)
         except ApplianceError as e:
             self.session.reset()
             yield Error(req.id, e.code, e.message, e.field)
         finally:
             steps.close()  # a job left half way (this loop failed) is aborted on every rank
 
-    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, steps, steer: Steer, cancel,
-             t0: float) -> Iterator:
+    def _run(self, req: Request, ids: list[int], chat: ChatOutput | None, steps, cancel, t0: float) -> Iterator:
         session = self.session
         max_tokens = req.max_tokens or session.capacity - len(ids)
         cached = next(steps).cached
@@ -101,64 +100,47 @@ class RequestLoop:
         if first is None:
             yield Done(req.id, "cancelled", usage, _timings(t0, t_prefill, None, t_prefill, 0),
                        prefix_cache=session.restored)
-            self._finish(req, steps, steer)
+            self._finish(req, steps)
             return
-        decoder = StreamDecoder(self.tokenizer)
-        produced: list[int] = []
-        t_first = None
-        finish = "length"
-        text_so_far = ""  # emitted
-        held = ""  # decoded but not emitted: it may be the start of a stop string
-        matched = None
-        pending = first
-        while finish == "length":
-            now = time.perf_counter()
-            t_first = t_first or now
-            ids, piece = [], ""
-            for token in pending:
-                if token == self.cfg.eos_token_id and not req.ignore_eos:
-                    finish = "stop"
-                    break
-                ids.append(token)
-                held += decoder.push([token])
-                stop_at, matched = _find_stop(text_so_far + piece + held, req.stop, len(text_so_far) + len(piece))
-                if stop_at is not None:
-                    piece = (text_so_far + piece + held)[len(text_so_far):stop_at]
-                    held, finish = "", "stop"
-                    break
-                keep = _stop_prefix(held, req.stop)
-                piece, held = piece + held[:len(held) - keep], held[len(held) - keep:]
-                if len(produced) + len(ids) >= max_tokens:
-                    break
-            if ids or piece:
-                yield _tokens(req.id, ids, piece, len(produced), [(now - t0) * 1e3] * len(ids), chat)
-            produced += ids
-            text_so_far += piece
-            if finish != "length" or len(produced) >= max_tokens:
-                break
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            pending = next(steps).tokens  # every rank runs one more cycle
-        tail = held + decoder.flush() if matched is None else ""  # after a stop string nothing more is text
-        if chat is not None:
-            content, reasoning, calls = chat.finish(tail)
-            if content or reasoning or calls:
-                yield Tokens(req.id, [], content, len(produced), [], reasoning, calls)
-        elif tail:
-            yield Tokens(req.id, [], tail, len(produced), [])
-        usage["completion_tokens"] = len(produced)
+        text = TextStream(self.tokenizer, req.stop, chat)
+        finish, produced, t_first = yield from self._decode(req, first, steps, text, max_tokens, cancel, t0)
+        if (last := text.finish()) is not None:
+            content, reasoning, calls = last
+            yield Tokens(req.id, [], content, produced, [], reasoning, calls)
+        usage["completion_tokens"] = produced
         end = time.perf_counter()
         spec = session.stats.as_dict() if session.spec is not None else None
-        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, len(produced)), spec,
-                   stop_sequence=matched, prefix_cache=session.restored)
-        self._finish(req, steps, steer)  # after Done: filing the conversation is off the client's clock
+        yield Done(req.id, finish, usage, _timings(t0, t_prefill, t_first, end, produced), spec,
+                   stop_sequence=text.stop, prefix_cache=session.restored)
+        self._finish(req, steps)  # after Done: filing the conversation is off the client's clock
 
-    def _finish(self, req: Request, steps, steer: Steer) -> None:
+    def _decode(self, req: Request, pending: list[int], steps, text: TextStream, max_tokens: int, cancel,
+                t0: float):
+        """Tokens events from the first tokens on, one cycle at a time, until EOS, a stop string, max_tokens
+        or `cancel`; returns (finish reason, tokens produced, when the first came)."""
+        eos = None if req.ignore_eos else self.cfg.eos_token_id
+        produced, t_first = 0, None
+        while True:
+            now = time.perf_counter()
+            t_first = t_first or now
+            ids, ended = _until_eos(pending, eos, max_tokens - produced)
+            ids, (content, reasoning, calls) = text.feed(ids)
+            if ids:
+                yield Tokens(req.id, ids, content, produced, [(now - t0) * 1e3] * len(ids), reasoning, calls)
+            produced += len(ids)
+            if ended or text.stop is not None:
+                return "stop", produced, t_first
+            if produced >= max_tokens:
+                return "length", produced, t_first
+            if cancel is not None and cancel.is_set():
+                return "cancelled", produced, t_first
+            pending = next(steps).tokens  # every rank runs one more cycle
+
+    def _finish(self, req: Request, steps) -> None:
         """Rank 0 is done with the request (its Done is out): every rank stops at its next step and ends the
         job (checkpoint, file the conversation). Nothing that fails now may change the request's outcome or
         add a second terminal event: it is reported, and the live state reset."""
-        steer.stop()
+        self.session.stop()
         try:
             for _ in steps:
                 pass
@@ -179,13 +161,6 @@ def _prefill(rid: str, total: int, steps, cancel, t0: float):
     return None
 
 
-def _tokens(rid: str, ids: list[int], piece: str, index: int, t_ms: list[float], chat: ChatOutput | None) -> Tokens:
-    if chat is None:
-        return Tokens(rid, ids, piece, index, t_ms)
-    content, reasoning, calls = chat.feed(piece)
-    return Tokens(rid, ids, content, index, t_ms, reasoning, calls)
-
-
 def _timings(t0, t_prefill, t_first, end, n) -> dict:
     decode_ms = (end - t_first) * 1e3 if t_first else 0.0
     return {
@@ -199,19 +174,9 @@ def _timings(t0, t_prefill, t_first, end, n) -> dict:
     }
 
 
-def _stop_prefix(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` could begin a stop string (held back until they cannot)."""
-    for k in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stops):
-            return k
-    return 0
-
-
-def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int | None, str | None]:
-    """(index where the earliest stop string starts, that string), if one ends in the new part of `text`."""
-    best, which = None, None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best, which = i, s
-    return best, which
+def _until_eos(tokens: list[int], eos: int | None, room: int) -> tuple[list[int], bool]:
+    """The first `room` of `tokens` up to the EOS (not kept), and whether it came."""
+    for n, token in enumerate(tokens[:room]):
+        if token == eos:
+            return tokens[:n], True
+    return tokens[:room], False

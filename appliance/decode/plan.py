@@ -5,11 +5,12 @@ checkpoints and the prefix cache. Anything that shapes a collective or the state
 a rank that restored its prefix from another position, cut its chunks elsewhere or drafted another
 number of tokens would enter a collective of another shape, and the transport would abort. So rank 0's
 request loop decides (decode/loop.py makes a `Job`: the prompt's ids, the sampling seed, the chunk, the
-restore `Restore` its timeline planned, what happens at the end) and publishes it; every rank, rank 0
-included, runs the job (`DecodeSession.run`); inside it the only decisions left (go on or stop before
-each chunk and cycle; an adaptive draft's length) are rank 0's too, shared through the `Steer`. A
-follower's caches are only ever read to carry out a plan, never to make one; a rank that lacks what a
-plan needs (a cache file it could not write) says so, and every rank then starts from the empty state.
+restore `Restore` its timeline planned; its session adds what happens at the end) and its session
+publishes it; every rank, rank 0 included, runs the job (`DecodeSession.run`); inside it the only
+decisions left (go on or stop before each chunk and cycle; an adaptive draft's length) are rank 0's too,
+shared through the `Steer`. A follower's caches are only ever read to carry out a plan, never to make
+one; a rank that lacks what a plan needs (a cache file it could not write) says so, and every rank then
+starts from the empty state.
 
 After the restore the ranks compare what they did (`agreement`): the plan, the state's length and ids.
 A difference is named (`RankDivergence`, both ranks' plans) instead of being left to the transport.
@@ -55,7 +56,7 @@ COLD = Restore("empty", 0, 0, 0)  # what every rank can execute: the fallback wh
 class Job:
     """A request as the device runs it (no text: ids in, ids out). `chunk`: the prefill chunk; `commit`: file
     the conversation in the prefix cache at the end (off for the warm-up); `reset`: empty the live state at
-    the end (the warm-up leaves nothing behind)."""
+    the end (the warm-up leaves nothing behind). The session sets both for a warm-up (`DecodeSession.warming`)."""
 
     id: str
     ids: tuple[int, ...]
@@ -83,9 +84,10 @@ GO, STOP, ABORT = 1, 0, -1
 class Steer:
     """Rank 0's decisions inside a job, the same on every rank. Before each prefill chunk and each decode
     cycle the job asks `proceed()`: rank 0's request loop has said whether the request goes on (`stop()`
-    after the last token, a stop string, a cancel; `abort()` when the loop failed), and on several ranks
-    that word is broadcast, so every rank goes on or stops at the same step. `shared(value)` gives rank
-    0's value of something the host picks (an adaptive draft length) on every rank."""
+    after the last token, a stop string, a cancel, through `DecodeSession.stop`; `abort_followers()` when
+    the loop failed), and on several ranks that word is broadcast, so every rank goes on or stops at the
+    same step. `shared(value)` gives rank 0's value of something the host picks (an adaptive draft length)
+    on every rank."""
 
     def __init__(self, world=None):
         self.world = world if world is not None and world.distributed else None

@@ -3,18 +3,21 @@
 A `DecodeSession` owns the target's decode state, the speculator (the drafter and its state), the cycle
 buffers, the graph set of cycle steps and the timeline (timeline.py: the ids the state holds, its
 checkpoints and the prefix cache). A request reaches it as a `Job` (plan.py: ids, sampling, seed, the
-restore rank 0 planned) and `run(job, steer)` does the device work, on every rank alike:
+restore rank 0 planned) and `run(job)` publishes it (rank 0) and does the device work, on every rank alike:
     restore the planned prefix; the ranks compare what they did        -> Restored(cached)
     the sampling parameters and the device RNG's seed
-    prefill the rest in chunks, asking `steer.proceed()` before each    -> Prefilled(done) per chunk
+    prefill the rest in chunks, asking rank 0's word before each       -> Prefilled(done) per chunk
     sample the first token, then decode cycles, asking before each      -> Sampled(tokens) per cycle
     checkpoint and file the conversation in the prefix cache (or reset, for the warm-up)
-Rank 0's request loop (loop.py) reads the steps and owns ids, stops, text and events; the followers run
-the jobs rank 0 publishes (`follow`) and read nothing. Nothing here knows a request.
+Rank 0's request loop (loop.py) reads the steps, owns ids, stops, text and events, and says `stop()` when
+its request is done; the followers run the jobs rank 0 publishes (`follow`) and read nothing. What crosses
+the ranks (the job with its seed, rank 0's word, an adaptive draft's length) crosses here, through the
+job's `Steer` (plan.py). Nothing here knows a request.
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +64,6 @@ class DecodeSession:
         self.notice = notice or (lambda m: None)
         self.check_ranks = options.check_ranks  # compare every rank's whole live state after each job
         self.chunk = options.chunk
-        self.index_keys = options.index_keys
         self.state = self.model.new_state(self.capacity, spare)
         self.spec = make_speculator(lm.drafter, options.draft, options.draft_tokens, options.index_keys,
                                     self.model, self.state)
@@ -77,6 +79,8 @@ class DecodeSession:
             raise ModelLoadError("cannot capture the decode cycle in CUDA graphs: " + "; ".join(lm.capture_blockers)
                                  + " (or run without graphs: --no-graphs)", field="graphs")
         self.logits: torch.Tensor | None = None
+        self._steer: Steer | None = None  # the running job's (run)
+        self._warming = False  # jobs are warm-ups (warming)
         if self.graphs.capturing and notice is not None:
             notice(f"capturing the decode cycle as {len(self.cycle_steps())} CUDA graphs "
                    f"({len(self.reaches)} reaches up to {self.capacity} tokens)")
@@ -165,10 +169,33 @@ class DecodeSession:
         """Rank 0's (or the one rank's) choice of how a job restores the longest cached prefix of `ids`."""
         return self.timeline.plan(ids)
 
-    def run(self, job: Job, steer: Steer) -> Iterator[Restored | Prefilled | Sampled]:
-        """Run `job` (module docstring). Every step a caller reads is followed, before any other collective,
-        by `steer.proceed()`, so rank 0 can stop or abort the followers wherever its loop is. Closing the
-        generator early (rank 0's loop failed) aborts the job on every rank and resets the state."""
+    def run(self, job: Job) -> Iterator[Restored | Prefilled | Sampled]:
+        """Run `job` (module docstring); on rank 0 it is published first, so every rank runs it, a warm-up's
+        (`warming`) marked to leave nothing behind. Every step a caller reads is followed, before any other
+        collective, by rank 0's word through the job's `Steer`, so rank 0 can stop the followers (`stop`) or
+        abort them wherever its loop is: closing the steps early (rank 0's loop failed) aborts the job on
+        every rank and resets the state."""
+        if self._warming:
+            job = replace(job, commit=False, reset=True)
+        self._steer = Steer(self.world)
+        return self._steps(job, self._steer)
+
+    def stop(self) -> None:
+        """Rank 0 is done with the running job (its last token is out): every rank stops at its next step
+        and ends the job."""
+        self._steer.stop()
+
+    @contextmanager
+    def warming(self):
+        """The jobs run inside are warm-ups: real jobs end to end that leave nothing behind on any rank (not
+        filed in the prefix cache, the live state reset at their end)."""
+        self._warming = True
+        try:
+            yield
+        finally:
+            self._warming = False
+
+    def _steps(self, job: Job, steer: Steer) -> Iterator[Restored | Prefilled | Sampled]:
         world = self.world
         if world is not None and world.distributed and world.main:
             world.publish(job)
@@ -207,7 +234,7 @@ class DecodeSession:
         world = self.world
         while (job := world.next_job()) is not None:
             try:
-                for _ in self.run(job, Steer(world)):
+                for _ in self.run(job):
                     pass
             except (Aborted, RankDivergence):
                 pass
@@ -327,9 +354,7 @@ class DecodeSession:
     @torch.inference_mode()
     def forward_out(self, ids: list[int], logits: str = "all"):
         """An eager forward over `ids` at the state's length (prefill, tests, benchmarks)."""
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model.forward(tokens, self.state, logits=logits, index_keys=self.index_keys,
-                                  keep_streams=self.target.keep_streams)
+        return self.target.forward(torch.tensor(ids, dtype=torch.long, device=self.device), logits)
 
     def forward(self, ids: list[int], logits: str = "all") -> torch.Tensor:
         return self.forward_out(ids, logits).logits

@@ -25,7 +25,7 @@ from .deepseek_v41 import StaggeredBlock, moe_for
 from .rope import RopeTable
 from .runtime import Runtime
 from .state import DecodeState, new_state
-from .step import Draft
+from .step import Draft, count
 
 
 @dataclass
@@ -156,15 +156,14 @@ class DSpark:
 
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
-        the state's length advances) or a device scalar (a captured cycle: the host counts)."""
+        the state's length advances) or a device scalar (a captured cycle: the host counts): step.count."""
         n = rows.shape[0]
         m = self.main_norm(self.main_proj(rows.to(self.rt.dtype)))
         positions = start + torch.arange(n, device=rows.device)
         for stage in self.stages:
             stage.attn.write(state, m, positions)
         state.write_tokens(positions, tokens_next[:n])
-        if isinstance(start, int):
-            state.advance(n)
+        count(state, start, n)
 
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
               params: torch.Tensor, key: torch.Tensor) -> Draft:

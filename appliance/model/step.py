@@ -34,8 +34,8 @@ class Step:
 
 def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, probe: dict | None,
           bound: int | None = None) -> Step:
-    """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; the
-    caller advances the length after. Static (`start` a device scalar): no host value is read, so the call
+    """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; `finish`
+    advances the length after. Static (`start` a device scalar): no host value is read, so the call
     can be captured in a CUDA graph; the visible rows are bounded by `bound` (default: the capacity), a
     promise that no position of the call exceeds it, which the caller keeps."""
     T = tokens.numel()
@@ -54,8 +54,16 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, prob
 
 
 def finish(step: Step) -> None:
-    if step.eager:
-        step.state.advance(step.tokens.numel())
+    count(step.state, step.start, step.tokens.numel())
+
+
+def count(state: DecodeState, start, n: int) -> None:
+    """Who advances a state's length, in one place on the model's side: an eager call or write (`start` a
+    host int) counts its `n` positions here; a static one (`start` a device scalar, a captured cycle that
+    cannot know how many of its positions are kept) leaves them to the host, which counts what the cycle
+    kept from its result (DecodeSession.cycle)."""
+    if isinstance(start, int):
+        state.advance(n)
 
 
 @dataclass
