@@ -416,3 +416,25 @@ def test_bench_model_prices_a_prompts_prefill_against_its_goal(released_config):
     for c in p["chunks"].values():
         assert c["chunk_s"] == pytest.approx(sum(c["terms_s"].values()))
     assert report["anchors"]["goal_855k_ttft_s"] == 8.0
+
+
+def test_bench_prefill_prints_each_chunks_time_beside_its_count_and_the_models_price():
+    """`bench prefill`: every chunk timed; the first and the last counted on the meta build (the counts `bench
+    model --prefill` prices) beside their measured time, priced on --gpu's constants."""
+    from appliance.cli.bench import GPU_KINDS
+
+    assert set(GPU_KINDS) == set(cm.GPUS)
+    r = CliRunner().invoke(main, ["bench", "prefill", "--tokens", "40", "--chunk", "16", "--path", "fast",
+                                  "--gpu", "h200", "--json"])
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output.strip().splitlines()[-1])
+    assert [(c["start"], c["rows"]) for c in row["chunks"]] == [(0, 16), (16, 16), (32, 8)]
+    assert all(c["ms"] > 0 for c in row["chunks"]) and row["gpu"] == "h200"
+    first, last = row["counted"]
+    assert (first["start"], first["rows"], last["start"], last["rows"]) == (0, 16, 32, 8)
+    assert first["measured_ms"] == row["chunks"][0]["ms"] and last["measured_ms"] == row["chunks"][-1]["ms"]
+    for c in row["counted"]:
+        assert c["launches"] > 0 and c["bytes_read"] > 0 and c["scratch_bytes"] > 0 and c["modeled_ms"] > 0
+    assert first["flops"]["products"] > last["flops"]["products"]  # 16 rows against 8
+    r = CliRunner().invoke(main, ["bench", "prefill", "--tokens", "0"])
+    assert r.exit_code == 2 and "--tokens" in r.output

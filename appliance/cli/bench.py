@@ -12,6 +12,8 @@ from appliance.options import EXPERTS, RunOptions
 
 from .common import check_range, friendly, load, model_option, run_options
 
+# costmodel.GPUS's names, spelled here so that --help needs no torch (tests/test_cli.py holds them equal)
+GPU_KINDS = ("b300", "b200", "h200", "h100")
 CONTEXT_HELP = "context depth(s) to measure at, comma separated (1K = 1024); prefilled with random ids"
 
 
@@ -247,7 +249,7 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @model_option()
 @click.option("--devices", "n_devices", type=int, default=4, show_default=True,
               help="GPUs the model is split over (one rank each)")
-@click.option("--gpu", type=click.Choice(["b300", "b200", "h200", "h100"]), default="b300", show_default=True)
+@click.option("--gpu", type=click.Choice(GPU_KINDS), default="b300", show_default=True)
 @click.option("--draft-tokens", "k", type=int, default=0, show_default=True,
               help="drafts per cycle (0: the plain cycle only; otherwise it is modeled beside the plain one)")
 @click.option("--accepted", type=float, default=None,
@@ -425,18 +427,52 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
 @bench.command("prefill")
 @run_options(leave_out=("draft", "draft_tokens", "context", "no_graphs"))
 @click.option("--tokens", type=int, default=1024, show_default=True, help="prompt length")
+@click.option("--gpu", type=click.Choice(["auto", "none", *GPU_KINDS]), default="auto", show_default=True,
+              help="price the counted chunks on this GPU's constants beside the measured time (auto: this "
+                   "machine's GPU when the cost model knows it)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_prefill(options: RunOptions, tokens, as_json):
-    """Prefill throughput: a prompt of random ids processed in chunks of --chunk."""
+def bench_prefill(options: RunOptions, tokens, gpu, as_json):
+    """Prefill throughput: a prompt of random ids processed in chunks of --chunk, each chunk timed; the first
+    and the last chunk are also counted on the meta build (launches, collectives, bytes read, scratch: what
+    `bench model --prefill` prices) and priced on --gpu, so the measured time stands beside the model's."""
     from appliance.measure import bench as mb
+    from appliance.measure import costmodel as cm
 
-    row = mb.measure_prefill(_loop(dataclasses.replace(options, graphs=False), tokens + 8).session, tokens)
+    check_range("--tokens", tokens, 1)
+    loop = _loop(dataclasses.replace(options, graphs=False), tokens + 8)
+    row = mb.measure_prefill(loop.session, tokens)
+    world = loop.session.world.size if loop.session.world else 1
+    kind = _gpu_kind(loop.session.device) if gpu == "auto" else None if gpu == "none" else gpu
+    counted = mb.count_prefill_chunks(loop.session.cfg, options, world, row["chunks"])
+    measured = {c["start"]: c for c in row["chunks"]}
+    row["counted"] = [{"start": c["start"], "rows": c["chunk"], "measured_ms": measured[c["start"]]["ms"],
+                       "launches": c["launches_per_chunk"], "collectives": c["collectives"]["per_cycle"],
+                       "collective_bytes": c["collective_bytes"], "bytes_read": c["bytes_per_step"]["total"],
+                       "scratch_bytes": c["scratch_bytes"], "flops": c["flops"],
+                       "modeled_ms": cm.cycle_time(c, cm.GPUS[kind], world)["cycle_s"] * 1e3 if kind else None}
+                      for c in counted]
+    row["gpu"] = kind
     if as_json:
         click.echo(json.dumps(row))
-    else:
-        click.echo(f"prefill {tokens} tokens in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
-                   f"{row['tokens_per_s']:.1f} tokens/s")
+        return
+    click.echo(f"prefill {tokens} tokens in chunks of {row['chunk']}: {row['ms']:.1f} ms, "
+               f"{row['tokens_per_s']:.1f} tokens/s")
+    for c in row["counted"]:
+        modeled = f"; modeled on {kind}: {c['modeled_ms']:.2f} ms" if kind else ""
+        click.echo(f"  chunk at {c['start']} ({c['rows']} rows): measured {c['measured_ms']:.1f} ms; counted "
+                   f"{c['launches']} launches, {c['collectives']} collectives ({c['collective_bytes'] / 1e6:.1f} MB), "
+                   f"{c['bytes_read'] / 1e9:.3f} GB read, {c['scratch_bytes'] / 1e6:.1f} MB scratch{modeled}")
+
+
+def _gpu_kind(device) -> str | None:
+    """The cost model's name for this machine's GPU, None on CPU or a GPU it has no constants for."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device).lower()
+    return next((kind for kind in GPU_KINDS if kind in name), None)
 
 
 @bench.command("collectives")

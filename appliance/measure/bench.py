@@ -183,11 +183,37 @@ def measure_launch_latency(device: torch.device, launches: int = 2000) -> float 
 
 
 def measure_prefill(session, tokens: int) -> dict:
+    """A prompt of `tokens` random ids prefilled from an empty state, each chunk timed on its own (`chunks`:
+    start, rows, ms; a chunk's timer waits for the device, as the request loop's progress event does)."""
     ids = random_prompt(session.cfg.vocab_size, tokens)
     session.reset()
-    with DeviceTimer(session.device) as t:
-        session.prefill_all(ids)
-    return {"tokens": tokens, "chunk": session.chunk, "ms": t.ms, "tokens_per_s": tokens / (t.ms / 1e3)}
+    chunks = []
+    with DeviceTimer(session.device) as total:
+        session.prepare(ids)
+        steps = session.prefill(ids)
+        start = session.state.length
+        while True:
+            with DeviceTimer(session.device) as t:
+                done = next(steps, None)
+            if done is None:
+                break
+            chunks.append({"start": start, "rows": done - start, "ms": t.ms})
+            start = done
+    return {"tokens": tokens, "chunk": session.chunk, "ms": total.ms, "tokens_per_s": tokens / (total.ms / 1e3),
+            "chunks": chunks}
+
+
+def count_prefill_chunks(cfg, options, world: int, chunks: list[dict]) -> list[dict]:
+    """The first and the last of a measured prefill's `chunks` (measure_prefill) counted on the meta build of
+    the same model, split and dtype (count.count_prefill): what `bench model --prefill` prices, beside the
+    measured time."""
+    from .count import count_prefill
+    from .shapes import meta_model
+
+    mm = meta_model(cfg, options.dtype, drafter=False, world=world, experts=options.experts)
+    picked = chunks[:1] + chunks[1:][-1:]
+    state = mm.model.new_state(picked[-1]["start"] + picked[-1]["rows"], device="meta")
+    return [count_prefill(mm.model, state, c["start"], c["rows"]) for c in picked]
 
 
 def balancedness(indices: list[torch.Tensor], n_experts: int, ranks: int) -> float:
