@@ -78,9 +78,10 @@ def record(s: DecodeSession, ids: list[int]):
 
 def test_a_rewind_to_1000_random_positions_of_a_4k_state_equals_a_fresh_prefill(lm):
     # spare = stride = 128: every position lies within a ring's spare of a checkpoint, so a restore needs no
-    # prefill and 1000 of them cost copies only; the prefilling path is checked at a few positions below
+    # prefill and 1000 of them cost copies only; the prefilling path is checked at a few positions below.
+    # Chunks of 512: three of every four checkpoints are taken inside a chunk (state.RingTaps)
     n = 4096
-    s = DecodeSession(lm, RunOptions(chunk=128, checkpoint_stride=128), capacity=n, spare=128)
+    s = DecodeSession(lm, RunOptions(chunk=512, checkpoint_stride=128), capacity=n, spare=128)
     ids = ids_of(n, 0)
     rings, logits = record(s, ids)
     s.finish()  # into the host tier: positions past a rewind come back from there
@@ -122,10 +123,10 @@ def test_a_rewind_to_1000_random_positions_of_a_4k_state_equals_a_fresh_prefill(
 
 def test_rewinds_of_a_v4_state_with_overlapping_compressors_and_its_mtp_drafter_equal_a_fresh_prefill(tiny_dirs):
     # V4's compressors pool overlapping groups (their carries reach two groups back) and its indexer has a
-    # compressor of its own; the MTP drafter keeps its own ring
+    # compressor of its own; the MTP drafter keeps its own ring. Every other checkpoint inside a chunk
     v4 = load(tiny_dirs["deepseek_v4"], draft="auto")
     n = 384
-    s = DecodeSession(v4, RunOptions(draft="auto", chunk=64, checkpoint_stride=64), capacity=1024, spare=64)
+    s = DecodeSession(v4, RunOptions(draft="auto", chunk=64, checkpoint_stride=32), capacity=1024, spare=64)
     ids = ids_of(n, 7)
     rings, logits = record(s, ids)
     s.finish()
@@ -147,6 +148,29 @@ def test_rewinds_of_a_v4_state_with_overlapping_compressors_and_its_mtp_drafter_
     _, got, _ = run(RequestLoop(s, v4.tokenizer), ids[:p])
     _, want, _ = run(RequestLoop(session(v4, prefix_cache_gb=0), v4.tokenizer), ids[:p])
     assert got == want
+
+
+@pytest.mark.parametrize("draft", ["none", "dspark"])
+def test_checkpoints_inside_a_chunk_equal_those_of_a_prefill_cut_there(lm, draft):
+    """Chunks are not cut at the checkpoint stride: a checkpoint inside a chunk is made from the rings the
+    chunk writes (the target's) and from the drafter observing the chunk up to it. Every checkpoint of a
+    prompt prefilled in chunks of 96 (stride 16, most inside a chunk) equals, ring for ring and bit for bit,
+    the one a prefill in chunks of 16 takes at the same position; and so do the logits."""
+    ids = ids_of(random.randrange(150, 200), random.randrange(1 << 30))
+    made = {}
+    for chunk in (16, 96):
+        s = DecodeSession(lm, RunOptions(draft=draft, chunk=chunk, checkpoint_stride=16, prefix_cache_gb=0),
+                          capacity=256)
+        ends = list(s.prefill(ids))
+        assert ends == list(range(chunk, len(ids), chunk)) + [len(ids)]  # no chunk cut at a checkpoint
+        made[chunk] = s.timeline.ckpts, s.logits
+    (cut, cut_logits), (whole, whole_logits) = made[16], made[96]
+    assert sorted(whole) == sorted(cut) == sorted({*range(16, len(ids), 16), len(ids)})
+    assert any(name.startswith("draft.") for name in whole[16].rings) == (draft == "dspark")
+    for c in cut:
+        for name, ring in cut[c].rings.items():
+            assert torch.equal(whole[c].rings[name], ring), f"ring {name} of the checkpoint at {c}"
+    assert torch.equal(whole_logits, cut_logits)
 
 
 def run(loop, ids, n=8, rid="r"):

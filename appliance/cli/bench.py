@@ -268,7 +268,7 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
                    "longest prompt (--context, at least 855000), the time to first token of 32K, 128K, 855K "
                    "and --context token prompts")
 @click.option("--chunk", type=int, default=RunOptions.chunk, show_default=True,
-              help="with --prefill: the prefill chunk (serve's --chunk; its checkpoint stride caps it)")
+              help="with --prefill: the prefill chunk (serve's --chunk)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, prefill, chunk,

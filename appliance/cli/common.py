@@ -89,7 +89,8 @@ _DECODE_OPTIONS = [
     ("draft_tokens", lambda: click.option("--draft-tokens", type=int, default=3, show_default=True,
                                           envvar=_env("draft_tokens"), help="drafts per cycle (1..5 with DSpark)")),
     ("chunk", lambda: click.option("--chunk", type=int, default=256, show_default=True, envvar=_env("chunk"),
-                                   help="prefill chunk size (cancel and progress act between chunks)")),
+                                   help="prefill chunk: rows one forward takes, at most 4096 (cancel and progress act "
+                                        "between chunks; checkpoints are taken inside them)")),
     ("context", lambda: click.option("--context", type=int, default=None, envvar=_env("context"),
                                      help="context limit in tokens (default: the model's, capped by memory)")),
     ("no_graphs", lambda: click.option("--no-graphs", is_flag=True, envvar=_env("no_graphs"),

@@ -69,9 +69,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def take(position: int, buffers: dict[str, torch.Tensor]) -> RingSnapshot:
-    """Copy the rings `buffers` (ring_buffers) of a state at `position`."""
-    rings = {name: to_host(t) for name, t in buffers.items()}
+def take(position: int, buffers: dict[str, torch.Tensor], made: dict[str, torch.Tensor] | None = None) -> RingSnapshot:
+    """Copy the rings `buffers` (ring_buffers) of a state at `position`; `made`: host copies already made of
+    some of them as they were at `position` (a checkpoint inside a prefill chunk: state.RingTaps)."""
+    made = made or {}
+    rings = {name: made[name] if name in made else to_host(t) for name, t in buffers.items()}
     ready = None
     if any(t.device.type == "cuda" for t in buffers.values()):
         ready = torch.cuda.Event()

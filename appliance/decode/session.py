@@ -25,7 +25,7 @@ from appliance.errors import ModelLoadError, RankDivergence
 from appliance.options import RunOptions
 from graphs.graph_set import GraphSet
 
-from .checkpoint import ring_buffers
+from .checkpoint import ring_buffers, to_host
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, Target, VerifyStep, reach_for, reaches
 from .plan import COLD, Aborted, Job, Restore, Steer, Unavailable, agreement, crc, gather, gather_objects
 from .prefix_cache import PrefixCache
@@ -326,20 +326,26 @@ class DecodeSession:
         pos = self.state.length
         last = None
         chunk = chunk or self.chunk
-        cuts = self.timeline.cut_points(pos, len(ids))  # chunks end there, and a checkpoint is taken
+        points = self.timeline.cut_points(pos, len(ids))  # checkpoints there, inside a chunk or at its end
         while pos < len(ids):
             if proceed is not None and not proceed():
                 return
-            n = min(chunk, next(c for c in cuts if c > pos) - pos)
-            with self.state.committing(pos + n):
-                out = self.forward_out(ids[pos:pos + n], "last")
-            if self.spec is not None:
-                with self.spec.state.committing(pos + n):
-                    self.spec.observe(out, pos)
+            end = min(pos + chunk, len(ids))
+            if end - pos <= self.state.spare:  # a short call's kernels write the rings before attending: no taps
+                end = min(end, next(c for c in points if c > pos))
+            inside = [c for c in points if pos < c < end]
+            with self.state.committing(end), self.state.tapping(inside, to_host) as taps:
+                out = self.forward_out(ids[pos:end], "last")
+            self.timeline.extend(ids[pos:end])
+            for a, b in zip([pos, *inside], [*inside, end]):
+                if self.spec is not None:
+                    with self.spec.state.committing(b):
+                        self.spec.observe(out, pos, (a, b))
+                if b < end:
+                    self.timeline.checkpoint(b, taps.rings[b])
             last, out = out.logits[-1], None  # the chunk's outputs go before the next chunk makes its own
-            self.timeline.extend(ids[pos:pos + n])
-            pos += n
-            if pos in cuts:
+            pos = end
+            if pos in points:
                 self.timeline.checkpoint()
             yield pos
         self.logits = last

@@ -80,10 +80,14 @@ class Speculator:
             else:
                 self.state.reset()
 
-    def observe(self, out, start: int) -> None:
+    def observe(self, out, start: int, span: tuple[int, int] | None = None) -> None:
         """After an eager target forward (a prefill chunk) over positions start..start+n-1: keep their rows
-        and give the drafter every row whose next token is now known (all but the last)."""
+        and give the drafter every row whose next token is now known (all but the last). `span`: only the
+        positions span[0]..span[1]-1 of the forward (a chunk's piece up to a checkpoint inside it: the
+        drafter then holds what a chunk cut there would have left)."""
         rows = self.drafter.rows(out)
+        if span is not None:
+            rows, start = rows[span[0] - start:span[1] - start], span[0]
         n = rows.shape[0]
         device = rows.device
         self.rows.write(torch.arange(start, start + n, device=device), rows.reshape(n, -1))

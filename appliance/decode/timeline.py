@@ -15,7 +15,9 @@ A restore lands on a checkpoint position c (or on the prompt's match p itself wh
 prompt positions not prefilled. Checkpoints are taken during prefill at every multiple of the stride, at
 the match point p when the restore landed before it (a branch point: the next branch there is free), at
 the end of the prompt, during decoding at every multiple of the stride, and at the end of every request,
-when the conversation is committed to the prefix cache.
+when the conversation is committed to the prefix cache. A prefill chunk is not cut at a checkpoint: one
+inside it is made from the rings the chunk writes (state.RingTaps) and the drafter observing the chunk up
+to it, bit for bit what a chunk ending there would have left.
 
 Restores write into the existing state tensors (copy_, fill_, zero_): no buffer is rebound, so captured
 CUDA graphs replay on valid addresses.
@@ -78,13 +80,16 @@ class Timeline:
         """Ids the session just processed (a prefill chunk, a decode cycle)."""
         self.history += ids
 
-    def checkpoint(self) -> None:
-        n = self.state.length
+    def checkpoint(self, position: int | None = None, made: dict | None = None) -> None:
+        """Keep the rings at the state's length, or at `position` inside the chunk just prefilled with the
+        target's rings `made` there (state.RingTaps) and the rest as they are now (the drafter's, observed up
+        to `position`)."""
+        n = self.state.length if position is None else position
         if self.stride and n > 0 and n not in self.ckpts:
-            self.ckpts[n] = ckpt.take(n, self.buffers)
+            self.ckpts[n] = ckpt.take(n, self.buffers, made)
 
     def cut_points(self, start: int, end: int) -> list[int]:
-        """Positions in (start, end] where a prefill over ids[start:end] stops to checkpoint."""
+        """Positions in (start, end] where a prefill over ids[start:end] checkpoints."""
         cuts = {end}
         if self.stride:
             cuts.update(range((start // self.stride + 1) * self.stride, end, self.stride))

@@ -19,6 +19,7 @@ prefill (`live_buffers`); only the spare slots of a ring, which no reader reache
 """
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -98,6 +99,7 @@ class PositionRing:
         self.journal = journal
         self.fill = fill
         self.data = torch.full((size, width), fill, dtype=dtype, device=device)
+        self.tap = None  # set while a state is `tapping`: sees each write before it lands (RingTaps)
 
     def slot_positions(self, start: int) -> torch.Tensor:
         """Position held by each slot when positions [0, start) were written in order (-1 = never)."""
@@ -112,6 +114,8 @@ class PositionRing:
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows for consecutive positions (only the last `size` can survive)."""
+        if self.tap is not None:
+            self.tap(self, positions, values)
         if positions.numel() > self.size:
             positions, values = positions[-self.size:], values[-self.size:]
         slots = positions % self.size
@@ -128,6 +132,26 @@ class PositionRing:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+class RingTaps:
+    """Each ring as it was at positions inside one long call (a prefill chunk's checkpoints, `points`), made
+    from what the call writes: the ring before the call with the call's rows below the point written in.
+    `copy` moves a made ring where it is kept (host memory); `rings[point][name]` holds it. A ring the call
+    does not write has no entry: it is as it was before the call."""
+
+    def __init__(self, points: list[int], copy):
+        self.points, self.copy = points, copy
+        self.rings: dict[int, dict[str, torch.Tensor]] = {c: {} for c in points}
+
+    def take(self, name: str, ring: "PositionRing", positions: torch.Tensor, values: torch.Tensor) -> None:
+        first = int(positions[0])  # an eager call's positions, consecutive
+        for c in self.points:
+            if first < c < first + positions.numel():
+                lo = max(first, c - ring.size)
+                data = ring.data.clone()
+                data[torch.arange(lo, c, device=data.device) % ring.size] = values[lo - first:c - first].to(data.dtype)
+                self.rings[c][name] = self.copy(data)
 
 
 class RowCache:
@@ -260,6 +284,20 @@ class DecodeState:
         finally:
             self.journal.floor = 0
         self.journal_floor = max(self.journal_floor, end - self.spare)
+
+    @contextmanager
+    def tapping(self, points: list[int], copy):
+        """Inside: every ring write also makes the ring as it was at each of `points` that falls inside the
+        write (RingTaps, yielded); a long call's checkpoints without cutting the call there."""
+        taps = RingTaps(points, copy)
+        if points:
+            for name, ring in self.rings.items():
+                ring.tap = partial(taps.take, name)
+        try:
+            yield taps
+        finally:
+            for ring in self.rings.values():
+                ring.tap = None
 
     def check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
