@@ -31,7 +31,9 @@ class RunOptions:
     index_keys: str = "own"  # V4.1: own | reference (the released decode-time publication order)
     draft: str = "none"  # speculative drafting, one of DRAFTS (auto: the checkpoint's own drafter)
     draft_tokens: int = 3  # drafts per cycle
-    chunk: int = 256  # prefill chunk: cancel and progress act between chunks
+    # prefill chunk: cancel and progress act between chunks. The most rows one forward takes: on 4 x B300 a
+    # 4096-token chunk is modeled at ~0.2 s, 855K in 43 s against 81 s in chunks of 256 (BENCHMARKS.md)
+    chunk: int = MAX_CHUNK
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
     allreduce: str = "auto"  # several devices: how partial sums meet (appliance/parallel/collectives.py)

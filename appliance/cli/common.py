@@ -88,7 +88,8 @@ _DECODE_OPTIONS = [
                                         "trims each block by its confidence head)")),
     ("draft_tokens", lambda: click.option("--draft-tokens", type=int, default=3, show_default=True,
                                           envvar=_env("draft_tokens"), help="drafts per cycle (1..5 with DSpark)")),
-    ("chunk", lambda: click.option("--chunk", type=int, default=256, show_default=True, envvar=_env("chunk"),
+    ("chunk", lambda: click.option("--chunk", type=int, default=RunOptions.chunk, show_default=True,
+                                   envvar=_env("chunk"),
                                    help="prefill chunk: rows one forward takes, at most 4096 (cancel and progress act "
                                         "between chunks; checkpoints are taken inside them)")),
     ("context", lambda: click.option("--context", type=int, default=None, envvar=_env("context"),
