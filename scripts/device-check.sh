@@ -95,12 +95,16 @@ if [ $DRY = 0 ]; then
     section "3. slice: checkpoint (written on the GPU)"
     SLICE=/tmp/v41-slice
     [ -f "$SLICE/config.json" ] || run 150 $APPLIANCE tiny "$SLICE" --family deepseek_v41 --shape slice
-    MODEL=(--model "$SLICE" --devices cuda --dtype bfloat16 --path fast --chunk 2048)
+    MODEL=(--model "$SLICE" --devices cuda --dtype bfloat16 --path fast)
     section "3. slice: plain cycle with graphs at 1K and 32K"
     run 170 $APPLIANCE bench forward "${MODEL[@]}" --context 1K,32K --width 1 --repeats 20 --memory --json \
         > "$RES/forward-1.json"
     section "3. slice: DSpark k=3 cycle with graphs at 1K"
     run 120 $APPLIANCE bench forward "${MODEL[@]}" --context 1K --width 4 --repeats 20 --json > "$RES/forward-4.json"
+    section "3. slice: prefill of 8K and 32K in 4096-token chunks, each chunk beside its count and price"
+    for n in 8192 32768; do
+        run 90 $APPLIANCE bench prefill "${MODEL[@]}" --chunk 4096 --tokens $n --json > "$RES/prefill-$n.json"
+    done
 else
     MODEL=(--path fast --dtype bfloat16)
     section "3. embedded model (dry): plain cycle and a DSpark k=3 cycle, counted"
@@ -155,6 +159,12 @@ for name in ("forward-1.json", "forward-4.json"):
     if m:
         print(f"{name:<15} memory after load: {m['allocated'] / 1e9:.3f} GB, plan {m['plan'] / 1e9:.3f} GB "
               f"({m['ratio']:.3f}x)")
+for n in (8192, 32768):
+    doc = load(f"prefill-{n}.json") if (out / f"prefill-{n}.json").exists() else None
+    for c in (doc or {}).get("counted", []):
+        modeled = f", modeled on {doc['gpu']} {c['modeled_ms']:.1f} ms" if c.get("modeled_ms") else ""
+        print(f"prefill {n}: {doc['tokens_per_s']:.0f} tok/s; chunk at {c['start']} ({c['rows']} rows): measured "
+              f"{c['measured_ms']:.1f} ms, {c['launches']} launches, {c['bytes_read'] / 1e9:.2f} GB read{modeled}")
 doc = load("bench-model.json") if (out / "bench-model.json").exists() else None
 for c in (doc or {}).get("cycles", []):
     p = c["prediction"]["counted"]
