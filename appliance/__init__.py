@@ -20,7 +20,8 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
     parallel/ several devices: process group and collectives (world.py), sharding, placement
     measure/  sizes from a config (sizes.py), memory plans (memory.py), the benchmark library (bench.py), the
               cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py), an
-              agent's conversation replayed (agent.py) and the costs of prefix reuse (prefix.py)
+              agent's conversation replayed (agent.py), the costs of prefix reuse (prefix.py) and the model's
+              choices recorded from outside (selections.py: kept rows, Engram ids, routed experts)
     cli/      one module per command family; the only place that imports server/
 
     chat     -> errors

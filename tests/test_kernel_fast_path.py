@@ -31,6 +31,7 @@ import random
 import pytest
 import torch
 
+from appliance.measure.selections import index_topk, routed_experts
 from kernels import _triton
 
 from .conftest import FIXTURE, load, use_native_products
@@ -49,11 +50,14 @@ PROMPTS = 3          # fresh prompts a tolerance test may take to compare MIN_RO
 MIN_ROWS = 4         # rows before the paths' first differing choice that one prompt must reach
 
 
-def _choices(lm, probe: dict) -> dict[str, torch.Tensor]:
-    """The forward's discrete choices per row: each index's top-k selection and each layer's experts."""
-    picks = {k: v for k, v in probe.items() if "topk" in k}
-    picks.update({f"experts.{L}": layer.ffn.routing_log[0].sort(-1).values for L, layer in enumerate(lm.model.layers)})
-    return picks
+def _logits_and_choices(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One teacher-forced forward's logits and its discrete choices per row: each index's top-k selection and
+    each layer's experts (one MoE call a layer, in layer order)."""
+    with index_topk(lm.model) as kept, routed_experts(lm.model) as experts:
+        logits = lm.model.forward(tokens, lm.model.new_state(PROMPT), logits="all").logits
+    picks = {f"index_topk.{L}": rows[0] for L, rows in kept.items()}
+    picks.update({f"experts.{L}": e.sort(-1).values for L, e in enumerate(experts)})
+    return logits, picks
 
 
 @pytest.mark.parametrize("numerics, tol", [("plain", PLAIN_TOL), ("official", OFFICIAL_TOL)])
@@ -98,11 +102,7 @@ def _teacher_forced_until_the_choices_part(models: dict, seed: int) -> tuple[tor
     out, picks = {}, {}
     for path, lm in models.items():
         tokens = torch.randint(0, lm.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
-        probe = {}
-        for layer in lm.model.layers:
-            layer.ffn.routing_log = []
-        out[path] = lm.model.forward(tokens, lm.model.new_state(PROMPT), logits="all", probe=probe).logits
-        picks[path] = _choices(lm, probe)
+        out[path], picks[path] = _logits_and_choices(lm, tokens)
     same = torch.ones(PROMPT, dtype=torch.bool)
     for k, v in picks["reference"].items():
         same &= (v == picks["fast"][k]).flatten(1).all(-1)

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from appliance.measure.selections import engram_ids, index_topk
 from appliance.model.engram import EngramHash, build_token_map
 from appliance.model.step import begin
 
@@ -50,7 +51,7 @@ def test_each_segment_from_the_fixture_cuts_meets_the_float32_gate(fixture_model
     toks = expected["prompt_ids"]
     cuts = expected["cut_layers"].tolist()
     for k, first in enumerate(cuts):
-        step = begin(m.new_state(1024), toks, None, "own", None)
+        step = begin(m.new_state(1024), toks, None, "own")
         rows = m.engram_rows(step)
         last = cuts[k + 1] if k + 1 < len(cuts) else m.cfg.n_layers
         X, pre = m.run_layers(expected["cut_h"][k].clone(), expected["cut_pre_mix"][k].clone(), step, first, last,
@@ -106,11 +107,11 @@ def test_teacher_forced_decode_of_the_greedy_ids_meets_the_fixtures_soft_gate(fi
 
 def test_dumps_match_the_fixture_before_the_first_chaotic_divergence(fixture_model, expected):
     m = fixture_model.model
-    probe = {}
-    out = m.forward(expected["prompt_ids"], m.new_state(1024), probe=probe)
-    assert torch.equal(probe["engram_ids"], expected["engram_hash_ids"])
+    with engram_ids(m) as row_ids, index_topk(m) as kept:
+        out = m.forward(expected["prompt_ids"], m.new_state(1024))
+    assert torch.equal(row_ids[0], expected["engram_hash_ids"])
     for L in (2, 4, 6, 8):  # all selections agree up to position 116 (see the module docstring)
-        assert torch.equal(probe[f"index_topk.{L}"][:116].int(), expected[f"prefill_index_topk_layer{L}"][:116]), L
+        assert torch.equal(kept[L][0][:116].int(), expected[f"prefill_index_topk_layer{L}"][:116]), L
     r = rel(out.hidden[:116], expected["prefill_main_hidden"][:116]).median().item()
     assert r <= 1e-4
 

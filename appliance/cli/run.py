@@ -84,9 +84,12 @@ def score(options: RunOptions, ids_file, text, out, dump, split):
     With --dump, also the Engram row ids (engram_hash_ids [T, layers, cols]), each index-source layer's
     kept compressed positions (prefill_index_topk_layer{L} [T, k], -1 = unused) and the DSpark input per
     position (prefill_main_hidden [T, n_targets * D]), under the names of the official fixtures."""
+    from contextlib import ExitStack
+
     import torch
     from safetensors.torch import save_file
 
+    from appliance.measure.selections import engram_ids, index_topk
     from appliance.model.tokenizer import check_ids
 
     dumps = {d for d in dump.split(",") if d}
@@ -103,22 +106,20 @@ def score(options: RunOptions, ids_file, text, out, dump, split):
     state = lm.model.new_state(len(ids))
     tokens = torch.tensor(ids, device=lm.runtime.device)
     step = split if split > 0 else len(ids)
-    logits, probes, hidden = [], [], []
-    for s in range(0, len(ids), step):
-        probe = {} if dumps else None
-        with torch.inference_mode():
-            o = lm.model.forward(tokens[s:s + step], state, index_keys=options.index_keys, probe=probe)
-        logits.append(o.logits)
-        probes.append(probe)
-        hidden.append(o.hidden)
+    logits, hidden = [], []
+    with ExitStack() as recording:
+        row_ids = recording.enter_context(engram_ids(lm.model)) if "engram_ids" in dumps else []
+        kept = recording.enter_context(index_topk(lm.model)) if "index_topk" in dumps else {}
+        for s in range(0, len(ids), step):
+            with torch.inference_mode():
+                o = lm.model.forward(tokens[s:s + step], state, index_keys=options.index_keys)
+            logits.append(o.logits)
+            hidden.append(o.hidden)
     result = {"logits": torch.cat(logits).float().cpu().contiguous()}
-    if "engram_ids" in dumps and probes[0].get("engram_ids") is not None:
-        result["engram_hash_ids"] = torch.cat([p["engram_ids"] for p in probes]).contiguous()
-    if "index_topk" in dumps:
-        for key in probes[0]:
-            if key.startswith("index_topk."):
-                L = key.split(".")[1]
-                result[f"prefill_index_topk_layer{L}"] = torch.cat([p[key] for p in probes]).int().contiguous()
+    if row_ids:
+        result["engram_hash_ids"] = torch.cat(row_ids).contiguous()
+    for L, rows in kept.items():
+        result[f"prefill_index_topk_layer{L}"] = torch.cat(rows).int().contiguous()
     if "main_hidden" in dumps and hidden[0] is not None:
         result["prefill_main_hidden"] = torch.cat(hidden).float().cpu().contiguous()
     if not lm.world.main:

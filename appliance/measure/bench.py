@@ -18,6 +18,8 @@ from appliance.api import Error, Request, Sampling, Tokens
 from appliance.errors import ApplianceError
 from kernels.bench import copy_bandwidth as _copy_bandwidth
 
+from .selections import routed_experts
+
 
 def quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
@@ -232,18 +234,11 @@ def balancedness(indices: list[torch.Tensor], n_experts: int, ranks: int) -> flo
 def routed_calls(session, tokens: list[int], width: int) -> list[list[list[int]]]:
     """Route the sequence again in blocks of `width` rows (teacher-forced, no state kept): every MoE call's
     rows' selected experts, in layer order within a block (the cost model's `--routing` lines)."""
-    moes = [layer.ffn for layer in session.model.layers]
-    log: list = []
-    for moe in moes:
-        moe.routing_log = log
     state = session.model.new_state(len(tokens) + 8)
-    try:
-        t = torch.tensor(tokens, device=session.device)
+    t = torch.tensor(tokens, device=session.device)
+    with routed_experts(session.model) as log:
         for s in range(0, len(tokens) - width + 1, width):
             session.model.forward(t[s:s + width], state, logits="last")
-    finally:
-        for moe in moes:
-            moe.routing_log = None
     return [idx.tolist() for idx in log]
 
 

@@ -110,18 +110,15 @@ class MoE:
         self.experts = [expert(f"{prefix}.experts.{e}", "expert") for e in range(n_experts)]
         self.shared = expert(f"{prefix}.shared_experts", "fp8") if n_shared else None
         self.reduce = None  # split over ranks: sums the slots and shared partials (appliance/parallel/sharding.py)
-        self.routing_log: list | None = None  # when a list, each call appends its selected experts (measurement)
 
     def expand(self, x: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The sub-block: route x [T, D] (hash routing by `tokens`), the experts, and the mHC expand of their
         sum into the streams X [T, hc, D] -> X' (four launches on the fast path)."""
         hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
-        X, _, indices = self.rt.ops.ffn(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
-                                        self.route_eps, hash_idx, self.experts, self.shared, self.act_block, self.limit,
-                                        self.rt.num.official, X, post, comb, reduce=self.reduce)
-        if self.routing_log is not None:
-            self.routing_log.append(indices.cpu())
+        X, _, _ = self.rt.ops.ffn(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
+                                  self.route_eps, hash_idx, self.experts, self.shared, self.act_block, self.limit,
+                                  self.rt.num.official, X, post, comb, reduce=self.reduce)
         return X
 
 

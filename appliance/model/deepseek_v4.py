@@ -119,7 +119,7 @@ class V4Attention(AttentionProjections):
                 rows = torch.arange(comp_kv.shape[0], device=comp_kv.device)
                 comp_index = torch.where(rows.unsqueeze(0) < n_valid.unsqueeze(1), rows.unsqueeze(0), -1)
             else:
-                comp_index = self._index(x, c_q, step)
+                comp_index = self.select_rows(x, c_q, step)
         return self.attend(q, win_kv, win_index, comp_kv, comp_index, cos, sin)
 
     def _compress(self, x, step: Step, comp: Compressor, ring_name, rows_name, quant) -> None:
@@ -133,7 +133,9 @@ class V4Attention(AttentionProjections):
         row_index = torch.where(complete, row, torch.full_like(row, cache.trash))
         cache.write(row_index, quant(self.rt.ops.rope(latent, cos, sin)), step.positions)
 
-    def _index(self, x, c_q, step: Step) -> torch.Tensor:
+    def select_rows(self, x, c_q, step: Step) -> torch.Tensor:
+        """The compressed rows each query reads [T, k] (-1 = none): the indexer's keys written, then the
+        top-k of its scores."""
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
         T = x.shape[0]
         self._compress(x, step, self.index_compressor, f"index_compressor.{L}", f"index_keys.{L}",
@@ -149,8 +151,6 @@ class V4Attention(AttentionProjections):
         keys = step.state.rows[f"index_keys.{L}"].visible(step.bound)
         scores = ops.index_scores(qi, w, keys, step.positions, self.ratio, dt if self.rt.num.official else None)
         topk, _ = ops.index_select(scores, c.index_topk)
-        if step.probe is not None:
-            step.probe[f"index_topk.{L}"] = topk
         return topk
 
 
@@ -240,11 +240,10 @@ class V4Model:
         return self.head(self.hc_head.normed(X, self.norm), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None,
-                bound: int | None = None) -> Output:
+                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state."""
-        step = begin(state, tokens, start, index_keys, probe, bound)
+        step = begin(state, tokens, start, index_keys, bound)
         X = self.embed_tokens(tokens)
         for layer in self.layers:
             X = layer(X, step)

@@ -42,7 +42,7 @@ class V41Attention(AttentionProjections):
         self.kv_source = c.kv_source_of(layer)
         self.index_source = c.index_source_of(layer)
         super().__init__(rt, c, ckpt, p)
-        self.index_comm = None  # split over ranks: the ranks share a long call's queries (`_index`)
+        self.index_comm = None  # split over ranks: the ranks share a long call's queries (`select_rows`)
         blk, ab = c.weight_block, c.act_block
         self.compressor = None
         if self.kv_source == layer:
@@ -111,7 +111,7 @@ class V41Attention(AttentionProjections):
         if self.ratio == 0:
             topk, comp_kv = None, None
         else:
-            topk = self._index(qi, w, step) if index else step.topk[self.index_source]
+            topk = self.select_rows(qi, w, step) if index else step.topk[self.index_source]
             comp_kv = step.state.rows[f"kv.{self.kv_source}"].visible(step.bound)
         o = ops.attend(q, ring.data, k, positions, c.window_size, comp_kv, topk, self.sink, c.head_dim**-0.5,
                        self.p_dtype, self.rope.tables)
@@ -158,7 +158,7 @@ class V41Attention(AttentionProjections):
         previous = [s for s in c.kv_source_layers if emits(s, p - 1)]
         return previous[-1] if previous else self.kv_source
 
-    def _index(self, qi: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
+    def select_rows(self, qi: torch.Tensor, w: torch.Tensor, step: Step) -> torch.Tensor:
         """The compressed rows each query reads: the top-k of its index scores (qi [T, heads, dI] and the
         head weights w [T, heads] as attn_inputs made them). Split over ranks (`index_comm`), a call of more
         rows than a verify block scores and selects this rank's share of the queries and gathers the
@@ -180,8 +180,6 @@ class V41Attention(AttentionProjections):
         if source:
             step.candidates = made
         step.topk[L] = topk
-        if step.probe is not None:
-            step.probe[f"index_topk.{L}"] = topk
         return topk
 
 
@@ -274,10 +272,8 @@ class V41Model:
         if self.engram_hash is None:
             return {}
         layer_ids = self.cfg.engram.layer_ids
-        ids, codes, scales = self.engram_hash.lookup(self.rt.ops, step.state.tokens, step.positions,
-                                                     [self.layers[L].engram for L in layer_ids])
-        if step.probe is not None:
-            step.probe["engram_ids"] = ids.transpose(0, 1)
+        _, codes, scales = self.engram_hash.lookup(self.rt.ops, step.state.tokens, step.positions,
+                                                   [self.layers[L].engram for L in layer_ids])
         return dict(zip(layer_ids, zip(codes, scales)))
 
     def run_layers(self, X, pre, step: Step, first: int, last: int, engram_rows: dict):
@@ -291,11 +287,10 @@ class V41Model:
         return self.head(z.float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                probe: dict | None = None, keep_streams: bool = False, start: torch.Tensor | None = None,
-                bound: int | None = None) -> Output:
+                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state."""
-        step = begin(state, tokens, start, index_keys, probe, bound)
+        step = begin(state, tokens, start, index_keys, bound)
         X, pre = self.embed_tokens(tokens)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))

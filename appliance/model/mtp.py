@@ -54,7 +54,7 @@ class MTP:
 
     def _forward(self, state, streams, tokens, start) -> torch.Tensor:
         """`start` a host int: eager (must equal the state's length); a device scalar: static."""
-        step = begin(state, tokens, None if isinstance(start, int) else start, "own", None)
+        step = begin(state, tokens, None if isinstance(start, int) else start, "own")
         Y = self.block(self._inputs(streams, tokens), step)
         finish(step)
         return Y

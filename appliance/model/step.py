@@ -20,7 +20,6 @@ class Step:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
     candidates: torch.Tensor | None = None  # [T, N] bool, from the candidate source
     captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
-    probe: dict | None = None  # optional per-layer dumps (engram ids, kept rows)
 
     @property
     def decode_call(self) -> bool:
@@ -32,8 +31,7 @@ class Step:
         return isinstance(self.start, int)
 
 
-def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, probe: dict | None,
-          bound: int | None = None) -> Step:
+def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, bound: int | None = None) -> Step:
     """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; `finish`
     advances the length after. Static (`start` a device scalar): no host value is read, so the call
     can be captured in a CUDA graph; the visible rows are bounded by `bound` (default: the capacity), a
@@ -50,7 +48,7 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, prob
         if not 0 <= bound < state.capacity:
             raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
     state.write_tokens(positions, tokens)
-    return Step(state, tokens, start, positions, index_keys, bound, probe=probe)
+    return Step(state, tokens, start, positions, index_keys, bound)
 
 
 def finish(step: Step) -> None:
