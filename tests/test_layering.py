@@ -1,6 +1,7 @@
 """The import rules of the house (README, Layout), read from the source with `ast` (imports inside functions
 count too): which wing may import which, no import circles, and the one upward arrow (appliance/cli ->
-server). Also the one chat request: typed from the API edge to the chat encoder, never rebuilt as a body."""
+server). Also the one chat request: typed from the API edge to the chat encoder, never rebuilt as a body;
+and the line budgets of every wing, module and function."""
 
 import ast
 import inspect
@@ -150,6 +151,46 @@ def test_the_server_and_the_front_objects_never_import_torch():
         if part_of(name) in NO_TORCH or name.startswith("server"):
             heavy = {i for i in imports_of(name, path) if i.split(".")[0] in ("torch", "triton", "numpy")}
             assert not heavy, f"{name} imports {sorted(heavy)}"
+
+
+# Line budgets (lines of source, comments and docstrings included): a package's whole, any module, any function.
+# Kernels get more: a Triton kernel and its launcher carry long argument lists. Raising a budget is a decision
+# made here, with its reason; the request loop has its own, tighter one below.
+PACKAGE_LINES = {"appliance": 13_600, "kernels": 5_500, "server": 4_600, "graphs": 200}
+MODULE_LINES = {"kernels": 900, "appliance": 600, "server": 600, "graphs": 200}
+FUNCTION_LINES = {"kernels": 140, "appliance": 90, "server": 90, "graphs": 90}
+
+
+def over_budget(name: str, source: str) -> list[str]:
+    """What of module `name` (its source) is longer than its package allows."""
+    w = name.split(".")[0]
+    lines = source.splitlines()
+    found = [f"{name}: {len(lines)} lines > {MODULE_LINES[w]}"] if len(lines) > MODULE_LINES[w] else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n = node.end_lineno - node.lineno + 1
+            if n > FUNCTION_LINES[w]:
+                found.append(f"{name}.{node.name} (line {node.lineno}): {n} lines > {FUNCTION_LINES[w]}")
+    return found
+
+
+def test_every_package_module_and_function_keeps_its_line_budget():
+    totals = dict.fromkeys(PACKAGE_LINES, 0)
+    found = []
+    for name, path in modules().items():
+        source = path.read_text()
+        totals[name.split(".")[0]] += len(source.splitlines())
+        found += over_budget(name, source)
+    found += [f"{w}: {n} lines > {PACKAGE_LINES[w]}" for w, n in totals.items() if n > PACKAGE_LINES[w]]
+    assert not found, "\n".join(found)
+
+
+def test_the_budget_sees_a_long_module_and_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(95))
+    assert over_budget("appliance.decode.x", f"def f():\n{body}\n") == [
+        "appliance.decode.x.f (line 1): 96 lines > 90"]
+    assert over_budget("kernels.x", f"def f():\n{body}\n") == []
+    assert over_budget("server.x", "pass\n" * 601) == ["server.x: 601 lines > 600"]
 
 
 def test_the_request_loop_is_short_and_knows_no_kernels_or_graphs():
