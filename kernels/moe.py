@@ -736,15 +736,50 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
+    share = reduce.share(m) if reduce is not None else None
+    if share is not None:  # a long call: each rank sums and combines its share of the rows
+        return _combined_by_shares(o, pos, X, post, comb, shared is not None, split, reduce, share), weights, idx
     if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
         if split:
             o = reduce.sum(o)
         else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
             o[:m * top_k] = reduce.sum(o[:m * top_k])
     # (4) the sum in expert order, the shared expert, the expand
-    bd = min(pow2(d), 8192 if INTERPRET else 1024)
-    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, top_k, hc,
-                                             HAS_SHARED=shared is not None, S_ROUND=split, X_BF16=xb,
-                                             BHC=pow2(hc), BD=bd)
+    _combine(o, pos, X, post, comb, out, shared is not None, split)
     return out, weights, idx
+
+
+def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool) -> None:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand."""
+    m, hc, d = X.shape
+    bd = min(pow2(d), 8192 if INTERPRET else 1024)
+    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc,
+                                             HAS_SHARED=has_shared, S_ROUND=split,
+                                             X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
+
+
+def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, reduce, share) -> torch.Tensor:
+    """A long call's sum over ranks by rows: every rank sends each rank the partials of that rank's share of
+    the rows (their pairs in row order, then their shared rows where the shared expert is split), sums what
+    it receives in rank order (the bits of the whole sum: it is elementwise), combines its own rows and the
+    rows are gathered. A rank receives (ranks - 1) / ranks of one share's partials instead of every rank's
+    partials of every pair; the combined rows travel in X's dtype. `share`: (rows a share is padded to, this
+    rank's first row, its end)."""
+    m, k = pos.shape
+    per, lo, hi = share
+    world = reduce.world
+    rows = torch.arange(world * per, device=o.device).clamp(max=m - 1)  # padding repeats the last row
+    index = pos[rows].view(world, per * k)
+    if split:  # the shared rows are partials too
+        index = torch.cat((index, (m * k + rows).view(world, per)), dim=1)
+    summed = reduce.sum_shares(o[index])
+    n = hi - lo
+    local = summed[:n * k]  # this rank's rows' pairs, row by row; then their shared rows
+    if has_shared:
+        local = torch.cat((local, summed[per * k:per * k + n] if split else o[m * k + lo:m * k + hi]))
+    part = torch.empty((n, *X.shape[1:]), dtype=X.dtype, device=X.device)
+    if n:
+        local_pos = torch.arange(n * k, device=o.device).view(n, k)
+        _combine(local.contiguous(), local_pos, X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split)
+    return reduce.gather_rows(part, m)
 

@@ -318,7 +318,9 @@ def drive_split_specializations(failures: list):
     def four(t, out_dtype=torch.float32, round_to=None):
         return rank_sum.fast([t] * 4, out_dtype, round_to)
 
-    split = types.SimpleNamespace(sum=four, shared_split=True)  # appliance/parallel/sharding.py's
+    # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
+    # torch and the same combine kernel)
+    split = types.SimpleNamespace(sum=four, shared_split=True, share=lambda rows: None)
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
             try:

@@ -90,3 +90,36 @@ def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order()
         for rank in range(4):
             comm = Gathering(rank, full)
             assert gather_rows(comm, full[query_share(comm, rows)], rows).equal(full)
+
+
+def moe_sums_by_shares(world, seed: int) -> dict:
+    """Every rank of four: a 24-token forward on the fast path with the MoE's long-call sums by rows
+    (ExpertReduce.share) and again with the whole sums; whether the logits are the same bits."""
+    from appliance.loader import load_model
+    from appliance.options import RunOptions
+
+    lm = load_model(RunOptions(devices="cpu:4", path="fast"), notice=None, world=world)
+    ids = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(seed))
+    calls = []
+    logits = []
+    for by_shares in (True, False):
+        for layer in lm.model.layers:
+            reduce = layer.ffn.reduce
+            if by_shares:
+                sum_shares = reduce.sum_shares
+                reduce.sum_shares = lambda t, f=sum_shares: calls.append(t.shape) or f(t)
+            else:
+                reduce.share = lambda rows: None
+        logits.append(lm.model.forward(ids, lm.model.new_state(64)).logits)
+    return {"calls": len(calls), "equal": torch.equal(*logits), "rows": int(logits[0].shape[0])}
+
+
+def test_four_ranks_sum_a_long_calls_experts_by_rows_to_the_whole_sums_bits(tmp_path):
+    """A prefill chunk's MoE: each rank receives every rank's partials of its share of the rows' pairs only
+    (an all-to-all), combines those rows and gathers them: the same bits as summing every pair on every rank
+    (the rank-order adds are elementwise; a row's combine does not depend on the other rows)."""
+    from .ranks import call
+
+    for rank in call("tests.test_sharding:moe_sums_by_shares", tmp_path, world=4, timeout=600,
+                     seed=int(torch.randint(1 << 30, ()))):
+        assert rank["calls"] > 0 and rank["equal"] and rank["rows"] == 24, rank

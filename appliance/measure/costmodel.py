@@ -123,6 +123,8 @@ def moved_bytes(op: str, payload: int, world: int) -> float:
     efficiency."""
     if world <= 1:
         return 0.0
+    if "alltoall" in op:  # this rank's input holds a share for every rank: all but its own leave
+        return payload * (world - 1) / world
     return payload * 2 * (world - 1) / world if "reduce" in op else payload * (world - 1)
 
 

@@ -38,6 +38,8 @@ import torch.distributed as dist
 from appliance.errors import ApplianceError
 from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
+from appliance.model.rowsplit import ALL_ROWS, gather_rows, query_share
+from kernels import rank_sum
 
 
 class Comm:
@@ -62,6 +64,16 @@ class Comm:
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
+        rank's partial of this rank's share (the bits of `sum` on those elements: the adds are elementwise):
+        one all-to-all, then the adds in one launch."""
+        if self.check is not None:
+            self.check("all_to_all", t)
+        received = torch.empty_like(t)
+        dist.all_to_all_single(received, t.contiguous(), group=self.group)
+        return rank_sum.fast(list(received), torch.float32)
 
     def span(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n items split evenly."""
@@ -146,13 +158,32 @@ def shard_output(out: GroupedOutput, comm: Comm) -> None:
 class ExpertReduce:
     """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum`, the fast
     path's fixed-order float32 sum; `shared_split`, whether the shared expert's intermediate is split (its
-    partial is summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums."""
+    partial is summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums.
 
-    def __init__(self, sum, reference, shared_split: bool):
-        self.sum, self.reference, self.shared_split = sum, reference, shared_split
+    A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank receives every
+    rank's partials of its share of the rows' pairs (`sum_shares`, an all-to-all), combines those rows and
+    the combined rows are gathered (`gather_rows`): a quarter of the partials received, not all of them."""
+
+    def __init__(self, comm, sum, reference, shared_split: bool):
+        self.comm, self.sum, self.reference, self.shared_split = comm, sum, reference, shared_split
+        self.world = comm.world
 
     def __call__(self, outputs: torch.Tensor, shared64: torch.Tensor | None):
         return self.reference(outputs, shared64)
+
+    def share(self, rows: int) -> tuple[int, int, int] | None:
+        """(rows a share is padded to, this rank's first row, its end) of a long call; None: a decode step's
+        call, summed whole."""
+        mine = query_share(self.comm, rows)
+        if mine == ALL_ROWS:
+            return None
+        return -(-rows // self.world), mine.start, mine.stop
+
+    def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.sum_shares(t)
+
+    def gather_rows(self, part: torch.Tensor, rows: int) -> torch.Tensor:
+        return gather_rows(self.comm, part, rows)
 
 
 def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
@@ -185,7 +216,7 @@ def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
         packed = comm.all_reduce(packed)
         return packed[:, :-1].to(outputs.dtype), packed[:, -1]  # float64 slices of split experts stay unrounded
 
-    moe.reduce = ExpertReduce(comm.sum, reference, shared_split)
+    moe.reduce = ExpertReduce(comm, comm.sum, reference, shared_split)
 
 
 def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
