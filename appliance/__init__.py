@@ -10,7 +10,7 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
     chat/     DeepSeek V4 / V4.1 chat encoding (messages -> prompt text) and output parsing (pure Python)
     model/    what a checkpoint computes, in plain torch over the op registry (kernels/): config, weights,
               tokenizer, runtime, state, step, blocks, rope, compressor, engram, one file per family
-              (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py, tiny.py
+              (deepseek_v4.py, deepseek_v41.py) and per drafter (dspark.py, mtp.py), families.py
     decode/   the request loop (loop.py; chat.py: a chat request's prompt ids and output parser; text.py: the
               output's ids as text, stop strings held back), the job every rank runs and rank 0's decisions
               in it (plan.py), the decode session that owns state, speculator and graphs (session.py), the
@@ -22,10 +22,11 @@ Module map (wings by concern; the arrows are the only imports allowed, held by t
               cycle recorder (recorder.py, count.py), meta builds (shapes.py), the cost model (costmodel.py), an
               agent's conversation replayed (agent.py), the costs of prefix reuse (prefix.py) and the model's
               choices recorded from outside (selections.py: kept rows, Engram ids, routed experts)
-    cli/      one module per command family; the only place that imports server/
+    cli/      one module per command family; the only place that imports server/; tiny_checkpoint.py writes
+              tiny random checkpoints (`appliance tiny`, the tests' fixtures)
 
     chat     -> errors
-    model    -> kernels, errors, chat (tiny.py writes DeepSeek's special tokens)
+    model    -> kernels, errors
     parallel -> model
     decode   -> model, chat, graphs, kernels, api, options
     measure  -> model, parallel, kernels, api, chat (an agent's conversation for `bench agent`)

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
-    from appliance.model.tiny import FAMILIES, write_tiny
+    from appliance.cli.tiny_checkpoint import FAMILIES, write_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {f: write_tiny(root / f, f, seed=0) for f in FAMILIES}

@@ -336,12 +336,12 @@ def drive_cycles(failures: list, violations: list):
     would: twice to warm up, then under the guard (and under it again for every later replay)."""
     import graphs.runner
     from appliance.api import Request
+    from appliance.cli.tiny_checkpoint import write_tiny
     from appliance.decode.loop import RequestLoop
     from appliance.decode.session import DecodeSession
     from appliance.decode.speculator import Speculator
     from appliance.loader import load_model
     from appliance.measure.recorder import Recorder
-    from appliance.model.tiny import write_tiny
     from appliance.options import RunOptions
 
     class CheckedRunner:

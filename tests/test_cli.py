@@ -95,8 +95,8 @@ def test_tiny_writes_a_checkpoint_every_command_can_use(tmp_path, family):
 
 
 def test_the_embedded_default_model_is_what_appliance_tiny_writes_with_seed_0(tmp_path):
+    from appliance.cli.tiny_checkpoint import write_tiny
     from appliance.loader import default_model_dir
-    from appliance.model.tiny import write_tiny
 
     write_tiny(tmp_path, "deepseek_v41", seed=0)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -22,7 +22,7 @@ ALLOWED = {
     "appliance.api": {"appliance.errors"},
     "appliance.options": {"appliance.errors"},
     "appliance.chat": {"appliance.errors", "appliance.api"},  # api: the ChatRequest it encodes, roles, limits
-    "appliance.model": {"appliance.errors", "appliance.chat", "kernels"},
+    "appliance.model": {"appliance.errors", "kernels"},
     # kernels: the sums over ranks are a kernel's (kernels/rank_sum.py), launched by the collectives
     "appliance.parallel": {"appliance.errors", "appliance.model", "kernels"},
     "appliance.decode": {"appliance.api", "appliance.errors", "appliance.options", "appliance.model",
@@ -133,6 +133,15 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_wing_imports_only_what_the_layout_allows():
     assert forbidden_imports(graph()) == []
+
+
+def test_the_model_wing_imports_nothing_of_the_chat_wing():
+    """What a checkpoint computes knows no chat encoding: the tiny checkpoints, whose tokenizer carries the chat
+    tokens, are written beside the CLI (appliance/cli/tiny_checkpoint.py)."""
+    edges = graph()
+    into_chat = [f"{n} -> {t}" for n in sorted(edges) if wing(n) == "appliance.model"
+                 for t in sorted(edges[n]) if wing(t) == "appliance.chat"]
+    assert into_chat == []
 
 
 def test_there_are_no_import_circles():

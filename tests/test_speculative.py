@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from appliance.api import Request, Sampling
-from appliance.model.tiny import write_tiny
+from appliance.cli.tiny_checkpoint import write_tiny
 from kernels import sampling as sampler
 
 from .conftest import load, open_loop

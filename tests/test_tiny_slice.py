@@ -3,7 +3,7 @@ writer may meet a host tensor there (the writer runs here on the meta device, wh
 
 import torch
 
-from appliance.model import tiny
+from appliance.cli import tiny_checkpoint as tiny
 
 
 def test_the_slice_writer_keeps_every_tensor_on_the_generators_device(monkeypatch, tmp_path):

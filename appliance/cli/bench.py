@@ -41,10 +41,12 @@ def _loop(options: RunOptions, capacity: int, lm=None):
 
 
 def _report(rows: list[dict], cfg, bandwidth, as_json: bool, extra: dict | None = None):
+    from appliance.measure.shapes import meta_model
     from appliance.measure.sizes import step_bytes
 
+    mm = meta_model(cfg)
     for r in rows:
-        b = step_bytes(cfg, r["context"])
+        b = step_bytes(mm, r["context"])
         r["bytes_per_step"] = b
         if bandwidth:
             r["copy_bandwidth_GBps"] = bandwidth / 1e9

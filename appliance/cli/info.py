@@ -33,11 +33,13 @@ def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, chunk, as
     from appliance.loader import default_model_dir
     from appliance.measure import sizes as inf
     from appliance.measure.memory import fast_path_plan, parse_bytes
+    from appliance.measure.shapes import meta_model
     from appliance.model.config import load_config, summary
 
     cfg = load_config(model_dir or default_model_dir())
-    report = {"config": summary(cfg), "layers": inf.layer_roles(cfg), "weights": inf.weight_bytes(cfg),
-              "state": inf.state_bytes(cfg)}
+    mm = meta_model(cfg, dtype)  # the whole checkpoint, drafter included
+    report = {"config": summary(cfg), "layers": inf.layer_roles(cfg), "weights": inf.weight_bytes(mm),
+              "state": inf.state_bytes(mm)}
     if (n_devices is None) != (gpu_memory is None):
         raise ApplianceError("give --devices and --gpu-memory together for a memory plan", field="devices")
     if n_devices is not None:
@@ -54,7 +56,8 @@ def info(model_dir, n_devices, gpu_memory, context, dtype, no_drafter, chunk, as
         report["plan"] = {"devices": n_devices, "gpu_memory": capacity, "context": ctx, "dtype": dtype, "chunk": chunk,
                           "drafter": not no_drafter, "fits": plan.fits, "per_rank": plan.parts,
                           "total_per_rank": plan.total, "free_per_rank": capacity - plan.total, **plan.details,
-                          "weights_per_rank": inf.rank_weights(cfg, n_devices)}
+                          "weights_per_rank": inf.rank_weights(meta_model(cfg, dtype, drafter=not no_drafter,
+                                                                            world=n_devices))}
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
         return
@@ -87,7 +90,8 @@ def _print_info(cfg, report, human):
     click.echo("  where: " + ", ".join(f"{k} {human(v)}" for k, v in w["by_where"].items()))
     s = report["state"]
     click.echo(f"decode state per token of context: {s['per_token_packed']:.1f} B packed "
-               f"({s['per_token_reference_bf16']:.1f} B as bf16 rows); constant {human(s['constant_packed'])} packed")
+               f"({s['per_token_held']:.1f} B as held in {s['dtype']}); constant {human(s['constant_packed'])} packed "
+               f"({human(s['constant_held'])} held)")
     plan = report.get("plan")
     if plan:
         click.echo(f"memory plan per rank: {plan['devices']} x {human(plan['gpu_memory'])}, context {plan['context']}, "

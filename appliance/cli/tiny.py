@@ -20,7 +20,7 @@ from .common import friendly
 @friendly
 def tiny(out_dir, family, seed, shape):
     """Write a tiny random checkpoint (official names and formats, FP8/FP4, tokenizer.json) to OUT_DIR."""
-    from appliance.model.tiny import write_tiny
+    from .tiny_checkpoint import write_tiny
 
     out = write_tiny(out_dir, family, seed, shape=shape)
     click.echo(f"wrote a tiny {family} checkpoint to {out}", err=True)

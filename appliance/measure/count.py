@@ -36,7 +36,7 @@ from appliance.parallel.placement import HOST_TABLE_BYTES
 from kernels._triton import MMA_ROWS
 
 from .recorder import LiveBytes, Recorder, unique_violations
-from .sizes import inventory, split_share
+from .shapes import meta_model, rank_shares
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
@@ -467,15 +467,18 @@ _EMBEDDINGS = ("embed.weight", "markov_head.embed.weight", "markov_head.markov_w
 def ideal_bytes(cfg: ModelConfig, world: int, width: int, drafting: bool, routed: int, selected_rows: int,
                 state, context: int, draft_state=None) -> dict:
     """What one cycle must read at least (see the module docstring), this rank's share; `routed` and
-    `selected_rows`: the routed experts' and the selected compressed rows' bytes, as counted."""
-    ckpt = inventory(cfg)
+    `selected_rows`: the routed experts' and the selected compressed rows' bytes, as counted. A rank's
+    share of each weight is what the split (appliance/parallel/sharding.py) leaves it of a meta build."""
+    whole = meta_model(cfg)
+    shares = rank_shares(whole, world)
+    ckpt = whole.checkpoint
     weights = gathered = 0.0
     for name, (_, shape) in ckpt.tensors.items():
         if ".engram.embed." in name or (name.startswith("mtp.") and not drafting):
-            continue
+            continue  # Engram's rows: as gathered (below)
         if ".experts." in name and ".shared_experts." not in name:
             continue  # routed: as counted
-        n = ckpt.nbytes(name) * split_share(name, world)
+        n = ckpt.nbytes(name) * shares[name]
         if name.endswith(_EMBEDDINGS):
             gathered += width * n / shape[0]
         else:

@@ -3,19 +3,25 @@ device? The plan names every part in bytes; a plan that does not fit names the l
 shortfall. The engine's maximum context is the config's, capped by what the plan lets fit.
 
 `fast_path_plan` is the truthful plan: the fast path built on the meta device from the config (shapes.py)
-and warmed up by one cycle, then every tensor it holds counted once: the weights in their stored format,
-the copies the load and the first cycle make (float copies of dense weights, caches of the kernels), the
-decode states of the target and the drafter as allocated for the context, and the RoPE tables (cos and sin
-of every position of the context, which V4.1's fused kernels read). `live_bytes` measures what a
-process really holds (every live tensor, each storage's reachable bytes once), to check the plan against
+and warmed up by one cycle (`warm_meta_model`), then every tensor it holds counted once: the weights in
+their stored format, the copies the load and the first cycle make (float copies of dense weights, caches
+of the kernels), the decode states of the target and the drafter as allocated for the context, and the
+RoPE tables (cos and sin of every position of the context, which V4.1's fused kernels read). `live_bytes`
+measures what a process really holds (every live tensor, each storage's reachable bytes once), to check the plan against
 a real load (tests/test_memory_plan.py).
 """
 
 import os
 from dataclasses import dataclass
 
+import torch
+
 from appliance.errors import MemoryPlanError
 from appliance.parallel.sharding import largest_sum, verify_rows
+
+from .count import DeclaredReads, count_prefill, last_chunk_start
+from .recorder import Recorder
+from .shapes import META, MetaModel, live_bytes, live_spans, meta_model, resident
 
 GRAPH_BUFFERS = 64 << 20  # static inputs/outputs and scratch of the captured decode cycle (upper estimate)
 HEADROOM = 0.08  # of device memory, for the allocator, NCCL and the CUDA context
@@ -76,8 +82,6 @@ def state_cost(lm, spare: int = 16) -> tuple[float, int]:
 def memory_budget(device) -> int:
     """Bytes the decode state may take on `device` now that the weights are loaded: the free device memory
     less graph buffers and headroom on CUDA; half the host memory on the CPU."""
-    import torch
-
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, free - GRAPH_BUFFERS - int(total * HEADROOM))
@@ -111,8 +115,6 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
     first cycle's caches, the target's and drafter's decode state for `context` positions, graph buffers
     and headroom (`graphs`: on a GPU; both 0 for a CPU plan); with `chunk`, the scratch a prefill in chunks
     of that size needs at its last chunk, the largest (`prefill_scratch`)."""
-    from .shapes import warm_meta_model
-
     mm, held = warm_meta_model(cfg, dtype, world, drafter)
     tables = rope_tables(mm.model)
     warm_tables = sum(t.tables[0].shape[0] * t.bytes_per_position for t in tables)  # before state_cost grows them
@@ -138,11 +140,44 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
     return plan
 
 
+def warm_meta_model(cfg, dtype: str = "bfloat16", world: int = 1,
+                    drafter: bool = True) -> tuple[MetaModel, dict]:
+    """`meta_model`, after one forward of the backbone and one draft (the first calls make the kernels'
+    caches: router weights in their narrowest exact dtype, expert address tables), and what it holds:
+    `resident`'s parts, with `copies` raised to every live tensor the build and the warm-up left that is
+    neither a stored weight nor a host table (caches the model does not reach are counted too)."""
+    baseline = live_spans("meta")
+    mm = meta_model(cfg, dtype, world=world, drafter=drafter)
+    rec = Recorder(meta=True, recording=False)
+    with torch.inference_mode(), rec, DeclaredReads(mm.runtime, rec, meta=True).installed():
+        _warm_up(mm)
+    held = resident(mm.model, mm.drafter, provided=mm.checkpoint.provided)
+    everything = live_bytes("meta", baseline)
+    held["copies"] = max(held["copies"], everything - held["stored"] - held["host"])
+    return mm, held
+
+
+def _warm_up(mm: MetaModel) -> None:
+    long = dict(dtype=torch.long, device=META)
+    state = mm.model.new_state(64, 16, device=META)
+    start = torch.zeros((), **long)
+    tokens = torch.zeros(2, **long)
+    keep = mm.drafter is not None and mm.drafter.kind == "mtp"
+    with state.journal.off():  # as a decode cycle runs (no host read of a position)
+        mm.model.forward(tokens, state, logits="all", start=start, bound=63, keep_streams=keep)
+    if mm.drafter is not None:
+        d = mm.drafter
+        dstate = d.new_state(64, 16, device=META)
+        row = torch.zeros(d.row_shape, dtype=mm.runtime.dtype, device=META)
+        params = torch.zeros(3, dtype=torch.float32, device=META)
+        key = torch.zeros(2, **long)
+        with dstate.journal.off():
+            d.draft(dstate, start + 1, tokens[:1], row, 1, params, key)
+
+
 def prefill_scratch(mm, context: int, chunk: int) -> int:
     """The most bytes a prefill chunk's own tensors hold at once (count.count_prefill's `scratch_bytes`) at
     the last chunk of a `context`-token prompt, where the indexer's scores are widest, on the meta build."""
-    from .count import count_prefill, last_chunk_start
-
     chunk = min(chunk, context)
     start = last_chunk_start(context, chunk)
     state = mm.model.new_state(start + chunk, device="meta")

@@ -13,9 +13,11 @@ model holds.
   placement (appliance/parallel/placement.py moves each tensor object separately, so a view costs its own
   elements): stored-format weights (what the checkpoint provided), copies made from them (float copies,
   transposes), tables left in host memory.
+- `weights` reads off a build what it holds of each checkpoint tensor, and where; `rank_shares`, the share
+  of each one rank of a split build holds.
 - `live_bytes` measures what a process holds: every live tensor (the garbage collector's list), each
-  storage's reachable bytes once; `warm_meta_model` uses it on the meta device after a warm-up forward, so
-  that the kernels' caches (made on a first call, held outside the model) are counted too.
+  storage's reachable bytes once (memory.py's `warm_meta_model` uses it on the meta device after a warm-up
+  forward, so that the kernels' caches, made on a first call and held outside the model, are counted too).
 """
 
 import gc
@@ -28,7 +30,7 @@ from appliance.model.engram import EngramHash
 from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
-from appliance.parallel.placement import HOST_TABLE_BYTES, place
+from appliance.parallel.placement import place, stays_on_host
 from appliance.parallel.sharding import Comm, shard
 from kernels import rank_sum
 from kernels.linear import PackedWeight
@@ -42,17 +44,21 @@ _DTYPES = {"I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.fl
 
 
 class MetaCheckpoint(ShapeCheckpoint):
-    """A shape-only checkpoint that returns meta tensors in the official storage dtypes; `provided` holds
-    the storages it handed out (the stored-format weights)."""
+    """A shape-only checkpoint that returns meta tensors in the official storage dtypes; `provided` maps
+    the storages it handed out (the stored-format weights) to their checkpoint names."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.provided: set[int] = set()
+        self.provided: dict[int, str] = {}
+        # the storages themselves (not tensors: live_spans counts none of them): a storage the model drops
+        # (a norm weight it keeps as a float32 copy) must not free its key for a copy made later to reuse
+        self._storages: list = []
 
     def _meta(self, name: str) -> torch.Tensor:
         dtype, shape = self.tensors[name]
         t = torch.empty(shape, dtype=_DTYPES[dtype], device=META)
-        self.provided.add(storage_key(t))
+        self.provided[storage_key(t)] = name
+        self._storages.append(t.untyped_storage())
         return t
 
     def tensor(self, name, shape, dtypes=(torch.bfloat16,)):
@@ -155,43 +161,6 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
     return MetaModel(cfg, model, d, rt, ckpt, world=_World(rank, world), capture_blockers=blockers)
 
 
-def warm_meta_model(cfg: ModelConfig, dtype: str = "bfloat16", world: int = 1,
-                    drafter: bool = True) -> tuple[MetaModel, dict]:
-    """`meta_model`, after one forward of the backbone and one draft (the first calls make the kernels'
-    caches: router weights in their narrowest exact dtype, expert address tables), and what it holds:
-    `resident`'s parts, with `copies` raised to every live tensor the build and the warm-up left that is
-    neither a stored weight nor a host table (caches the model does not reach are counted too)."""
-    baseline = live_spans("meta")
-    mm = meta_model(cfg, dtype, world=world, drafter=drafter)
-    from .count import DeclaredReads
-
-    rec = Recorder(meta=True, recording=False)
-    with torch.inference_mode(), rec, DeclaredReads(mm.runtime, rec, meta=True).installed():
-        _warm_up(mm)
-    held = resident(mm.model, mm.drafter, provided=mm.checkpoint.provided)
-    everything = live_bytes("meta", baseline)
-    held["copies"] = max(held["copies"], everything - held["stored"] - held["host"])
-    return mm, held
-
-
-def _warm_up(mm: MetaModel) -> None:
-    long = dict(dtype=torch.long, device=META)
-    state = mm.model.new_state(64, 16, device=META)
-    start = torch.zeros((), **long)
-    tokens = torch.zeros(2, **long)
-    keep = mm.drafter is not None and mm.drafter.kind == "mtp"
-    with state.journal.off():  # as a decode cycle runs (no host read of a position)
-        mm.model.forward(tokens, state, logits="all", start=start, bound=63, keep_streams=keep)
-    if mm.drafter is not None:
-        d = mm.drafter
-        dstate = d.new_state(64, 16, device=META)
-        row = torch.zeros(d.row_shape, dtype=mm.runtime.dtype, device=META)
-        params = torch.zeros(3, dtype=torch.float32, device=META)
-        key = torch.zeros(2, **long)
-        with dstate.journal.off():
-            d.draft(dstate, start + 1, tokens[:1], row, 1, params, key)
-
-
 @dataclass
 class _World:
     rank: int
@@ -206,15 +175,23 @@ class _World:
         return self.rank == 0
 
 
-def resident(*roots, provided: set[int] | None = None) -> dict:
+def resident(*roots, provided: dict[int, str] | None = None) -> dict:
     """Bytes of every tensor reachable from `roots` (attributes, lists, tuples, dicts), each tensor object
     once at its own size (a view costs its elements, as after placement on a device): `stored` (storages
     in `provided`: the checkpoint's tensors in their stored format), `copies` (everything else: float
     copies, transposes, tables made at load), `host` (the Engram tables placement leaves in host memory),
-    and the largest copies by attribute path."""
+    the largest copies by attribute path, and `by_name`: of each checkpoint tensor in `provided` the roots
+    hold, the bytes they hold (a split model's rank: its slices) and where (placement.py: "device" or
+    "host")."""
     seen: set[int] = set()
     out = {"stored": 0, "copies": 0, "host": 0}
     copies: dict[str, int] = {}
+    by_name: dict[str, tuple[int, str]] = {}
+
+    def hold(t: torch.Tensor, where: str) -> None:
+        name = (provided or {}).get(storage_key(t))
+        if name is not None:
+            by_name[name] = (by_name.get(name, (0, where))[0] + nbytes(t), where)
 
     def visit(obj, path: str, depth: int):
         if depth > 12 or obj is None or isinstance(obj, (str, int, float, bool, torch.device, torch.dtype)):
@@ -226,6 +203,7 @@ def resident(*roots, provided: set[int] | None = None) -> dict:
             n = nbytes(obj)
             if provided is not None and storage_key(obj) in provided:
                 out["stored"] += n
+                hold(obj, "device")
             else:
                 out["copies"] += n
                 key = _shape_path(path)
@@ -240,21 +218,52 @@ def resident(*roots, provided: set[int] | None = None) -> dict:
                 visit(v, f"{path}.{k}", depth + 1)
             return
         attrs = vars(obj) if hasattr(obj, "__dict__") else {}
-        host = getattr(obj, "HOST_TENSORS", ())
         for name, value in attrs.items():
             if name in ("rt", "cfg", "gen", "lm", "_dense64"):  # back references; lazy caches (below)
                 continue
-            if name in host and isinstance(value, torch.Tensor) and nbytes(value) > HOST_TABLE_BYTES:
+            if stays_on_host(obj, name, value):
                 if id(value) not in seen:
                     seen.add(id(value))
                     out["host"] += nbytes(value)
+                    hold(value, "host")
                 continue
             visit(value, f"{path}.{name}", depth + 1)
 
     for i, root in enumerate(roots):
         visit(root, type(root).__name__ if root is not None else f"root{i}", 0)
     out["largest_copies"] = dict(sorted(copies.items(), key=lambda kv: -kv[1])[:8])
+    out["by_name"] = by_name
     return out
+
+
+@dataclass
+class Weight:
+    """One checkpoint tensor, and what one rank of a built model holds of it."""
+
+    dtype: str  # the stored dtype (safetensors name)
+    whole: int  # bytes in the checkpoint
+    # bytes of it the rank holds in the stored format: its slice of a split tensor; 0 where the model keeps
+    # only a copy made at load (norm weights in float32) or, with whole experts, another rank's expert
+    held: int
+    where: str  # "device", or "host" for a table placement leaves memory-mapped in host memory
+
+
+def weights(mm: MetaModel) -> dict[str, Weight]:
+    """Every tensor the model (and its drafter) reads, by checkpoint name, as `mm` holds it."""
+    held = resident(mm.model, mm.drafter, provided=mm.checkpoint.provided)["by_name"]
+    ckpt = mm.checkpoint
+    return {name: Weight(dtype, ckpt.nbytes(name), *held.get(name, (0, "device")))
+            for name, (dtype, _) in ckpt.tensors.items()}
+
+
+def rank_shares(mm: MetaModel, world: int) -> dict[str, float]:
+    """The share of each checkpoint tensor one of `world` ranks holds, as the split (sharding.py) of a meta
+    build leaves it against the single-device build `mm`: 1/world of what it divides, 1 of what it
+    replicates. A tensor the model keeps only as a copy made at load (norm weights) counts as replicated:
+    the split slices the checkpoint's tensors, never those copies."""
+    whole = weights(mm)
+    split = weights(meta_model(mm.cfg, world=world)) if world > 1 else whole
+    return {name: split[name].held / w.held if w.held else 1.0 for name, w in whole.items()}
 
 
 def _shape_path(path: str) -> str:

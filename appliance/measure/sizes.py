@@ -1,40 +1,51 @@
 """What a model is and what it weighs, from its config alone: architecture, layer roles, weight bytes by
-dtype and by where they live, and decode-state bytes per token of context (packed formats, as the
-kernels store them, and as the reference path holds them)."""
+dtype, by part and by where they live, and decode-state bytes per token of context (packed formats, as
+the kernels of the official release store them, and as this engine holds them).
+
+Every fact is read off the fast path built on the meta device (shapes.py `meta_model`), so the code that
+owns it decides: which tensors the model reads in which stored format (the build), what one rank holds of
+each (the split of appliance/parallel/sharding.py applied to that build), which tables stay in host memory
+(appliance/parallel/placement.py), and which buffers the decode state has at which widths (the model's and
+the drafter's `new_state`). Only the packed row formats are stated here (`packed_row`): the state holds
+its rows fake-quantized to them, in the run's dtype."""
 
 from collections import defaultdict
 
 from appliance.model.config import ModelConfig, V4Config, V41Config
-from appliance.model.families import build_drafter, build_model
-from appliance.model.runtime import make_runtime
-from appliance.model.weights import ShapeCheckpoint
+
+from .memory import state_cost
+from .shapes import MetaModel, weights
 
 
-def inventory(cfg: ModelConfig) -> ShapeCheckpoint:
-    """Every tensor the model (and its drafter) reads, by building it on a shape-only checkpoint."""
-    ckpt = ShapeCheckpoint(cfg)
-    rt = make_runtime("official", "float32", "reference")
-    build_drafter(cfg, ckpt, rt, build_model(cfg, ckpt, rt))
-    return ckpt
-
-
-def where(name: str) -> str:
-    """Engram tables stay memory-mapped in host memory; everything else is on the device."""
-    return "host" if ".engram.embed." in name else "device"
-
-
-def weight_bytes(cfg: ModelConfig) -> dict:
-    ckpt = inventory(cfg)
+def weight_bytes(mm: MetaModel) -> dict:
+    """The checkpoint's bytes by stored dtype, by where they live and by part (`mm`: a single-device build)."""
     by_dtype: dict[str, int] = defaultdict(int)
     by_where: dict[str, int] = defaultdict(int)
     by_part: dict[str, int] = defaultdict(int)
-    for name, (dtype, _) in ckpt.tensors.items():
-        n = ckpt.nbytes(name)
-        by_dtype[dtype] += n
-        by_where[where(name)] += n
-        by_part[_part(name)] += n
+    table = weights(mm)
+    for name, w in table.items():
+        by_dtype[w.dtype] += w.whole
+        by_where[w.where] += w.whole
+        by_part[_part(name)] += w.whole
     return {"total": sum(by_dtype.values()), "by_dtype": dict(by_dtype), "by_where": dict(by_where),
-            "by_part": dict(sorted(by_part.items(), key=lambda kv: -kv[1])), "tensors": len(ckpt.tensors)}
+            "by_part": dict(sorted(by_part.items(), key=lambda kv: -kv[1])), "tensors": len(table)}
+
+
+def rank_weights(mm: MetaModel) -> dict:
+    """Weight bytes one rank of `mm` (split or not) holds on its device in their stored format, by dtype and
+    by part (the plan's `weights`; copies made at load are the plan's `float_copies_and_caches`), and the
+    Engram tables it leaves in host memory (memory-mapped once per box)."""
+    by_dtype: dict[str, int] = defaultdict(int)
+    by_part: dict[str, int] = defaultdict(int)
+    host = 0
+    for name, w in weights(mm).items():
+        if w.where == "host":
+            host += w.held
+            continue
+        by_dtype[w.dtype] += w.held
+        by_part[_part(name)] += w.held
+    return {"total": sum(by_dtype.values()), "by_dtype": dict(by_dtype),
+            "by_part": dict(sorted(by_part.items(), key=lambda kv: -kv[1])), "host_engram_tables": host}
 
 
 def _part(name: str) -> str:
@@ -49,39 +60,43 @@ def _part(name: str) -> str:
     return "norms + mHC"
 
 
-def state_bytes(cfg: ModelConfig, spare: int = 16) -> dict:
-    """Decode-state bytes: `per_token` grows with the context; `constant` is the rings and carries."""
-    hd, r, ihd, w = cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim, cfg.window_size
-    per_token_packed = per_token_ref = 0.0
-    constant_packed = constant_ref = 0
-    n_rings = cfg.n_layers + (cfg.dspark.n_stages if cfg.dspark else (1 if cfg.n_mtp_layers else 0))
+def packed_row(cfg: ModelConfig, buffer: str, width: int) -> int:
+    """Bytes of one `width`-wide row of the decode state's buffer `buffer` (its name in the state) in the
+    packed format of the official kernels, which the model's fake quantization rounds it to. The
+    compressors' carries are float32 projections in either."""
+    kind = buffer.partition(".")[0]
+    if kind in ("compressor", "index_compressor"):
+        return 4 * width
+    if kind == "index_keys":
+        return width // 2 + width // 32  # FP4 codes + E8M0 per 32
     if isinstance(cfg, V41Config):
-        kv_row, index_row = hd // 2 + hd // 16, ihd // 2 + ihd // 32  # FP4 codes + e4m3 / E8M0 scales
-        for s in cfg.kv_source_layers:
-            m = cfg.compress_ratios[s]
-            per_token_packed += (kv_row + index_row) / m
-            per_token_ref += (hd + ihd) * 2 / m
-            if m > 1:
-                constant_ref += (m + spare) * 2 * hd * 4
-        ring_row = hd + hd // 32  # FP8 + E8M0 per 32
-    else:
-        kv_row = (hd - r) + 2 * r + (hd - r) // 64  # FP8 nope + bf16 RoPE dims + E8M0 per 64
-        index_row = ihd // 2 + ihd // 32
-        for L, kind in enumerate(cfg.layer_kinds):
-            m = cfg.compress_ratios[L]
-            if kind == "csa":
-                per_token_packed += (kv_row + index_row) / m
-                per_token_ref += (hd + ihd) * 2 / m
-                constant_ref += (2 * m + spare) * 2 * (2 * hd + 2 * ihd) * 4
-            elif kind == "hca":
-                per_token_packed += kv_row / m
-                per_token_ref += hd * 2 / m
-                constant_ref += (m + spare) * 2 * hd * 4
-        ring_row = kv_row
-    constant_packed = n_rings * w * ring_row
-    constant_ref += n_rings * (w + spare) * hd * 2
-    return {"per_token_packed": per_token_packed, "per_token_reference_bf16": per_token_ref,
-            "constant_packed": constant_packed, "constant_reference_bf16": constant_ref}
+        if kind == "kv":
+            return width // 2 + width // 16  # FP4 codes + e4m3 per 16
+        return width + width // 32  # window keys (the drafter's too): FP8 + E8M0 per 32, all dims
+    r = cfg.rope_head_dim
+    return (width - r) + 2 * r + (width - r) // 64  # FP8 non-RoPE dims + bf16 RoPE dims + E8M0 per 64
+
+
+def _states(mm: MetaModel, capacity: int, spare: int = 16) -> list:
+    states = [mm.model.new_state(capacity, spare, device="meta")]
+    if mm.drafter is not None:
+        states.append(mm.drafter.new_state(capacity, spare, device="meta"))
+    return states
+
+
+def state_bytes(mm: MetaModel) -> dict:
+    """Decode-state bytes of the target and its drafter: `per_token_packed`, the compressed rows (KV and
+    index keys, token ids aside) in the packed formats; `constant_packed`, the rings at the positions their
+    readers reach; and both as `mm`'s run holds them (`state_cost`: ids, trash rows and the rings' rewind
+    slack included, in its dtype)."""
+    per_token = constant = 0.0
+    for state in _states(mm, 1 << 12):
+        per_token += sum(packed_row(mm.cfg, name, rows.data.shape[1]) / rows.ratio for name, rows in state.rows.items())
+        constant += sum(ring.reach * packed_row(mm.cfg, name, ring.data.shape[1]) for name, ring in state.rings.items())
+    held_per_token, held_constant = state_cost(mm)
+    dtype = str(mm.runtime.dtype).removeprefix("torch.")
+    return {"per_token_packed": per_token, "constant_packed": int(constant), "dtype": dtype,
+            "per_token_held": held_per_token, "constant_held": held_constant}
 
 
 def layer_roles(cfg: ModelConfig) -> list[dict]:
@@ -118,75 +133,41 @@ def human(n: float) -> str:
     return f"{n}"
 
 
-def step_bytes(cfg: ModelConfig, context: int) -> dict:
-    """Bytes one decode step (one token) reads at a context depth, packed formats: every weight except the
-    routed experts (only the selected k per layer) and the drafter, the Engram rows it gathers, and the
-    decode state it reads (window rings, the selected compressed rows, every index key it scores, every
-    visible HCA row)."""
-    ckpt = inventory(cfg)
-    weights = 0
-    for name in ckpt.tensors:
-        if name.startswith("mtp.") or ".engram.embed." in name:
+def step_bytes(mm: MetaModel, context: int) -> dict:
+    """Bytes one decode step (one token) of the single-device build `mm` reads at a context depth, packed
+    formats: every weight on the device except the routed experts (only the selected k per layer) and the
+    drafter, the Engram rows it gathers, and the decode state it reads (window rings, the selected
+    compressed rows, every index key it scores, every visible HCA row)."""
+    cfg = mm.cfg
+    weights_read = 0.0
+    for name, w in weights(mm).items():
+        part = _part(name)
+        if part == "drafter" or ".engram.embed." in name:  # Engram's tables: the rows gathered, wherever they live
             continue
-        n = ckpt.nbytes(name)
-        if ".experts." in name and ".shared_experts." not in name:
-            n = n * cfg.n_activated_experts / cfg.n_routed_experts
-        weights += n
+        weights_read += w.whole * (cfg.n_activated_experts / cfg.n_routed_experts if part == "routed experts" else 1)
     engram = 0
     if isinstance(cfg, V41Config) and cfg.engram:
         e = cfg.engram
         engram = len(e.layer_ids) * (e.max_ngram - 1) * e.n_heads * (e.head_dim + e.head_dim // 32)
-    hd, r, ihd, w = cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim, cfg.window_size
-    state = 0.0
-    if isinstance(cfg, V41Config):
-        kv_row, index_row = hd // 2 + hd // 16, ihd // 2 + ihd // 32
-        state += cfg.n_layers * min(w, context) * (hd + hd // 32)
-        for L in range(cfg.n_layers):
-            m = cfg.compress_ratios[L]
-            if m:
-                state += min(cfg.index_topk, context // m) * kv_row
-                if cfg.index_source_of(L) == L:
-                    state += (context // m) * index_row
-    else:
-        kv_row, index_row = (hd - r) + 2 * r + (hd - r) // 64, ihd // 2 + ihd // 32
-        state += cfg.n_layers * min(w, context) * kv_row
-        for L, kind in enumerate(cfg.layer_kinds):
-            m = cfg.compress_ratios[L]
-            if kind == "csa":
-                state += min(cfg.index_topk, context // m) * kv_row + (context // m) * index_row
-            elif kind == "hca":
-                state += (context // m) * kv_row
-    return {"weights": int(weights), "engram_rows": engram, "state": int(state),
-            "total": int(weights + engram + state)}
-
-
-# What tensor parallelism splits (appliance/parallel/sharding.py); everything else is replicated on every rank.
-_SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", "head.weight", ".markov_head.head.", ".markov_head.markov_w2.",
-          ".shared_experts.")
-
-
-def split_share(name: str, world: int) -> float:
-    """The share of tensor `name` one of `world` ranks holds: 1/world for what the split divides (attention
-    heads and groups, the head, routed and shared experts), 1 for what it replicates (the indexer too)."""
-    routed = ".experts." in name and ".shared_experts." not in name
-    return 1 / world if routed or any(k in name for k in _SPLIT) else 1.0
-
-
-def rank_weights(cfg: ModelConfig, world: int) -> dict:
-    """Weight bytes one of `world` ranks holds on its device, by dtype and by part (Engram tables stay on
-    the host, memory-mapped once per box)."""
-    ckpt = inventory(cfg)
-    by_dtype: dict[str, float] = defaultdict(float)
-    by_part: dict[str, float] = defaultdict(float)
-    host = 0
-    for name, (dtype, _) in ckpt.tensors.items():
-        n = ckpt.nbytes(name)
-        if where(name) == "host":
-            host += n
-            continue
-        n *= split_share(name, world)
-        by_dtype[dtype] += n
-        by_part[_part(name)] += n
-    return {"total": int(sum(by_dtype.values())), "by_dtype": {k: int(v) for k, v in by_dtype.items()},
-            "by_part": {k: int(v) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},
-            "host_engram_tables": host}
+    state = _states(mm, context + 1)[0]
+    read = sum(min(ring.reach, context) * packed_row(cfg, name, ring.data.shape[1])
+               for name, ring in state.rings.items() if name.startswith("window."))
+    for L in range(cfg.n_layers):
+        if isinstance(cfg, V41Config):  # every compressed layer selects among its KV source's rows
+            if not cfg.compress_ratios[L]:
+                continue
+            kv, selects = f"kv.{cfg.kv_source_of(L)}", True
+            keys = f"index_keys.{cfg.kv_source_of(L)}" if cfg.index_source_of(L) == L else None
+        else:  # CSA selects among its rows by its index keys, HCA reads every row
+            kv, keys = f"kv.{L}", f"index_keys.{L}"
+            if kv not in state.rows:
+                continue
+            selects = keys in state.rows
+            keys = keys if selects else None
+        rows = state.rows[kv]
+        visible = context // rows.ratio
+        read += (min(cfg.index_topk, visible) if selects else visible) * packed_row(cfg, kv, rows.data.shape[1])
+        if keys is not None:
+            read += visible * packed_row(cfg, keys, state.rows[keys].data.shape[1])
+    return {"weights": int(weights_read), "engram_rows": engram, "state": int(read),
+            "total": int(weights_read + engram + read)}

@@ -33,10 +33,8 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
             obj[k] = place(v, device, seen, kept)
         return obj
     attrs = vars(obj) if hasattr(obj, "__dict__") else {}
-    keep_on_host = getattr(obj, "HOST_TENSORS", ())
     for name, value in list(attrs.items()):
-        if name in keep_on_host and isinstance(value, torch.Tensor) and \
-                value.numel() * value.element_size() > HOST_TABLE_BYTES:
+        if stays_on_host(obj, name, value):
             if kept is not None:
                 layer = getattr(obj, "layer", None)
                 label = f"{type(obj).__name__}.{name}" + (f" of layer {layer}" if isinstance(layer, int) else "")
@@ -48,6 +46,13 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
                 continue
             setattr(obj, name, place(value, device, seen, kept))
     return obj
+
+
+def stays_on_host(owner, name: str, value) -> bool:
+    """Whether `place` leaves `owner`'s attribute `name` (holding `value`) in host memory: a table the
+    owner lists in HOST_TENSORS (Engram's), larger than HOST_TABLE_BYTES."""
+    return name in getattr(owner, "HOST_TENSORS", ()) and isinstance(value, torch.Tensor) and \
+        value.numel() * value.element_size() > HOST_TABLE_BYTES
 
 
 def map_to_device(t: torch.Tensor) -> None:

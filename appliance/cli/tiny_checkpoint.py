@@ -4,6 +4,9 @@ like the real models (every layer role, Engram, DSpark or MTP included).
 
 Weights are random with scales that keep activations O(1) so that the model's output depends on its
 input. The same seed writes byte-identical files (the embedded default model is one of these).
+
+Beside the CLI (`appliance tiny`, and the tests' fixtures), not in the model wing: the tokenizer carries
+DeepSeek's chat tokens, and the model wing knows no chat.
 """
 
 import json
@@ -14,10 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from appliance.chat.dialects import BOS, DSML, EOS, HIDDEN_TOKENS, PAD, THINK_CLOSE, THINK_OPEN
+from appliance.model.config import FAMILIES
+from appliance.model.engram import build_token_map, primes
 from kernels.formats import encode_fp4, encode_fp8
-
-from .config import FAMILIES
-from .engram import build_token_map
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A decode appliance serves one user as fast as it can. ",
@@ -157,8 +159,6 @@ def _write_v41(out: Path, seed: int, shape: str = "tiny") -> None:
     noise_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<noise>")
     token_map = build_token_map(out / "tokenizer.json", expected_size=None)
     compressed_vocab = int(token_map.max()) + 1
-    from .engram import primes
-
     pr = primes(c["engram_layers"], c["engram_ngram"], c["engram_heads"], c["engram_base"])
     rows = [sum(p) for p in pr.values()]
     w = _Writer(seed, c["block"], "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu")
