@@ -411,8 +411,8 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
     """Count one eager prefill chunk of `chunk` positions after `start` by `model` built on the meta device
     into its `state` (sized, not allocated; only declared at that length; a first chunk of 16 warms the
     caches up): its launches, collectives, bytes and tensor FLOPs, in count_cycle's shape for the cost model.
-    The journal of what a chunk overwrites is off, as in a decode cycle (a prefill keeps the rows its last
-    `spare` positions overwrite, DecodeState.committing: kilobytes, not counted here)."""
+    The chunk commits as a prefill's does (DecodeState.committing): its journal keeps what its last `spare`
+    positions overwrite, counted in the scratch twice (the previous chunk's is still held)."""
     if torch.device(state.device).type != "meta":
         raise ValueError("count_prefill counts a meta build (its state only declared)")
     if start + chunk > state.capacity:
@@ -420,20 +420,25 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
     rec = Recorder(meta=True, recording=False)
     reads = DeclaredReads(model.rt, rec, True)
     calls: dict[str, int] = defaultdict(int)
-    with torch.inference_mode(), rec, tagged(model, None, rec, calls), reads.installed(), state.journal.off():
+    with torch.inference_mode(), rec, tagged(model, None, rec, calls), reads.installed():
         for recording, rows in ((False, min(chunk, 16)), (True, chunk)):
             state.length = start
             rec.recording = recording
             rec.memory = LiveBytes() if recording else None
-            model.forward(torch.zeros(rows, dtype=torch.long, device=state.device), state, logits="last")
-    state.length = start
+            with state.committing(start + rows) if recording else state.journal.off():
+                model.forward(torch.zeros(rows, dtype=torch.long, device=state.device), state, logits="last")
+    # the journal of a chunk's last `spare` positions lives through the next chunk: the previous chunk's, as
+    # large as this one's, is held while this one runs
+    journal = sum(t.untyped_storage().nbytes() for e in state.journal.entries for t in e[1:4])
+    state.journal.entries.clear()
+    state.length, state.journal_floor = start, 0
     s = rec.summary()
     layers = [s["by_block"].get(f"layer {i}", {}).get("launches", 0) for i in range(len(model.layers))]
     paid = payloads(rec.collectives)
     return {
         "start": start, "chunk": chunk,
         "launches_per_chunk": s["launches"], "launches_per_layer": max(layers, default=0),
-        "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak,
+        "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak + journal,
         "collectives": {"per_cycle": s["collectives"], "payloads": paid},
         "collective_bytes": sum(c["count"] * c["bytes"] for c in paid),
         "bytes_per_step": {"total": s["bytes_read"]},

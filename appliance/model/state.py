@@ -43,7 +43,7 @@ class Journal:
         # (buffer, written indices, overwritten values, their positions, the newest position as an int)
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.paused = False
-        self.floor = 0  # writes for positions below it are not kept (DecodeState.committing)
+        self.floor: int | None = None  # while committing: writes for positions below it are not kept
 
     @property
     def recording(self) -> bool:
@@ -62,12 +62,13 @@ class Journal:
     def record(self, data: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
         if self.paused:
             return
-        if self.floor:  # a long call's writes: only its last `keep` positions can ever be undone
-            kept = positions >= self.floor
-            if not bool(kept.any()):
-                return
-            index, positions = index[kept], positions[kept]
-        self.entries.append((data, index.clone(), data[index], positions.clone(), int(positions.max())))
+        if self.floor is not None:  # a committed call's writes: only positions >= floor can ever be undone,
+            # and a write's positions ascend to at most the call's last: among its last `keep` (no host read)
+            index, positions = index[-self.keep:], positions[-self.keep:]
+            newest = self.floor + self.keep - 1  # at least the call's last position
+        else:
+            newest = int(positions.max())
+        self.entries.append((data, index.clone(), data[index], positions.clone(), newest))
 
     def undo(self, position: int) -> None:
         """Restore every value overwritten by a write for a position >= `position`, newest first."""
@@ -282,7 +283,7 @@ class DecodeState:
         try:
             yield
         finally:
-            self.journal.floor = 0
+            self.journal.floor = None
         self.journal_floor = max(self.journal_floor, end - self.spare)
 
     @contextmanager

@@ -39,6 +39,7 @@ from appliance.errors import ApplianceError
 from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 from appliance.model.rowsplit import ALL_ROWS, gather_rows, query_share
+from appliance.parallel.collectives import all_gather
 from kernels import rank_sum
 
 
@@ -59,11 +60,17 @@ class Comm:
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `t`, concatenated along `dim`: received into one tensor (along dim 0, the result as
+        is; a long call's rows gathered hold no second copy)."""
         if self.check is not None:
             self.check("all_gather", t)
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        t = t.contiguous()
+        flat = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        all_gather(flat, t.view(-1), group=self.group)
+        parts = flat.view(self.world, *t.shape)
+        if dim == 0:
+            return parts.view(self.world * t.shape[0], *t.shape[1:])
+        return torch.cat(list(parts), dim=dim)
 
     def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
