@@ -1,5 +1,5 @@
-"""One request's output as text, outside the request loop (as vLLM keeps its detokenizer and stop strings out
-of the engine core): ids in, what a `Tokens` event shows out.
+"""One request's output as text, outside the request loop and the device work: ids in, what a `Tokens` event
+shows out.
 
 A `TextStream` decodes the ids as they come (StreamDecoder: never half a character), holds back text that
 may begin a stop string until it cannot, ends the output at the first stop string (the ids after the one
