@@ -72,6 +72,17 @@ def test_score_writes_teacher_forced_float32_logits(tiny_dirs, tmp_path):
     assert t["engram_hash_ids"].shape == (23, 2, 6)
     assert t["prefill_index_topk_layer2"].shape == (23, 8) and t["prefill_index_topk_layer2"][0, 0] == -1
     assert t["prefill_main_hidden"].shape == (23, 3 * 64)
+    # in forwards of 7: the same logits, each row's kept positions the same (earlier forwards saw fewer rows:
+    # their lists are padded with -1)
+    p = run("score", "--model", tiny_dirs["deepseek_v41"], "--ids", tmp_path / "ids.json", "--out", out,
+            "--dump", "index_topk", "--split", 7)
+    assert p.returncode == 0, p.stderr
+    split = load_file(str(out))
+    assert torch.equal(split["logits"], want)
+    whole, parts = t["prefill_index_topk_layer2"], split["prefill_index_topk_layer2"]
+    assert parts.shape[0] == 23
+    for a, b in zip(whole, parts, strict=True):
+        assert sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist())
 
 
 def test_generate_json_reports_ids_text_usage_and_timings(tiny_dirs):

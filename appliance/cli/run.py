@@ -118,8 +118,10 @@ def score(options: RunOptions, ids_file, text, out, dump, split):
     result = {"logits": torch.cat(logits).float().cpu().contiguous()}
     if row_ids:
         result["engram_hash_ids"] = torch.cat(row_ids).contiguous()
-    for L, rows in kept.items():
-        result[f"prefill_index_topk_layer{L}"] = torch.cat(rows).int().contiguous()
+    for L, rows in kept.items():  # a forward's rows are as wide as what it could see: -1 pads the earlier ones
+        width = max(r.shape[1] for r in rows)
+        result[f"prefill_index_topk_layer{L}"] = torch.cat(
+            [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows]).int().contiguous()
     if "main_hidden" in dumps and hidden[0] is not None:
         result["prefill_main_hidden"] = torch.cat(hidden).float().cpu().contiguous()
     if not lm.world.main:
