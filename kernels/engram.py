@@ -123,7 +123,8 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
             stage_codes(_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, SW), qc, qs, k0, KQ, FMT, NATIVE,
                         ACT_BLOCK, BM, SW)
         tl.debug_barrier()  # every thread's codes are written before any thread reads them
-        acc = staged_product(w_rows, s_rows, n_mask, qc, qs, K, KQ, acc, FMT, BI, ACT_BLOCK, NATIVE, BM, BN, BK)
+        acc = staged_product(w_rows, s_rows, n_mask, qc, qs, tl.arange(0, BM), K, KQ, acc, FMT, BI, ACT_BLOCK,
+                             NATIVE, BM, BN, BK)
     else:
         for k0 in range(0, K, BK):
             a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)

@@ -36,6 +36,12 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   share the launch;
   BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
   split order. A verify block's rows therefore equal single-row calls bit for bit.
+- A long call (a prefill chunk, inside `_triton.long_calls`) on the block-scaled MMA: programs of
+  LONG_ROWS (128) rows, so a weight tile streams once per 128 rows; the rows are quantized once for the
+  launch by a launch of their own (`stage_launch`: the same codes `stage_codes` writes, RMS-normalized first
+  where the products fuse the norm), which every program reads (PRESTAGED). Every chunk of a prompt takes
+  these programs whatever its size, so a prompt's rows do not depend on its chunks (bit for bit); a long
+  call's row is not promised equal to the same row in a short one (a wider MMA; see `_triton.LONG_ROWS`).
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
@@ -49,8 +55,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ._triton import (
-    E4M3_MMA_ROWS,
     INTERPRET,
+    LONG_ROWS,
     MMA_ROWS,
     NATIVE_E4M3,
     bf16_value,
@@ -65,6 +71,7 @@ from ._triton import (
     pow2,
     pow2_ceil,
     pow2_inverse,
+    product_rows,
     require,
     require_dtype,
     require_rows,
@@ -348,13 +355,14 @@ def stage_rows(x_ptr, rows, row_mask, K, stride_xm, qc, qs, KQ, FMT: tl.constexp
 
 
 @device_function
-def staged_tile(w_rows, s_rows, n_mask, qc, qs, c0, KQ, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
+def staged_tile(w_rows, s_rows, n_mask, qc, qs, qrows, c0, KQ, k0, k_end, acc, FMT: tl.constexpr, BI: tl.constexpr,
                 ACT_BLOCK: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """acc [BN, BM] += the weight rows' columns [k0, k0 + BK) times the rows' columns [c0, c0 + BK) as
-    `stage_codes` wrote them, in the checkpoint's formats as NATIVE says: NATIVE_BLOCK_SCALED (1) on the
-    block-scaled MMA (`mxf_mma`, the rows' powers of two as E8M0 bytes), NATIVE_E4M3 (2) `e4m3_product`."""
+    `stage_codes` wrote them (rows `qrows` [BM] of the codes at qc/qs), in the checkpoint's formats as NATIVE
+    says: NATIVE_BLOCK_SCALED (1) on the block-scaled MMA (`mxf_mma`, the rows' powers of two as E8M0 bytes),
+    NATIVE_E4M3 (2) `e4m3_product`."""
     NA: tl.constexpr = BK // ACT_BLOCK
-    m = tl.arange(0, BM)[:, None]
+    m = qrows.to(tl.int64)[:, None]
     xq = tl.load(qc + m * KQ + c0 + tl.arange(0, BK)[None, :]).to(tl.float8e4nv, bitcast=True)
     s = tl.load(qs + m * (KQ // ACT_BLOCK) + c0 // ACT_BLOCK + tl.arange(0, NA)[None, :])
     if NATIVE == 1:  # one exponent byte per 32 columns: the 32-column blocks of an ACT_BLOCK share its
@@ -368,12 +376,14 @@ def staged_tile(w_rows, s_rows, n_mask, qc, qs, c0, KQ, k0, k_end, acc, FMT: tl.
 
 
 @device_function
-def staged_product(w_rows, s_rows, n_mask, qc, qs, K, KQ, acc, FMT: tl.constexpr, BI: tl.constexpr,
+def staged_product(w_rows, s_rows, n_mask, qc, qs, qrows, K, KQ, acc, FMT: tl.constexpr, BI: tl.constexpr,
                    ACT_BLOCK: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):
-    """acc [BN, BM] += the weight rows' columns [0, K) times the rows `stage_rows` staged (`staged_tile`)."""
+    """acc [BN, BM] += the weight rows' columns [0, K) times the rows `qrows` of the codes `stage_rows` or
+    `stage_launch` staged (`staged_tile`)."""
     for k0 in range(0, K, BK):
-        acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, k0, KQ, k0, K, acc, FMT, BI, ACT_BLOCK, NATIVE, BM, BN, BK)
+        acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, qrows, k0, KQ, k0, K, acc, FMT, BI, ACT_BLOCK, NATIVE, BM,
+                          BN, BK)
     return acc
 
 
@@ -454,6 +464,18 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
 
 
 @device_function
+def row_rms(x_ptr, rows, M, K, stride_xm, eps, BM: tl.constexpr, BKN: tl.constexpr):
+    """The rows' reciprocal RMS over their K inputs, BKN-wide blocks added in order (RMSNorm's float32)."""
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BKN):
+        offs_k = k0 + tl.arange(0, BKN)
+        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                     mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        ss += tsum(xv * xv, axis=1)
+    return 1.0 / tl.sqrt_rn(ss / K + eps)
+
+
+@device_function
 def row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM: tl.constexpr, X_BF16: tl.constexpr,
              BM: tl.constexpr, BK: tl.constexpr):
     """The rows' float32 tile [BM, BK] at k0. NORM: RMS-normalized first (`r` their reciprocal RMS, `nw_ptr`
@@ -472,24 +494,31 @@ def row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM: tl.c
 
 @device_function
 def product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn, stride_sn,
-          r, nw_ptr, qc, qs, KQ, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr,
-          BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
-          NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          r, nw_ptr, qc, qs, KQ, c_base, NORM: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr,
+          BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+          NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """float32 [BN, BM]: outputs offs_n of rows `rows` summed over the inputs [k_lo, k_end) of x_base, K tiles
-    in order (`row_tile`, `weight_product`). On the e4m3 MMA the rows are quantized once, into the program's
-    scratch `qc`/`qs` (`stage_codes`), before the weights stream."""
+    in order (`row_tile`, `weight_product`). In the checkpoint's formats the rows are quantized once, into
+    the program's scratch `qc`/`qs` (`stage_codes`), before the weights stream; PRESTAGED: the launch's
+    `stage_launch` quantized them already, every column of x (input k of x_base at column c_base + k)."""
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
-        SW: tl.constexpr = STAGE_TILES * BK
-        for k0 in range(k_lo, k_end, SW):
-            a = row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
-            stage_codes(a, qc, qs, k0 - k_lo, KQ, FMT, NATIVE, ACT_BLOCK, BM, SW)
-        tl.debug_barrier()  # every thread's codes are written before any thread reads them
+        if PRESTAGED:
+            shift = c_base
+            qrows = rows
+        else:
+            shift = -k_lo
+            qrows = tl.arange(0, BM)
+            SW: tl.constexpr = STAGE_TILES * BK
+            for k0 in range(k_lo, k_end, SW):
+                a = row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
+                stage_codes(a, qc, qs, k0 - k_lo, KQ, FMT, NATIVE, ACT_BLOCK, BM, SW)
+            tl.debug_barrier()  # every thread's codes are written before any thread reads them
         for k0 in range(k_lo, k_end, BK):
-            acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, k0 - k_lo, KQ, k0, k_end, acc, FMT, BI, ACT_BLOCK,
-                              NATIVE, BM, BN, BK)
+            acc = staged_tile(w_rows, s_rows, n_mask, qc, qs, qrows, k0 + shift, KQ, k0, k_end, acc, FMT, BI,
+                              ACT_BLOCK, NATIVE, BM, BN, BK)
     else:
         for k0 in range(k_lo, k_end, BK):
             a = row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM, X_BF16, BM, BK)
@@ -527,7 +556,8 @@ def _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr
 def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, pid_m, M, N, K, stride_xm, stride_wn,
              stride_sn, k_per_split, n_per_group, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM: tl.constexpr,
              X_BF16: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
-             X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, K_ALIGN: tl.constexpr,
+             X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr,
+             K_ALIGN: tl.constexpr,
              SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, BHC: tl.constexpr):
     """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
@@ -539,12 +569,12 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, p
     row_mask = rows < M
     offs_n = tile * BN + tl.arange(0, BN)
     n_mask = offs_n < N
-    x_base = x_ptr + ((tile * BN) // n_per_group) * K  # grouped: the tile's group of input columns
+    c_base = ((tile * BN) // n_per_group) * K  # grouped: the tile's group of input columns
     k_lo = split * k_per_split
     k_end = tl.multiple_of(tl.minimum(K, k_lo + k_per_split), K_ALIGN)  # whole-vector loads up to it
-    acc = product_tile(x_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm, stride_wn,
-                       stride_sn, r, nw_ptr, qc, qs, q_cols, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK, X_PARTS, DOT_BF16,
-                       NATIVE, BM, BN, BK)
+    acc = product_tile(x_ptr + c_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm,
+                       stride_wn, stride_sn, r, nw_ptr, qc, qs, q_cols, c_base, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK,
+                       X_PARTS, DOT_BF16, NATIVE, PRESTAGED, BM, BN, BK)
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -586,8 +616,8 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             N3, swn3, ssn3, kps3, npg3, end3, cnt3,
             N4, swn4, ssn4, kps4, npg4, end4, cnt4,
             NSEG: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, EXPAND: tl.constexpr,
-            DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, K_ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, BHC: tl.constexpr, BKN: tl.constexpr,
+            DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, K_ALIGN: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BHC: tl.constexpr, BKN: tl.constexpr,
             FMT0: tl.constexpr, BO0: tl.constexpr, BI0: tl.constexpr, ACT0: tl.constexpr,
             XP0: tl.constexpr, SPLIT0: tl.constexpr, OUT0: tl.constexpr,
             FMT1: tl.constexpr, BO1: tl.constexpr, BI1: tl.constexpr, ACT1: tl.constexpr,
@@ -600,41 +630,69 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
-    qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + pid, q_cols, BM)  # this program's (NATIVE)
+    qc, qs = qc_ptr, qs_ptr  # PRESTAGED: every row's codes, which `stage_launch` wrote
+    if not PRESTAGED:
+        qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + pid, q_cols, BM)  # this program's
     r = tl.zeros((BM,), dtype=tl.float32)
-    if NORM:  # the rows' reciprocal RMS over all K inputs, BKN-wide blocks added in order (RMSNorm's float32)
-        rows = pid_m * BM + tl.arange(0, BM)
-        ss = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, BKN):
-            offs_k = k0 + tl.arange(0, BKN)
-            xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                         mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-            ss += tsum(xv * xv, axis=1)
-        r = 1.0 / tl.sqrt_rn(ss / K + norm_eps)
+    if NORM and not PRESTAGED:
+        r = row_rms(x_ptr, pid_m * BM + tl.arange(0, BM), M, K, stride_xm, norm_eps, BM, BKN)
     if pid < end0:
         _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, qc, qs, q_cols, pid, pid_m, M, N0, K, stride_xm, swn0,
                  ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
-                 ACT0, XP0, DOT_BF16, NATIVE, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+                 ACT0, XP0, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
     if NSEG > 1:
         if (pid >= end0) & (pid < end1):
             _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, qc, qs, q_cols, pid - end0, pid_m, M, N1, K, stride_xm,
                      swn1, ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
-                     ACT1, XP1, DOT_BF16, NATIVE, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
+                     ACT1, XP1, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
     if NSEG > 2:
         if (pid >= end1) & (pid < end2):
             _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, qc, qs, q_cols, pid - end1, pid_m, M, N2, K, stride_xm,
                      swn2, ssn2, kps2, npg2, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT2, BO2, BI2,
-                     ACT2, XP2, DOT_BF16, NATIVE, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
+                     ACT2, XP2, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT2, OUT2, False, BM, BN, BK, BHC)
     if NSEG > 3:
         if (pid >= end2) & (pid < end3):
             _segment(x_ptr, w3, s3, y3, p3, cnt_ptr + cnt3, qc, qs, q_cols, pid - end2, pid_m, M, N3, K, stride_xm,
                      swn3, ssn3, kps3, npg3, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT3, BO3, BI3,
-                     ACT3, XP3, DOT_BF16, NATIVE, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
+                     ACT3, XP3, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT3, OUT3, False, BM, BN, BK, BHC)
     if NSEG > 4:
         if (pid >= end3) & (pid < end4):
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
                      swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
-                     ACT4, XP4, DOT_BF16, NATIVE, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+                     ACT4, XP4, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+
+
+# A long call's rows quantized once for every program of its products (PRESTAGED, `stage_launch`): program j
+# writes rows [j 16, (j + 1) 16) of x (zeros past M), RMS-normalized first with NORM, as `stage_codes` lays
+# them out: row r's codes at qc + r KQ, its powers of two at qs + r KQ / ACT_BLOCK. 16 rows a program: the
+# staging tile of a short call's programs.
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
+def _stage_kernel(x_ptr, nw_ptr, qc_ptr, qs_ptr, M, K, KQ, stride_xm, norm_eps, NORM: tl.constexpr,
+                  X_BF16: tl.constexpr, FMT: tl.constexpr, NATIVE: tl.constexpr, ACT_BLOCK: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BM
+    rows = first + tl.arange(0, BM)
+    r = tl.zeros((BM,), dtype=tl.float32)
+    if NORM:
+        r = row_rms(x_ptr, rows, M, K, stride_xm, norm_eps, BM, BKN)
+    SW: tl.constexpr = STAGE_TILES * BK
+    for k0 in range(0, KQ, SW):
+        a = row_tile(x_ptr, rows, rows < M, k0, K, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
+        stage_codes(a, qc_ptr + first * KQ, qs_ptr + first * (KQ // ACT_BLOCK), k0, KQ, FMT, NATIVE, ACT_BLOCK,
+                    BM, SW)
+
+
+def stage_launch(x2: torch.Tensor, nw: torch.Tensor, eps: float, norm: bool, fmt: int, native: int, act_block: int,
+                 rows: int, bk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x2 [M, W]'s rows quantized once (`_stage_kernel`), `rows` of them (M and zero rows after it, as many
+    as the products' programs read): (codes, powers of two, KQ: the codes' row width, W rounded up to bk)."""
+    m, w = x2.shape
+    kq = triton.cdiv(w, bk) * bk
+    qc, qs = stage_scratch(1, triton.cdiv(rows, MMA_ROWS) * MMA_ROWS, kq, x2.device)
+    _stage_kernel[(triton.cdiv(rows, MMA_ROWS),)](
+        x2, nw, qc, qs, m, w, kq, x2.stride(0), float(eps), NORM=norm, X_BF16=x2.dtype == torch.bfloat16, FMT=fmt,
+        NATIVE=native, ACT_BLOCK=act_block, BM=MMA_ROWS, BK=bk, BKN=min(pow2(w), 1024))
+    return qc, qs, kq
 
 
 def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list[int]) -> int:
@@ -647,15 +705,17 @@ def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list
     return native_products(dev) if ok else 0
 
 
-def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device,
-         native: int = 0) -> tuple[int, int, int, list[tuple[int, int]]]:
+def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native: int = 0,
+         one_staging: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
-    segments' (outputs, act_block, outputs per group), K and the device only: never from the number of rows,
-    so a row's summation order does not depend on how many rows are computed together. `native`: every
-    segment multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
+    segments' (outputs, act_block, outputs per group), K, the device and the call's kind (`product_rows`:
+    a long call's programs take LONG_ROWS where every segment's rows take one staging, `one_staging`) only:
+    never from the number of rows, so a row's summation order does not depend on how many rows are computed
+    together. `native`: every segment
+    multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
     block-scaled MMA's M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4
     scaling, paid once a tile, spread over twice the weights)."""
-    bm = E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS
+    bm = product_rows(native, one_staging)
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
     if INTERPRET:  # few, large programs: the interpreter pays per operation, whatever its size
@@ -807,7 +867,10 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     if m == 0 or k == 0:
         return [o.zero_() for o in shaped] if k == 0 else shaped
     native = native_kind(dev, [p.weight for p in products], [ab for _, ab, _ in shapes])
-    bm, bn, bk, splits = plan(shapes, k, dev, native)
+    # a long call's rows are quantized once for all its products where they take the same codes
+    one_staging = len({(p.weight.format, ab) for p, (_, ab, _) in zip(products, shapes)}) == 1
+    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging)
+    prestaged = bm == LONG_ROWS
     row_blocks = triton.cdiv(m, bm)
     exact = products[0].weight.bf16_exact
     args, rt, cx, end, used = [], [], {}, 0, 0
@@ -828,7 +891,10 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
             rt += [0, 0, 0, 0, 1, end, 0]
             cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
                        f"OUT{i}": False})
-    if native:  # each program's rows quantized (stage_codes)
+    if prestaged:
+        qc, qs, q_cols = stage_launch(x2, nw, eps, norm is not None, cx["FMT0"], native, cx["ACT0"], row_blocks * bm,
+                                      bk)
+    elif native:  # each program's rows quantized (stage_codes)
         q_cols = max(kps for kps, _ in splits)
         qc, qs = stage_scratch(end * row_blocks, bm, q_cols, dev)
     else:
@@ -838,6 +904,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
                                *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
                                EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,
+                               PRESTAGED=prestaged,
                                K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
                                BM=bm, BN=bn, BK=bk,
                                BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)

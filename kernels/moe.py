@@ -22,7 +22,9 @@ Kernels, float32 only (no float64 instruction):
   up fused with SwiGLU, then down), weights found through a device table of expert pointers; then the
   rows' expert outputs are added in increasing expert id in float32, plus the shared expert, as the
   reference does. GEMMs are the linear kernel's (tensor-core dots of exact bfloat16 values, float32
-  accumulation, 16 rows per program whatever the number of rows: batch invariant). Tolerance: each GEMM
+  accumulation, 16 rows per program whatever the number of rows: batch invariant; in a long call on the
+  block-scaled MMA an expert's pairs LONG_ROWS at a time, x's and h's rows staged once for the launch).
+  Tolerance: each GEMM
   within the linear kernel's bound (K 2^-23 of the sum of magnitudes), which can move a rounding of g, u
   or h to x's dtype by one ulp, and through the FP8 quantization of h one e4m3 step of an element: checked
   at 2^-12 of the largest output for float32 and 2^-6 for bfloat16 (the e4m3 steps of h dominate).
@@ -36,9 +38,8 @@ import torch.nn.functional as F
 
 from . import linear
 from ._triton import (
-    E4M3_MMA_ROWS,
     INTERPRET,
-    MMA_ROWS,
+    LONG_ROWS,
     NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_rne,
@@ -47,6 +48,7 @@ from ._triton import (
     device_of,
     native_products,
     pow2,
+    product_rows,
     require,
     require_dtype,
     round_out,
@@ -64,6 +66,7 @@ from .linear import (
     kernel_args,
     product_tile,
     scratch_area,
+    stage_launch,
     stage_rows,
     stage_scratch,
     staged_product,
@@ -306,7 +309,8 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
     k_lo = split * k_per_split
     k_end = tl.minimum(D, k_lo + k_per_split)
     acc = product_tile(x_ptr, g_ptr, g_ptr, rows, rmask, offs_n, n_mask, k_lo, k_end, stride_x, stride_g, 0, 0.0,
-                       g_ptr, g_ptr, g_ptr, 0, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, BM, BN, BK)
+                       g_ptr, g_ptr, g_ptr, 0, 0, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, False, BM, BN,
+                       BK)
     mask = n_mask[:, None] & rmask[None, :]
     out = l_ptr + rows[None, :].to(tl.int64) * E + offs_n[:, None]
     done = True
@@ -395,11 +399,12 @@ def expert_table(experts, key) -> ExpertTable:
 def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x, stride_wn, stride_sn,
               limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
               X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr):
+              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
-    [p, end), 16 at a time, into rows of h (IW wide). On the e4m3 MMA the rows are quantized once for both
-    products, into the group's scratch `qc`/`qs` (linear.stage_rows)."""
+    [p, end), BM at a time, into rows of h (IW wide). In the checkpoint's formats the rows are quantized once
+    for both products, into the group's scratch `qc`/`qs` (linear.stage_rows); PRESTAGED: every row of x is,
+    there, before the launch (linear.stage_launch)."""
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
@@ -407,7 +412,7 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
     s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
     w3_rows = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
     s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-    for r0 in range(p, end, BM):  # 16 pairs at a time, whatever the group's size
+    for r0 in range(p, end, BM):  # BM pairs at a time, whatever the group's size
         prs = r0 + tl.arange(0, BM)
         pm = prs < end
         rows = tl.load(row_ptr + prs, mask=pm, other=0)
@@ -415,11 +420,15 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         if a1 != 0:
             if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
-                stage_rows(x_ptr, rows, pm, D, stride_x, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
-                acc_g = staged_product(w1_rows, s1_rows, n_mask, qc, qs, D, q_cols, acc_g, FMT, BI, ACT_BLOCK, NATIVE,
-                                       BM, BN, BK)
-                acc_u = staged_product(w3_rows, s3_rows, n_mask, qc, qs, D, q_cols, acc_u, FMT, BI, ACT_BLOCK, NATIVE,
-                                       BM, BN, BK)
+                if PRESTAGED:
+                    qrows = rows
+                else:
+                    stage_rows(x_ptr, rows, pm, D, stride_x, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
+                    qrows = tl.arange(0, BM).to(tl.int64)
+                acc_g = staged_product(w1_rows, s1_rows, n_mask, qc, qs, qrows, D, q_cols, acc_g, FMT, BI, ACT_BLOCK,
+                                       NATIVE, BM, BN, BK)
+                acc_u = staged_product(w3_rows, s3_rows, n_mask, qc, qs, qrows, D, q_cols, acc_u, FMT, BI, ACT_BLOCK,
+                                       NATIVE, BM, BN, BK)
             else:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
                 for k0 in range(0, D, BK):
                     a = act_tile(x_ptr, rows, pm, k0, D, stride_x, 0, BM, BK)
@@ -459,30 +468,34 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                     W_ALIGN: tl.constexpr,
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
-            slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-            qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)  # the group's own (expert or program, N tile)
+            qc, qs = qc_ptr, qs_ptr
+            if not PRESTAGED:  # the group's own (expert or program, N tile)
+                slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
+                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
             if e < E:
                 _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x,
                           swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT,
-                          APPLY_W, X_BF16, BM, BN, BK)
+                          APPLY_W, X_BF16, PRESTAGED, BM, BN, BK)
             elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
                 _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I_S, IW, stride_x, s_swn,
                           s_ssn, limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
-                          HAS_LIMIT, 0, X_BF16, BM, BN, BK)
+                          HAS_LIMIT, 0, X_BF16, PRESTAGED, BM, BN, BK)
 
 
 @device_function
 def _down_group(h_ptr, base, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
-                APPLY_W: tl.constexpr, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): float32
-    outputs (values of x's dtype) per pair; on the e4m3 MMA through the group's scratch as `_up_group`."""
+    outputs (values of x's dtype) per pair; in the checkpoint's formats through the group's scratch or the
+    launch's staged rows of h, as `_up_group`."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < D
@@ -494,9 +507,13 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, st
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if a2 != 0:
             if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:
-                stage_rows(h_ptr, prs, pm, I, IW, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
-                acc = staged_product(w2_rows, s2_rows, n_mask, qc, qs, I, q_cols, acc, FMT, BI, ACT_BLOCK, NATIVE, BM,
-                                     BN, BK)
+                if PRESTAGED:
+                    qrows = tl.where(pm, prs, 0).to(tl.int64)
+                else:
+                    stage_rows(h_ptr, prs, pm, I, IW, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
+                    qrows = tl.arange(0, BM).to(tl.int64)
+                acc = staged_product(w2_rows, s2_rows, n_mask, qc, qs, qrows, I, q_cols, acc, FMT, BI, ACT_BLOCK,
+                                     NATIVE, BM, BN, BK)
             else:
                 for k0 in range(0, I, BK):
                     a = act_tile(h_ptr, prs, pm, k0, I, IW, 0, BM, BK)
@@ -516,27 +533,30 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, st
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out float32 [P, D]: each pair's expert output (values of x's dtype)
-                 qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel
+                 qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                  W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
             e = tl.load(e_ptr + p)
-            slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-            qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)  # the group's own (expert or program, N tile)
+            qc, qs = qc_ptr, qs_ptr
+            if not PRESTAGED:  # the group's own (expert or program, N tile)
+                slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
+                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
             if e < E:
                 _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, swn, ssn, FMT, BO,
-                            BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, BM, BN, BK)
+                            BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED, BM, BN,
+                            BK)
             elif HAS_SHARED:
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT,
                             S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
-                            X_BF16 and not S_PARTIAL, BM, BN, BK)
+                            X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -613,6 +633,13 @@ def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: i
         return x, x, 0, 0
     areas = min(experts + 1, programs)
     return (*stage_scratch(areas * tiles, bm, k, x.device), k, int(areas == experts + 1))
+
+
+def _staged_once(t: torch.Tensor, rows: int, fmt: int, native: int, act_block: int, bk: int):
+    """(codes, powers of two, columns, 0): the `rows` rows of t [rows, K] quantized once for a long call's
+    expert launch (linear.stage_launch; on the block-scaled MMA, the only one that runs long, the codes'
+    layout is every format's)."""
+    return *stage_launch(t, t, 0.0, False, fmt, native, act_block, rows, bk), 0
 
 
 def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -698,6 +725,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     # FP8/FP4 weights (aligned: whole-vector loads; the interpreter has no vectors) with quantized rows
     # multiply in their own formats (_triton.native_products)
     native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
+    bm = product_rows(native)
+    prestaged = bm == LONG_ROWS  # a long call: x and h staged once (linear.stage_launch), every expert reads them
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
@@ -715,13 +744,18 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
     common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, NATIVE=native, W_ALIGN=align, X_BF16=xb,
-                  HAS_SHARED=shared is not None, BM=E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS,
-                  BK=bk2, num_warps=4 if native == NATIVE_BLOCK_SCALED else 8,
+                  HAS_SHARED=shared is not None, PRESTAGED=prestaged, BM=bm, BK=bk2,
+                  # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
+                  num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
                   num_stages=2 if native == NATIVE_E4M3 else 3)
-    h = torch.empty((n_pairs, iw), dtype=x.dtype, device=dev)
+    # staged whole (PRESTAGED), h's columns past a narrower group's I must read as zeros
+    h = (torch.zeros if prestaged else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
-    q_up = _scratch(native, e, programs, triton.cdiv(iw, bn_up), common["BM"], triton.cdiv(d, bk2) * bk2, x)
+    if prestaged:
+        q_up = _staged_once(x, m, table.up[2], native, ab, bk2)
+    else:
+        q_up = _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x)
     _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e,
         x.stride(0),
@@ -729,7 +763,10 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
-    q_down = _scratch(native, e, programs, triton.cdiv(d, bn_down), common["BM"], triton.cdiv(iw, bk2) * bk2, x)
+    if prestaged:
+        q_down = _staged_once(h, n_pairs, table.down[2], native, ab, bk2)
+    else:
+        q_down = _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x)
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
         h, table.table, stab, pe, pw, first, end, o, *q_down, n_pairs, per_program, i, i_s, iw, d, e,
         *table.down[:2], *s_down[:2],

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from . import _triton, attention, attn_inputs, compress, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from ._triton import long_calls  # noqa: F401  (the prefill's: a chunk's products in programs of LONG_ROWS rows)
 
 
 @dataclass(frozen=True)

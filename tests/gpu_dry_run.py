@@ -256,7 +256,7 @@ class Compiler:
         staged = 0.0 if staging is None else round(sass.per_element(
             staging, k.metadata.num_warps, rows, depth * STAGE_TILES.value * spec.shares), 2)
         kernel = f"{name.removeprefix('kernels.')} {WEIGHT_FORMATS[fmt]}"
-        key = f"{kernel} {'official' if act else 'plain'}"
+        key = f"{kernel} {'official' if act else 'plain'}{' long' if constexprs.get('PRESTAGED') else ''}"
         worst = self.issue[arch].get(key)
         if worst is None or ipe > worst["per_element"]:
             self.issue[arch][key] = {"per_element": ipe, "staging_per_element": staged,
@@ -300,6 +300,22 @@ def drive_benchmark_cases(failures: list):
                     case(shapes, m, torch.device("cpu"), dt, 1, False)
                 except Exception:
                     failures.append({"case": f"{case.__name__} {dt} M={m}", "error": traceback.format_exc()[-2000:]})
+
+
+def drive_long_calls(failures: list):
+    """A prefill chunk's weight products (kernels._triton.long_calls: programs of LONG_ROWS rows on the rows
+    staged once, linear.stage_launch) at V4.1 shapes: the linear and MoE benchmark cases at 256 rows."""
+    import kernels._triton as kt
+    from kernels import bench
+
+    bench._copies = lambda nbytes, tiny: 1
+    shapes = dataclasses.replace(bench.V41, experts=8)
+    with kt.long_calls():
+        for case in (bench._bench_linear, bench._bench_moe):
+            try:
+                case(shapes, 256, torch.device("cpu"), torch.bfloat16, 1, False)
+            except Exception:
+                failures.append({"case": f"{case.__name__} long call", "error": traceback.format_exc()[-2000:]})
 
 
 def drive_split_specializations(failures: list):
@@ -403,6 +419,7 @@ def main() -> int:
         kt.capability = lambda dev, arch=target.arch: arch
         drive_benchmark_cases(failures)
         drive_split_specializations(failures)
+        drive_long_calls(failures)
     compiler.targets = targets
     phases = {"benchmark cases": [len(compiler.done), round(time.perf_counter() - t, 1)]}
     compiler.last_target_only = {k[0] for k in compiler.done}

@@ -152,6 +152,76 @@ def test_several_products_of_one_input_in_one_launch_match_their_references(k, n
                                                             -1), context=f"(seed {s}, K={k})")
 
 
+def _staged_launches(monkeypatch) -> list:
+    """The rows' stagings of long calls (linear.stage_launch) made while the test runs (the list's length)."""
+    made = []
+    stage = linear.stage_launch
+    monkeypatch.setattr(linear, "stage_launch", lambda *a: (made.append(1), stage(*a))[1])
+    return made
+
+
+def assert_chunks_equal(name: str, call, rows: int, cuts: tuple[int, ...], context: str) -> torch.Tensor:
+    """`call(sl)` over all `rows` rows at once equals, bit for bit, the same rows in chunks cut at `cuts`;
+    returns the whole."""
+    whole = call(slice(0, rows))
+    edges = (0, *cuts, rows)
+    parts = torch.cat([call(slice(a, b)) for a, b in zip(edges, edges[1:])])
+    bad = whole != parts
+    assert not bad.any(), f"{name}: {int(bad.sum())} elements differ between one call and chunks {edges} {context}"
+    return whole
+
+
+@pytest.mark.parametrize("fmt,k,act_block,dt,rows", [
+    ("fp4", 160, 32, F32, 140),        # two programs of 128 rows
+    ((32, 32), 704, 32, BF16, 40),     # split-K
+    ((128, 128), 256, 128, BF16, 40),
+    ("fp4", 640, 64, BF16, 40),        # split-K, two 32-column scale blocks per activation block
+], ids=["fp4-ab32-two-blocks", "fp8-32-splitK", "fp8-128-ab128", "fp4-ab64-splitK"])
+def test_a_long_call_stages_its_rows_once_and_its_chunks_give_the_same_bits(native, monkeypatch, fmt, k, act_block,
+                                                                           dt, rows):
+    """Inside long_calls (a prefill chunk) the products take programs of LONG_ROWS rows on the block-scaled
+    MMA, the rows quantized once by their own launch (the e4m3 MMA keeps its programs of 8): within the stated
+    bound, and a prompt's rows give the same bits whatever its chunks (a tail of 3 rows too)."""
+    staged = _staged_launches(monkeypatch)
+    s = seed()
+    w = weight(fmt, 45, k)
+    x = (torch.randn(rows, k, device=DEVICE) * 3).to(dt)
+    ctx = f"(seed {s}, {fmt} K={k} act_block={act_block} {dt} M={rows})"
+    with kernels._triton.long_calls():
+        got = assert_chunks_equal("y", lambda sl: run(linear.fast, x[sl], w, act_block, F32), rows, (3, rows - 5),
+                                  ctx)
+    want = linear.reference(x, w, act_block, F32)
+    assert_within("y", want, got, bound(x, w, act_block, F32, want), ctx)
+    assert len(staged) == 4 * _runs_long() or not kernels._triton.INTERPRET, f"{len(staged)} stagings {ctx}"
+    assert native or not kernels._triton.INTERPRET, f"no product multiplied in the checkpoint's formats {ctx}"
+
+
+def _runs_long() -> bool:
+    """Whether the products multiply on the block-scaled MMA, the one that runs long calls."""
+    return kernels._triton.native_products(DEVICE) == kernels._triton.NATIVE_BLOCK_SCALED
+
+
+def test_a_long_call_of_products_of_the_normalized_input_stages_the_normalized_rows(native, monkeypatch):
+    """RMSNorm fused in front (the layer's first products) and several products of one input: the staging
+    launch normalizes the rows as the short call's programs do."""
+    staged = _staged_launches(monkeypatch)
+    s = seed()
+    k, rows = 640, 37
+    products = [linear.Product(fp8_weight(45, k, (32, 32), DEVICE), 32, BF16),
+                linear.Product(fp8_weight(70, k, (32, 32), DEVICE), 32, F32)]
+    x = (torch.randn(rows, k, device=DEVICE) * 3).to(BF16)
+    nw = (1 + 0.1 * torch.randn(k, device=DEVICE), 1e-6)
+    ctx = f"(seed {s}, K={k} M={rows})"
+    with kernels._triton.long_calls():
+        got = assert_chunks_equal("products", lambda sl: torch.cat(
+            [y.float() for y in run(linear.fast_multi, x[sl], products, nw)], -1), rows, (1, 20), ctx)
+    want = linear.reference_multi(x, products, nw)
+    xin = rmsnorm.reference(x, *nw)
+    for i, (p, w, g) in enumerate(zip(products, want, got.split([45, 70], -1))):
+        assert_within(f"y{i}", w.float(), g.to(w.dtype).float(), bound(xin, p.weight, p.act_block, F32, w), ctx)
+    assert len(staged) == 4 * _runs_long() or not kernels._triton.INTERPRET, f"{len(staged)} stagings {ctx}"
+
+
 def test_linear_kernel_refuses_bad_arguments_naming_them():
     w = fp8_weight(16, 64, (32, 32), DEVICE)
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=48: must equal the weight's input size 64"):

@@ -126,6 +126,37 @@ def test_experts_in_the_checkpoints_formats_match_the_reference_and_rows_stay_in
     assert native or not kernels._triton.INTERPRET, "no expert product multiplied in the checkpoint's formats"
 
 
+@pytest.mark.parametrize("fmt,dt", [("fp4", torch.bfloat16), ("fp8", torch.float32)])
+def test_a_long_call_stages_its_rows_once_and_its_chunks_give_the_same_bits(native, monkeypatch, fmt, dt):
+    """Inside long_calls (a prefill chunk) on the block-scaled MMA every expert group walks its pairs
+    LONG_ROWS at a time, reading x's and h's rows quantized once for the launch (linear.stage_launch; the
+    e4m3 MMA keeps its 8 a program): within the tolerance, and a prompt's rows give the same bits whatever its
+    chunks."""
+    staged = []
+    stage = moe.stage_launch
+    monkeypatch.setattr(moe, "stage_launch", lambda *a: (staged.append(a[4]), stage(*a))[1])
+    s = seed()
+    rows = 40
+    args = list(ffn_args(rows, 96, 64, 7, 2, fmt, dt, True, True, 10.0))
+    x, X, post, comb = args[0], args[13], args[14], args[15]
+    ctx = f"(seed {s}, {fmt} {dt})"
+
+    def streams(sl):
+        a = list(args)
+        a[0], a[13], a[14], a[15] = x[sl], X[sl], post[sl], comb[sl]
+        return run(moe.fast_ffn, *a)[0]
+
+    with kernels._triton.long_calls():
+        edges = (0, 3, 29, rows)
+        whole = streams(slice(0, rows))
+        parts = torch.cat([streams(slice(a, b)) for a, b in zip(edges, edges[1:])])
+    assert_equal("streams in chunks", whole, parts, ctx)
+    assert_close("streams", moe.reference_ffn(*args)[0], whole, TOL[dt], context=ctx)
+    long = kernels._triton.native_products(DEVICE) == kernels._triton.NATIVE_BLOCK_SCALED
+    assert len(staged) == 4 * 2 * long or not kernels._triton.INTERPRET, f"stagings {staged} {ctx}"
+    assert native or not kernels._triton.INTERPRET, "no expert product multiplied in the checkpoint's formats"
+
+
 def test_a_router_row_of_nans_selects_distinct_experts_in_range():
     for score_func in ("sqrtsoftplus", "sigmoid", "softmax"):
         for hashed_bias in (False, True):

@@ -216,10 +216,11 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
-            host_bytes=0, flops=None) -> dict:
+            host_bytes=0, flops=None, staged_bytes=0) -> dict:
     return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
-            "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {}}
+            "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {},
+            "staged_bytes": staged_bytes}
 
 
 def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
@@ -379,6 +380,39 @@ def test_a_prefill_chunk_is_priced_by_its_rows_and_its_prompts_time_to_first_tok
     assert out["chunks"][0]["link_bytes_sent"] == pytest.approx(3 * 10**6)
 
 
+def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_with_their_staging():
+    """In a prefill chunk's count (long calls) a launch that declared its long FLOPs passes over its weights
+    once per LONG_ROWS rows at the long main loop's issue, and its rows' staging is a launch of its own (its
+    bytes and the fixed cost); one that did not (a launch mixing formats) keeps 16 rows a pass; a decode
+    cycle's count never runs long."""
+    gpu = cm.GPU("toy", hbm_bytes_per_s=1e12, memory_bytes=1e11, nvlink_bytes_per_s=1e11, source="test",
+                 arch=103, issue_per_s=1e12, tensor_flops={"fp8": 2e14, "bf16": 1e14})
+    long_rate = cm.ISSUE_PER_ELEMENT_LONG[103][("linear", "fp8")]
+    short_rate = cm.ISSUE_PER_ELEMENT[103][("linear", "fp8")]
+    rows = int(torch.randint(2, 300, ())) * 16
+    padded = -(-rows // cm.LONG_ROWS) * cm.LONG_ROWS
+    elements, staged = int(torch.randint(10**6, 10**7, ())), int(torch.randint(10**6, 10**8, ()))
+    product = _launch("kernels.linear._kernel", bytes_read=elements, weights={"fp8": elements}, staged_bytes=staged,
+                      flops={"products": 2 * rows * elements, "products_long": 2 * padded * elements})
+    terms = cm.launch_terms(product, gpu, long=True)
+    assert terms["issue"] == pytest.approx(padded / cm.LONG_ROWS * elements * long_rate / 1e12)
+    assert terms["tensor"] == pytest.approx(2 * padded * elements / 2e14)
+    mixed = dict(product, flops={"products": 2 * rows * elements}, staged_bytes=0)
+    assert cm.launch_terms(mixed, gpu, long=True)["issue"] == pytest.approx(rows / 16 * elements * short_rate / 1e12)
+    assert cm.launch_terms(product, gpu)["issue"] == pytest.approx(rows / 16 * elements * short_rate / 1e12)
+
+    def count(long):
+        return {"long_calls": long, "launches": [product, mixed], "bytes_per_step": {"total": 0},
+                "collectives": {"per_cycle": 0, "payloads": []}}
+
+    prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
+    assert prefill["stagings"] == 1 and decode["stagings"] == 0
+    assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
+    staging = next(k for k in prefill["kernels"] if k["kernel"] == "kernels.linear._stage_kernel")
+    assert staging["bytes"] == staged
+    assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.LAUNCH_S)
+
+
 def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(released_config):
     """On the released V4.1-Flash's meta build (4 ranks): each weight product's FLOPs are 2 x the chunk's
     rows padded to 16 x its weight elements, the attention's 4 x rows x heads x head dim x (window + selected
@@ -395,6 +429,15 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     padded = -(-rows // 16) * 16
     products = [la for la in early["launches"] if la["name"] == "kernels.linear._kernel" and la["weights"]]
     assert products and all(la["flops"]["products"] == 2 * padded * sum(la["weights"].values()) for la in products)
+    # as a long call's where a launch's products can run long (one format, quantized rows): LONG_ROWS a pass
+    # and a staging of the rows; the attention's first launch mixes FP8 with dense products and cannot
+    assert early["long_calls"]
+    longs = [la for la in products if "products_long" in la["flops"]]
+    assert longs and len(longs) < len(products)
+    assert all(la["flops"]["products_long"] == 2 * cm.LONG_ROWS * sum(la["weights"].values()) for la in longs)
+    assert all(la["staged_bytes"] > 0 for la in longs)
+    experts = [la for la in early["launches"] if "kernels.moe" in la["name"] and la["weights"]]
+    assert experts and all(la["staged_bytes"] > 0 and "products_long" in la["flops"] for la in experts)
     attends = [la for la in early["launches"] if "attention" in la["flops"]]
     assert attends and early["flops"]["attention"] > 0
     assert late["flops"]["attention"] > early["flops"]["attention"]

@@ -24,6 +24,7 @@ import torch
 from appliance.errors import ModelLoadError, RankDivergence
 from appliance.options import RunOptions
 from graphs.graph_set import GraphSet
+from kernels.registry import long_calls
 
 from .checkpoint import ring_buffers, to_host
 from .cycle import CycleBuffers, DraftStep, FixedCycle, PlainCycle, Target, VerifyStep, reach_for, reaches
@@ -334,12 +335,14 @@ class DecodeSession:
             if end - pos <= self.state.spare:  # a short call's kernels write the rings before attending: no taps
                 end = min(end, next(c for c in points if c > pos))
             inside = [c for c in points if pos < c < end]
-            with self.state.committing(end), self.state.tapping(inside, to_host) as taps:
+            # a chunk's products run as a long call's, whatever its size: the prompt's bits do not depend on
+            # its chunks (kernels/_triton.py LONG_ROWS)
+            with self.state.committing(end), self.state.tapping(inside, to_host) as taps, long_calls():
                 out = self.forward_out(ids[pos:end], "last")
             self.timeline.extend(ids[pos:end])
             for a, b in zip([pos, *inside], [*inside, end]):
                 if self.spec is not None:
-                    with self.spec.state.committing(b):
+                    with self.spec.state.committing(b), long_calls():
                         self.spec.observe(out, pos, (a, b))
                 if b < end:
                     self.timeline.checkpoint(b, taps.rings[b])

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kernels._triton import MMA_ROWS
+from kernels._triton import LONG_ROWS, MMA_ROWS
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,13 @@ ISSUE_PER_ELEMENT = {
           ("engram", "fp8"): 2.36},
 }
 ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
+# ... in a long call's programs (a prefill chunk: LONG_ROWS rows a pass, the rows staged once by a launch of
+# their own, so the main loop is all; the compile check's `... long` rows), per weight element and pass. Only
+# the block-scaled MMA runs long (kernels/_triton.py `product_rows`): sm_90 prices a chunk in 8-row passes.
+ISSUE_PER_ELEMENT_LONG = {
+    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.41, ("moe", "fp8"): 3.41},
+}
+ISSUE_PER_ELEMENT_LONG[100] = ISSUE_PER_ELEMENT_LONG[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
                   "kernels.moe._down_kernel": "moe", "kernels.engram._layer_kernel": "engram"}
 # The best public single-user results on 4 x B300 this product is measured against (DESIGN.md): vLLM's P90
@@ -135,23 +142,31 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     return ALLREDUCE_LATENCY_S + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 
-def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0) -> dict:
+def runs_long(la: dict, gpu: GPU, long: bool) -> bool:
+    """Whether a counted launch's products run as a long call's on `gpu` (`long`: the count is a prefill
+    chunk's; the launch declared its long FLOPs, count.py; the GPU multiplies in the checkpoint's formats)."""
+    return long and "products_long" in la["flops"] and gpu.arch in ISSUE_PER_ELEMENT_LONG
+
+
+def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = False) -> dict:
     """What bounds one counted launch (count.py's `launches`), in seconds: its bytes from HBM, the
-    instructions its weight products issue (one pass of the main loop per 16 rows), their tensor FLOPs and
-    the attention's and its reads over the host link; the routed experts' part scaled by `routed_scale` (a
-    busier rank than the mean)."""
+    instructions its weight products issue (one pass of the main loop per 16 rows; per LONG_ROWS where it
+    `runs_long`), their tensor FLOPs and the attention's and its reads over the host link; the routed
+    experts' part scaled by `routed_scale` (a busier rank than the mean)."""
     extra = routed_scale - 1.0
     hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
     counted = sum(la["weights"].values())
     weights = {f: n + extra * la["routed_weights"].get(f, 0) for f, n in la["weights"].items()}
     family = WEIGHT_KERNELS.get(la["name"])
-    # the products' passes over their weights: their declared FLOPs over one pass's (16 rows); one if the
-    # count declared none
-    declared = la["flops"].get("products", 0)
-    passes = declared / (2 * MMA_ROWS * counted) if declared and counted else 1.0
-    per_element = ISSUE_PER_ELEMENT.get(gpu.arch, {})
+    # the products' passes over their weights: their declared FLOPs over one pass's (16 rows, or a long
+    # call's LONG_ROWS); one if the count declared none
+    tile, kind, table = ((LONG_ROWS, "products_long", ISSUE_PER_ELEMENT_LONG) if runs_long(la, gpu, long)
+                         else (MMA_ROWS, "products", ISSUE_PER_ELEMENT))
+    declared = la["flops"].get(kind, 0)
+    passes = declared / (2 * tile * counted) if declared and counted else 1.0
+    per_element = table.get(gpu.arch, {})
     issue = passes * sum(n * per_element.get((family, f), 0.0) for f, n in weights.items()) if family else 0.0
-    products = 2 * MMA_ROWS * passes * sum(weights.values()) if family else 0.0
+    products = 2 * tile * passes * sum(weights.values()) if family else 0.0
     attention = la["flops"].get("attention", 0)
     tensor = 0.0
     if gpu.tensor_flops:  # products on the FP8 path on every architecture here (module docstring), the
@@ -185,25 +200,38 @@ def busiest_share(experts: int, top_k: int, rows: int, world: int, routing: list
     return (per_rank.max(-1).values.mean() / per_rank.mean()).item()
 
 
-def busier_rank_s(la: dict, gpu: GPU, world: int, routing: list | None, shares: dict) -> float:
+def busier_rank_s(la: dict, gpu: GPU, world: int, routing: list | None, shares: dict, long: bool = False) -> float:
     """What an MoE launch costs the rank holding the most of its call's selected whole experts beyond the
     mean rank (seconds); `shares` caches busiest_share by (experts, top-k, rows)."""
     key = tuple(la["routing"])
     if key not in shares:
         shares[key] = busiest_share(*key, world, routing)
-    return max(launch_terms(la, gpu, shares[key]).values()) - max(launch_terms(la, gpu).values())
+    return (max(launch_terms(la, gpu, shares[key], long).values())
+            - max(launch_terms(la, gpu, long=long).values()))
 
 
 def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -> dict:
     """One cycle (seconds) from a count (count.count_cycle): every launch at what bounds it plus LAUNCH_S,
     the busiest rank's extra expert reads (`imbalance`), the collectives. Terms: each launch's time goes to
-    its bound (bytes, issue, tensor, host_link), its fixed cost to `launches`."""
+    its bound (bytes, issue, tensor, host_link), its fixed cost to `launches`. A prefill chunk's count
+    (`long_calls`) prices the products that `runs_long` as a long call's, each with the launch staging its
+    rows (kernels.linear._stage_kernel: its bytes and LAUNCH_S)."""
+    long = count.get("long_calls", False)
     terms = dict.fromkeys(("bytes", "issue", "tensor", "host_link"), 0.0)
     kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "weights": 0, "s": 0.0,
                                                      "by_bound": defaultdict(float), "issue_priced": False})
-    imbalance, shares = 0.0, {}
+    imbalance, shares, stagings = 0.0, {}, 0
     for la in count["launches"]:
-        t = launch_terms(la, gpu)
+        t = launch_terms(la, gpu, long=long)
+        if runs_long(la, gpu, long) and la["staged_bytes"]:
+            stagings += 1
+            staging = kernels["kernels.linear._stage_kernel"]
+            staging["launches"] += 1
+            staging["bytes"] += la["staged_bytes"]
+            s = la["staged_bytes"] / (gpu.hbm_bytes_per_s * COPY_FRACTION)
+            staging["s"] += s + LAUNCH_S
+            staging["by_bound"]["bytes"] += s
+            terms["bytes"] += s
         bound = max(t, key=t.get)
         terms[bound] += t[bound]
         k = kernels[la["name"]]
@@ -214,8 +242,8 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["by_bound"][bound] += t[bound]
         k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
         if la["whole_experts"] and world > 1:
-            imbalance += busier_rank_s(la, gpu, world, routing, shares)
-    terms["launches"] = len(count["launches"]) * LAUNCH_S
+            imbalance += busier_rank_s(la, gpu, world, routing, shares, long)
+    terms["launches"] = (len(count["launches"]) + stagings) * LAUNCH_S
     terms["imbalance"] = imbalance
     terms["collectives"] = sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
                                for c in count["collectives"]["payloads"])
@@ -223,7 +251,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
                                              bound=max(k["by_bound"], key=k["by_bound"].get))}
                     for name, k in kernels.items()), key=lambda k: -k["s"])
     total = sum(terms.values())
-    return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get),
+    return {"terms_s": terms, "cycle_s": total, "dominant": max(terms, key=terms.get), "stagings": stagings,
             "bytes": count["bytes_per_step"]["total"], "kernels": table,
             "busiest_rank_share": {f"{e} experts, top-{k}, {r} rows": v for (e, k, r), v in shares.items()}}
 
@@ -326,7 +354,7 @@ def prefill(first: dict, last: dict, gpu: GPU, world: int, prompts: list[int]) -
     for c, t in ((first, t0), (last, t1)):
         chunks[c["start"]] = {
             "chunk_s": t["cycle_s"], "terms_s": t["terms_s"], "dominant": t["dominant"],
-            "launches": c["launches_per_chunk"], "launches_per_layer": c["launches_per_layer"],
+            "launches": c["launches_per_chunk"] + t["stagings"], "launches_per_layer": c["launches_per_layer"],
             "scratch_bytes": c["scratch_bytes"],
             "collectives": c["collectives"]["per_cycle"], "bytes_read": c["bytes_per_step"]["total"],
             "link_bytes_sent": sum(p["count"] * moved_bytes(p["op"], p["bytes"], world)

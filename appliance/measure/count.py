@@ -33,7 +33,7 @@ import torch
 
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
-from kernels._triton import MMA_ROWS
+from kernels._triton import LONG_ROWS, MMA_ROWS, long_calls
 
 from .recorder import LiveBytes, Recorder, unique_violations
 from .shapes import meta_model, rank_shares
@@ -103,10 +103,10 @@ class DeclaredReads:
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
-                                          linear=self._products(ops.linear, rows),
-                                          linear_multi=self._products(ops.linear_multi, rows),
-                                          linear_expand=self._products(ops.linear_expand, rows),
-                                          engram=self._products(ops.engram, tokens),
+                                          linear=self._products(ops.linear, rows, _one_product_long),
+                                          linear_multi=self._products(ops.linear_multi, rows, _products_long),
+                                          linear_expand=self._products(ops.linear_expand, rows, _one_product_long),
+                                          engram=self._products(ops.engram, tokens, lambda *a: False),
                                           index_scores=self._index_scores(ops.index_scores))
         try:
             yield
@@ -175,19 +175,25 @@ class DeclaredReads:
 
         return call
 
-    def _products(self, op, rows_of):
+    def _products(self, op, rows_of, can_run_long):
         """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
-        padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D])."""
+        padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]); where
+        `can_run_long(*args)` (every product in the checkpoint's formats and one staging of the rows), also
+        as a long call's (`products_long`: padded to LONG_ROWS) with the bytes its staging launch moves."""
         rec = self.rec
 
         def call(x, *args, **kwargs):
             first = len(rec.launches)
             out = op(x, *args, **kwargs)
             if rec.recording:
-                padded = _mma_rows(rows_of(x))
+                rows = rows_of(x)
+                long = can_run_long(*args)
                 for la in rec.launches[first:]:
                     if la.weights:
-                        la.flops["products"] = 2 * padded * sum(la.weights.values())
+                        la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
+                        if long:
+                            la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
+                            la.staged_bytes = rows * x.shape[-1] * (x.element_size() + 1)
             return out
 
         return call
@@ -267,20 +273,42 @@ class DeclaredReads:
                 # each held routed expert's rows are its share of the pairs, padded to the MMA's; the shared
                 # expert takes every row
                 pairs = x.shape[0] * top_k * len(held) / len(experts)
-                per_expert = _mma_rows(round(pairs / max(n, 1), 6))  # n: an expectation
-                every = _mma_rows(x.shape[0])
-                for la in rec.launches[first:]:
-                    routed = sum(la.routed_weights.values())
+                long = act_block is not None and act_block >= 32  # in the checkpoint's formats: can run long
+                all_pairs = x.shape[0] * (top_k + (shared is not None))
+                tiles = ((MMA_ROWS, "products"), (LONG_ROWS, "products_long"))
+                for tile, kind in tiles if long else tiles[:1]:
+                    per_expert = _mma_rows(round(pairs / max(n, 1), 6), tile)  # n: an expectation
+                    every = _mma_rows(x.shape[0], tile)
+                    for la in rec.launches[first:]:
+                        routed = sum(la.routed_weights.values())
+                        if la.weights:
+                            la.flops[kind] = 2 * (per_expert * routed + every * (sum(la.weights.values()) - routed))
+                for la in rec.launches[first:] if long else ():  # x's rows staged for gate and up, h's for down
                     if la.weights:
-                        la.flops["products"] = 2 * (per_expert * routed + every * (sum(la.weights.values()) - routed))
+                        width = x.shape[1] if "gate_up" in la.name else held[0][1].shape[1] if held else 0
+                        la.staged_bytes = (x.shape[0] if "gate_up" in la.name else all_pairs) * width * (
+                            x.element_size() + 1)
             return out
 
         return call
 
 
-def _mma_rows(rows: float) -> int:
-    """Rows a product computes for `rows`: whole tiles of the MMA's (a decode step's 16 however many it uses)."""
-    return math.ceil(rows / MMA_ROWS) * MMA_ROWS
+def _mma_rows(rows: float, tile: int = MMA_ROWS) -> int:
+    """Rows a product computes for `rows`: whole tiles of the MMA's (a decode step's 16 however many it uses;
+    a long call's LONG_ROWS)."""
+    return math.ceil(rows / tile) * tile
+
+
+def _one_product_long(weight, act_block, *rest, **kw) -> bool:
+    """Whether a product (linear, linear_expand) can run as a long call's: in the checkpoint's formats."""
+    return weight.format in ("fp8", "fp4") and bool(act_block) and act_block >= 32
+
+
+def _products_long(products, *rest, **kw) -> bool:
+    """Whether a launch of several products (linear_multi) can: each in the checkpoint's formats, their rows
+    staged alike (one format and activation block)."""
+    return (all(_one_product_long(p.weight, p.act_block) for p in products)
+            and len({(p.weight.format, p.act_block) for p in products}) == 1)
 
 
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],
@@ -420,7 +448,7 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
     rec = Recorder(meta=True, recording=False)
     reads = DeclaredReads(model.rt, rec, True)
     calls: dict[str, int] = defaultdict(int)
-    with torch.inference_mode(), rec, tagged(model, None, rec, calls), reads.installed():
+    with torch.inference_mode(), rec, tagged(model, None, rec, calls), reads.installed(), long_calls():
         for recording, rows in ((False, min(chunk, 16)), (True, chunk)):
             state.length = start
             rec.recording = recording
@@ -438,7 +466,7 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
     return {
         "start": start, "chunk": chunk,
         "launches_per_chunk": s["launches"], "launches_per_layer": max(layers, default=0),
-        "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak + journal,
+        "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak + journal, "long_calls": True,
         "collectives": {"per_cycle": s["collectives"], "payloads": paid},
         "collective_bytes": sum(c["count"] * c["bytes"] for c in paid),
         "bytes_per_step": {"total": s["bytes_read"]},

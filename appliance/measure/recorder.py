@@ -161,6 +161,10 @@ class Launch:
     # tensor-core FLOPs, declared by count.py's wrappers: "products" (the weight products: 2 x rows padded to
     # the MMA's 16 x weight elements), "attention" (scores and values of the attention and the indexer)
     flops: dict[str, float] = field(default_factory=dict)
+    # a long call's weight products (a prefill chunk, kernels/_triton.py LONG_ROWS) on a GPU that multiplies in
+    # the checkpoint's formats: the bytes the launch staging its rows once moves (rows read, codes written);
+    # declared by count.py's wrappers for the launches whose products can run long, 0 for the others
+    staged_bytes: int = 0
 
 
 WEIGHT_DTYPES = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2)}  # format, elements a stored element
