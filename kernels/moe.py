@@ -563,9 +563,10 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows M K + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
-                    y_ptr,       # out [M, hc, D] in X's dtype
+                    y_ptr,       # out [M, hc, D] in X's dtype; PAIRS_ONLY: [M, D] float32
                     M, D, K, hc, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
+                    PAIRS_ONLY: tl.constexpr,  # store each row's pairs' sum as is (no shared expert, no expand)
                     X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -573,6 +574,19 @@ def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared e
     y = tl.zeros((BD,), dtype=tl.float32)
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
+    if PAIRS_ONLY:
+        tl.store(y_ptr + m * D + cols, y, mask=cmask)
+    else:
+        _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc, HAS_SHARED,
+                           S_ROUND, X_BF16, BHC, BD)
+
+
+@device_function
+def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc,
+                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
+                       BD: tl.constexpr):
+    """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
+    the expand stored."""
     if HAS_SHARED:
         s = tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
         if S_ROUND:
@@ -650,10 +664,12 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     launches. Expert parallel (`reduce`): an object with `sum(t)` (a float32 tensor added over the ranks in
     a fixed order: the same bits on every rank, whatever the batch) and `shared_split` (this rank holds a
     slice of the shared expert's intermediate, not all of it); the reference form calls it as
-    `reduce(outputs, shared64)`. The per-pair outputs between down and the
+    `reduce(outputs, shared64)`. In a decode step's call the per-pair outputs between down and the
     combine are summed over ranks, one collective. A routed pair's output comes from the one rank holding
     its expert (zeros on the others), so its sum is exact and every rank then adds each row's experts in
-    the same order as one rank would: the routed part equals one rank's bit for bit. A shared expert split
+    the same order as one rank would: the routed part equals one rank's bit for bit. A long call
+    (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
+    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's. A shared expert split
     over ranks leaves its partial unrounded; the fixed-order sum of the partials is rounded in the combine
     (within float32 rounding of one rank's: the partials' order differs from one K loop)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
@@ -791,32 +807,47 @@ def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool) -> None:
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc,
-                                             HAS_SHARED=has_shared, S_ROUND=split,
+                                             HAS_SHARED=has_shared, S_ROUND=split, PAIRS_ONLY=False,
                                              X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
 
 
+def _pairs_sum(o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Each row's pairs of o [P, D] (pos [M, K]) summed in increasing expert id, in float32: [M, D]."""
+    m, k = pos.shape
+    d = o.shape[1]
+    out = torch.empty((m, d), dtype=torch.float32, device=o.device)
+    bd = min(pow2(d), 8192 if INTERPRET else 1024)
+    if m:
+        _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, HAS_SHARED=False, S_ROUND=False,
+                                                 PAIRS_ONLY=True, X_BF16=False, BHC=1, BD=bd)
+    return out
+
+
 def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, reduce, share) -> torch.Tensor:
-    """A long call's sum over ranks by rows: every rank sends each rank the partials of that rank's share of
-    the rows (their pairs in row order, then their shared rows where the shared expert is split), sums what
-    it receives in rank order (the bits of the whole sum: it is elementwise), combines its own rows and the
-    rows are gathered. A rank receives (ranks - 1) / ranks of one share's partials instead of every rank's
-    partials of every pair; the combined rows travel in X's dtype. `share`: (rows a share is padded to, this
-    rank's first row, its end)."""
+    """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
+    share of every expert's; in increasing expert id, float32: `_pairs_sum`), sends each rank that rank's
+    share of those rows (and of its shared expert rows where the shared expert is split), sums what it
+    receives in rank order, adds its rows' shared expert, expands, and the rows are gathered. The routed
+    sum is associated by rank, as the official code's all-reduce of each rank's experts' sum does: within
+    float32 rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D]
+    instead of every rank's partials of every pair (top-k times fewer); the combined rows travel in X's
+    dtype. `share`: (rows a share is padded to, this rank's first row, its end)."""
     m, k = pos.shape
     per, lo, hi = share
     world = reduce.world
     rows = torch.arange(world * per, device=o.device).clamp(max=m - 1)  # padding repeats the last row
-    index = pos[rows].view(world, per * k)
+    mine = _pairs_sum(o, pos)
+    sent = mine[rows].view(world, per, -1)
     if split:  # the shared rows are partials too
-        index = torch.cat((index, (m * k + rows).view(world, per)), dim=1)
-    summed = reduce.sum_shares(o[index])
+        sent = torch.cat((sent, o[m * k + rows].view(world, per, -1)), dim=1)
+    summed = reduce.sum_shares(sent)  # [per (+ per), D]
     n = hi - lo
-    local = summed[:n * k]  # this rank's rows' pairs, row by row; then their shared rows
+    local = summed[:n]  # this rank's rows' pairs' sums; then their shared rows
     if has_shared:
-        local = torch.cat((local, summed[per * k:per * k + n] if split else o[m * k + lo:m * k + hi]))
+        local = torch.cat((local, summed[per:per + n] if split else o[m * k + lo:m * k + hi]))
     part = torch.empty((n, *X.shape[1:]), dtype=X.dtype, device=X.device)
     if n:
-        local_pos = torch.arange(n * k, device=o.device).view(n, k)
+        local_pos = torch.arange(n, device=o.device).view(n, 1)
         _combine(local.contiguous(), local_pos, X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split)
     return reduce.gather_rows(part, m)
 

@@ -92,34 +92,49 @@ def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order()
             assert gather_rows(comm, full[query_share(comm, rows)], rows).equal(full)
 
 
-def moe_sums_by_shares(world, seed: int) -> dict:
-    """Every rank of four: a 24-token forward on the fast path with the MoE's long-call sums by rows
-    (ExpertReduce.share) and again with the whole sums; whether the logits are the same bits."""
+def sums_by_rows(world, seed: int) -> dict:
+    """Every rank of four: a 24-token forward on the fast path (plain numerics: no activation quantization,
+    whose boundaries a reordered sum can cross) with the long call's sums by rows (the attention's output,
+    parallel/sharding.py `sum_by_rows`; the MoE's, ExpertReduce.share), again with the attention's summed
+    whole, and again with every sum whole; how many sums went by rows, whether the first two give the same
+    logits' bits and how far the third's are (relative to a row's largest)."""
     from appliance.loader import load_model
+    from appliance.model.rowsplit import ALL_ROWS
     from appliance.options import RunOptions
+    from appliance.parallel import sharding
 
-    lm = load_model(RunOptions(devices="cpu:4", path="fast"), notice=None, world=world)
+    lm = load_model(RunOptions(devices="cpu:4", path="fast", numerics="plain"), notice=None, world=world)
     ids = torch.randint(0, lm.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(seed))
     calls = []
-    logits = []
-    for by_shares in (True, False):
-        for layer in lm.model.layers:
-            reduce = layer.ffn.reduce
-            if by_shares:
-                sum_shares = reduce.sum_shares
-                reduce.sum_shares = lambda t, f=sum_shares: calls.append(t.shape) or f(t)
-            else:
-                reduce.share = lambda rows: None
-        logits.append(lm.model.forward(ids, lm.model.new_state(64)).logits)
-    return {"calls": len(calls), "equal": torch.equal(*logits), "rows": int(logits[0].shape[0])}
+    sum_shares = sharding.Comm.sum_shares
+    sharding.Comm.sum_shares = lambda self, t, *a: calls.append(t.shape) or sum_shares(self, t, *a)
+
+    def logits():
+        return lm.model.forward(ids, lm.model.new_state(64)).logits.float()
+
+    by_rows = logits()
+    n = [len(calls)]
+    sharding.sum_by_rows = lambda comm, t, out_dtype: comm.sum(t, out_dtype=out_dtype)
+    attention_whole = logits()
+    n.append(len(calls) - n[0])
+    sharding.query_share = lambda comm, rows: ALL_ROWS  # every sum whole
+    whole = logits()
+    n.append(len(calls) - sum(n))
+    return {"calls": n, "layers": len(lm.model.layers),
+            "attention_equal": torch.equal(by_rows, attention_whole), "rows": int(by_rows.shape[0]),
+            "moe_error": ((by_rows - whole).abs().amax(-1) / whole.abs().amax(-1)).max().item()}
 
 
-def test_four_ranks_sum_a_long_calls_experts_by_rows_to_the_whole_sums_bits(tmp_path):
-    """A prefill chunk's MoE: each rank receives every rank's partials of its share of the rows' pairs only
-    (an all-to-all), combines those rows and gathers them: the same bits as summing every pair on every rank
-    (the rank-order adds are elementwise; a row's combine does not depend on the other rows)."""
+def test_four_ranks_sum_a_long_calls_attention_outputs_and_experts_by_rows(tmp_path):
+    """A prefill chunk's attention output and MoE: each rank receives every rank's partials of its share of
+    the rows only (an all-to-all), sums them in rank order and gathers the summed rows. The attention's: the
+    same bits as summing every row on every rank (the rank-order adds are elementwise). The MoE's: each rank
+    sums a row's pairs first (its experts' outputs), so the routed sum is associated by rank: within float32
+    rounding of the whole sums (2^-16 of a row's largest logit, as tests/test_distributed.py's four ranks)."""
     from .ranks import call
 
-    for rank in call("tests.test_sharding:moe_sums_by_shares", tmp_path, world=4, timeout=600,
+    for rank in call("tests.test_sharding:sums_by_rows", tmp_path, world=4, timeout=600,
                      seed=int(torch.randint(1 << 30, ()))):
-        assert rank["calls"] > 0 and rank["equal"] and rank["rows"] == 24, rank
+        assert rank["calls"] == [2 * rank["layers"], rank["layers"], 0], rank
+        assert rank["attention_equal"] and rank["rows"] == 24, rank
+        assert rank["moe_error"] <= 2.0**-16, rank

@@ -72,15 +72,15 @@ class Comm:
             return parts.view(self.world * t.shape[0], *t.shape[1:])
         return torch.cat(list(parts), dim=dim)
 
-    def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
+    def sum_shares(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
-        rank's partial of this rank's share (the bits of `sum` on those elements: the adds are elementwise):
-        one all-to-all, then the adds in one launch."""
+        rank's partial of this rank's share, stored as `out_dtype` (the bits of `sum` on those elements: the
+        adds are elementwise): one all-to-all, then the adds in one launch."""
         if self.check is not None:
             self.check("all_to_all", t)
         received = torch.empty_like(t)
         dist.all_to_all_single(received, t.contiguous(), group=self.group)
-        return rank_sum.fast(list(received), torch.float32)
+        return rank_sum.fast(list(received), out_dtype)
 
     def span(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n items split evenly."""
@@ -92,17 +92,37 @@ class Comm:
 
 class RowParallel:
     """A linear layer holding the input columns of this rank: local product unrounded, summed over ranks
-    (float64 on the reference path, float32 in rank order on the fast path), rounded once."""
+    (float64 on the reference path, float32 in rank order on the fast path), rounded once. A long call on the
+    fast path (more rows than rowsplit.SPLIT_ROWS: a prefill chunk) sums by rows (`sum_by_rows`): the same
+    bits, a third of the link traffic."""
 
     def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
         self.rt = linear.rt
+        self.comm = comm
         self.weight = linear.weight.cols(start, end)
         self.act_block = linear.act_block
         self.partial, self.sum = partial_sum(linear.rt, comm)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
-        return self.sum(y, out_dtype=out_dtype or self.rt.dtype)
+        out_dtype = out_dtype or self.rt.dtype
+        rows = y.reshape(-1, y.shape[-1]).shape[0]
+        if self.partial == torch.float32 and query_share(self.comm, rows) != ALL_ROWS:
+            return sum_by_rows(self.comm, y.reshape(rows, -1), out_dtype).view(*y.shape[:-1], -1)
+        return self.sum(y, out_dtype=out_dtype)
+
+
+def sum_by_rows(comm: Comm, t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """t [rows, N]: this rank's float32 partials -> their rank-order sum over the ranks in `out_dtype`, as
+    `comm.sum` gives it (the adds are elementwise), made by rows: each rank receives every rank's partials of
+    its share of the rows (`Comm.sum_shares`: an all-to-all of 3/4 of t, not an all-gather of 3 t) and the
+    summed rows are gathered in `out_dtype` (rowsplit.gather_rows)."""
+    rows = t.shape[0]
+    per = -(-rows // comm.world)
+    padded = t if per * comm.world == rows else torch.cat((t, t.new_zeros(per * comm.world - rows, t.shape[1])))
+    mine = query_share(comm, rows)
+    summed = comm.sum_shares(padded.view(comm.world, per, -1), out_dtype)[:mine.stop - mine.start]
+    return gather_rows(comm, summed, rows)
 
 
 def partial_sum(rt, comm: Comm):
@@ -167,9 +187,10 @@ class ExpertReduce:
     path's fixed-order float32 sum; `shared_split`, whether the shared expert's intermediate is split (its
     partial is summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums.
 
-    A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank receives every
-    rank's partials of its share of the rows' pairs (`sum_shares`, an all-to-all), combines those rows and
-    the combined rows are gathered (`gather_rows`): a quarter of the partials received, not all of them."""
+    A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank sums each row's
+    pairs it computed, receives every rank's sums of its share of the rows (`sum_shares`, an all-to-all),
+    combines those rows and the combined rows are gathered (`gather_rows`): a quarter of one [rows, D]
+    received, not every rank's partials of every pair (kernels/moe.py `_combined_by_shares`)."""
 
     def __init__(self, comm, sum, reference, shared_split: bool):
         self.comm, self.sum, self.reference, self.shared_split = comm, sum, reference, shared_split
