@@ -16,7 +16,7 @@ ALLREDUCE = ("auto", "nccl", "symm")
 EXPERTS = ("auto", "split", "whole")
 # The most rows one forward may take: the kernels' largest launch (kernels/_triton.py MAX_ROWS; a test checks
 # the two agree). A prefill chunk is one forward.
-MAX_CHUNK = 4096
+MAX_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,9 @@ class RunOptions:
     index_keys: str = "own"  # V4.1: own | reference (the released decode-time publication order)
     draft: str = "none"  # speculative drafting, one of DRAFTS (auto: the checkpoint's own drafter)
     draft_tokens: int = 3  # drafts per cycle
-    # prefill chunk: cancel and progress act between chunks. The most rows one forward takes: on 4 x B300 a
-    # 4096-token chunk is modeled at ~0.2 s, 855K in 43 s against 81 s in chunks of 256 (BENCHMARKS.md)
+    # prefill chunk: cancel and progress act between chunks. The most rows one forward takes: on 4 x B300 an
+    # 8192-token chunk is modeled at 0.11-0.17 s, 855K in 14.7 s against 16.5 s in chunks of 4096 (an expert's
+    # 128 pairs fill one tile; 16384 gains nothing) and its scratch, 26 GB a rank, fits an H200 (BENCHMARKS.md)
     chunk: int = MAX_CHUNK
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs

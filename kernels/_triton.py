@@ -58,7 +58,7 @@ def native_products(dev: torch.device) -> int:
 # (attention logits [rows, heads, keys], index scores [rows, compressed rows]) to what one device holds at
 # the longest context. appliance/options.py bounds --chunk by it (tests/test_citations.py checks both
 # say the same).
-MAX_ROWS = 4096
+MAX_ROWS = 8192
 
 # Rows of one program of the GEMV kernels (linear, MoE): the tensor-core instruction's N side, padded with
 # masked rows. Fixed, so a row is computed by the same instructions however many rows share the launch.

@@ -101,9 +101,9 @@ if [ $DRY = 0 ]; then
         > "$RES/forward-1.json"
     section "3. slice: DSpark k=3 cycle with graphs at 1K"
     run 120 $APPLIANCE bench forward "${MODEL[@]}" --context 1K --width 4 --repeats 20 --json > "$RES/forward-4.json"
-    section "3. slice: prefill of 8K and 32K in 4096-token chunks, each chunk beside its count and price"
+    section "3. slice: prefill of 8K and 32K in 8192-token chunks, each chunk beside its count and price"
     for n in 8192 32768; do
-        run 90 $APPLIANCE bench prefill "${MODEL[@]}" --chunk 4096 --tokens $n --json > "$RES/prefill-$n.json"
+        run 90 $APPLIANCE bench prefill "${MODEL[@]}" --chunk 8192 --tokens $n --json > "$RES/prefill-$n.json"
     done
 else
     MODEL=(--path fast --dtype bfloat16)

@@ -481,3 +481,20 @@ def test_bench_prefill_prints_each_chunks_time_beside_its_count_and_the_models_p
     assert first["flops"]["products"] > last["flops"]["products"]  # 16 rows against 8
     r = CliRunner().invoke(main, ["bench", "prefill", "--tokens", "0"])
     assert r.exit_code == 2 and "--tokens" in r.output
+
+
+def test_a_selected_experts_rows_are_padded_to_whole_tiles_in_expectation():
+    """The rows a selected expert's products compute: its pairs padded to whole tiles, in expectation under
+    uniform routing (binomial pairs) as simulated calls measure them; a decode row's expert pads to one tile,
+    and where the mean share sits at a tile's edge half the experts take a second tile."""
+    from appliance.measure.count import expected_tile_rows, tile_rows
+
+    assert expected_tile_rows(384, 6, 1, 16) == pytest.approx(16)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    rows, tile = 2048, 32  # 32 pairs an expert on average: the tile's edge
+    calls = [torch.rand(rows, 384, generator=g).topk(6, -1).indices for _ in range(16)]
+    measured = sum(tile_rows(ids, [True] * 384, tile) for ids in calls) / len(calls)
+    expected = expected_tile_rows(384, 6, rows, tile)
+    assert expected == pytest.approx(measured, rel=0.02)
+    assert 1.3 * tile < expected < 1.7 * tile
+    assert tile_rows(calls[0], [e % 2 == 0 for e in range(384)], tile) == pytest.approx(measured, rel=0.1)

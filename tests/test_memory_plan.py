@@ -49,25 +49,29 @@ def test_the_released_v41_plan_on_four_b300_fits_855k_tokens_and_names_the_state
 
 
 
-def test_the_plan_holds_a_prefill_chunks_scratch_and_855k_tokens_fit_b300_and_h200_in_4096_token_chunks(tmp_path):
-    """The scratch of a prompt's last prefill chunk, counted on the meta build: at least the indexer's
-    float32 scores of this rank's quarter of the chunk's queries and every index key of the context, less
-    than the ranks' partial scores of all of them gathered took (issue 31 counted ~88 GB a rank); 16x
-    smaller chunks need far less; the released V4.1 on 4 ranks at 855K fits a B300 (288 GB) and an H200."""
+def test_the_plan_holds_a_prefill_chunks_scratch_and_855k_tokens_fit_b300_and_h200_in_the_default_chunks(tmp_path):
+    """The scratch of a prompt's last prefill chunk (the default, MAX_CHUNK rows), counted on the meta build:
+    at least the indexer's float32 scores of this rank's quarter of the chunk's queries and every index key
+    of the context, less than the ranks' partial scores of all of them gathered took (issue 31 counted ~88
+    GB a rank at 4096 rows); 32x smaller chunks need far less; the released V4.1 on 4 ranks at 855K fits a
+    B300 (288 GB) and an H200."""
     import shutil
     from pathlib import Path
 
+    from appliance.options import MAX_CHUNK
+
+    assert RunOptions().chunk == MAX_CHUNK
     shutil.copy(Path(__file__).parent / "data" / "deepseek-v41-flash-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
-    b300 = fast_path_plan(cfg, 855000, int(288e9), world=4, dtype="bfloat16", drafter=False, chunk=4096)
+    b300 = fast_path_plan(cfg, 855000, int(288e9), world=4, dtype="bfloat16", drafter=False, chunk=MAX_CHUNK)
     scratch = b300.parts["prefill_scratch"]
     keys = 855000 // min(r for r in cfg.compress_ratios if r)  # the indexer's rows at the last chunk
-    assert 1024 * keys * 4 <= scratch < 4096 * keys * 4 * 4, scratch
+    assert MAX_CHUNK // 4 * keys * 4 <= scratch < MAX_CHUNK * keys * 4 * 4, scratch
     assert b300.fits
-    h200 = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=4096)
+    h200 = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=MAX_CHUNK)
     assert h200.fits and h200.parts["prefill_scratch"] == pytest.approx(scratch, rel=1e-3)
     small = fast_path_plan(cfg, 855000, int(141e9), world=4, dtype="bfloat16", drafter=False, chunk=256)
-    assert small.parts["prefill_scratch"] < scratch / 8
+    assert small.parts["prefill_scratch"] < scratch / 16
 
 
 def prefill_footprint(world, context: int, chunk: int, seed: int) -> dict:

@@ -90,7 +90,7 @@ _DECODE_OPTIONS = [
                                           envvar=_env("draft_tokens"), help="drafts per cycle (1..5 with DSpark)")),
     ("chunk", lambda: click.option("--chunk", type=int, default=RunOptions.chunk, show_default=True,
                                    envvar=_env("chunk"),
-                                   help="prefill chunk: rows one forward takes, at most 4096 (cancel and progress act "
+                                   help="prefill chunk: rows one forward takes, at most 8192 (cancel and progress act "
                                         "between chunks; checkpoints are taken inside them)")),
     ("context", lambda: click.option("--context", type=int, default=None, envvar=_env("context"),
                                      help="context limit in tokens (default: the model's, capped by memory)")),
