@@ -21,10 +21,9 @@ import torch
 from . import linear
 from ._triton import (
     INTERPRET,
+    LONG_ROWS,
     counters,
-    device_function,
     device_of,
-    e8m0_f32,
     pow2,
     require,
     require_dtype,
@@ -39,9 +38,11 @@ from .linear import (
     PackedWeight,
     check_act_block,
     check_weight,
+    fp8_rows_tile,
     kernel_args,
     scratch_area,
     stage_codes,
+    stage_launch,
     stage_scratch,
     staged_product,
     weight_product,
@@ -78,19 +79,6 @@ def layer_reference(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 # counter) computes each row's gates from the whole kv row and writes X'. float32 throughout; per row.
 
 
-@device_function
-def _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM: tl.constexpr, BK: tl.constexpr):
-    """Columns [k0, k0 + BK) of the rows' looked-up table rows (each position's C rows of HD, one row of
-    K = C HD), dequantized exactly, float32 [BM, BK]."""
-    cols = k0 + tl.arange(0, BK)
-    r64 = rows[:, None].to(tl.int64)
-    code = tl.load(codes_ptr + r64 * K + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
-    blocks = k0 // 32 + tl.arange(0, BK // 32)  # BK is a multiple of 32: the tile holds whole scale blocks
-    e = tl.load(scale_ptr + r64 * (K // 32) + blocks[None, :], mask=row_mask[:, None] & (blocks[None, :] * 32 < K),
-                other=127)
-    return tl.reshape(tl.reshape(code.to(tl.float32), (BM, BK // 32, 32)) * e8m0_f32(e)[:, :, None], (BM, BK))
-
-
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memory: read by every program)
                   scale_ptr,  # E8M0 bytes [T, C, HD / 32]
@@ -100,11 +88,12 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   om_ptr,     # float32 [hc, D] omega
                   out_ptr,    # out [T, hc, D]
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
-                  qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, KQ] codes, [BM, KQ / 32] scales
+                  qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, KQ] codes, [BM, KQ / 32] scales; PRESTAGED:
+                  # every row's, which linear.stage_launch wrote
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                  DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
+                  DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, OUT_BF16: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
     N = (hc + 1) * D
@@ -117,17 +106,21 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0:  # the rows quantized once, into the program's scratch
         KQ = tl.cdiv(K, BK) * BK
-        qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + tile, KQ, BM)
-        SW: tl.constexpr = STAGE_TILES * BK
-        for k0 in range(0, KQ, SW):
-            stage_codes(_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, SW), qc, qs, k0, KQ, FMT, NATIVE,
-                        ACT_BLOCK, BM, SW)
-        tl.debug_barrier()  # every thread's codes are written before any thread reads them
-        acc = staged_product(w_rows, s_rows, n_mask, qc, qs, tl.arange(0, BM), K, KQ, acc, FMT, BI, ACT_BLOCK,
-                             NATIVE, BM, BN, BK)
+        if PRESTAGED:
+            acc = staged_product(w_rows, s_rows, n_mask, qc_ptr, qs_ptr, rows, K, KQ, acc, FMT, BI, ACT_BLOCK,
+                                 NATIVE, BM, BN, BK)
+        else:
+            qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + tile, KQ, BM)
+            SW: tl.constexpr = STAGE_TILES * BK
+            for k0 in range(0, KQ, SW):
+                stage_codes(fp8_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, SW), qc, qs, k0, KQ, FMT,
+                            NATIVE, ACT_BLOCK, BM, SW)
+            tl.debug_barrier()  # every thread's codes are written before any thread reads them
+            acc = staged_product(w_rows, s_rows, n_mask, qc, qs, tl.arange(0, BM), K, KQ, acc, FMT, BI, ACT_BLOCK,
+                                 NATIVE, BM, BN, BK)
     else:
         for k0 in range(0, K, BK):
-            a = _rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
+            a = fp8_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM, BK)
             acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, NATIVE, BM,
                                  BN, BK)
     r64 = rows.to(tl.int64)
@@ -195,12 +188,16 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
         return out
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
     native = linear.native_kind(dev, [wkv], [ab])
-    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native)
+    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native, one_staging=True)
+    prestaged = bm == LONG_ROWS  # a long call: the rows quantized once for every program
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)
     programs = triton.cdiv(n, bn) * blocks
-    if native:  # each program's rows quantized (linear.stage_codes)
+    if prestaged:
+        qc, qs, _ = stage_launch(codes.view(t, k), codes, 0.0, False, fmt, native, ab, blocks * bm, bk,
+                                 fp8_scales=scales.view(torch.uint8).view(t, k // 32))
+    elif native:  # each program's rows quantized (linear.stage_codes)
         qc, qs = stage_scratch(programs, bm, triton.cdiv(k, bk) * bk, dev)
     else:
         qc = qs = kv
@@ -209,7 +206,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     _layer_kernel[(triton.cdiv(n, bn), blocks)](
         codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, qc, qs, t, k, hc, d, swn, ssn,
         float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, NATIVE=native,
-        OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
+        PRESTAGED=prestaged, OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
         BHC=pow2(hc))
     return out
 

@@ -464,6 +464,19 @@ def mma_parts(w, x, acc, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr):
 
 
 @device_function
+def fp8_rows_tile(codes_ptr, scale_ptr, rows, row_mask, k0, K, BM: tl.constexpr, BK: tl.constexpr):
+    """Columns [k0, k0 + BK) of rows of e4m3 codes [., K] with one E8M0 byte per 32 columns [., K / 32]
+    (Engram's looked-up table rows), dequantized exactly, float32 [BM, BK]; zeros past K."""
+    cols = k0 + tl.arange(0, BK)
+    r64 = rows[:, None].to(tl.int64)
+    code = tl.load(codes_ptr + r64 * K + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+    blocks = k0 // 32 + tl.arange(0, BK // 32)  # BK is a multiple of 32: the tile holds whole scale blocks
+    e = tl.load(scale_ptr + r64 * (K // 32) + blocks[None, :], mask=row_mask[:, None] & (blocks[None, :] * 32 < K),
+                other=127)
+    return tl.reshape(tl.reshape(code.to(tl.float32), (BM, BK // 32, 32)) * e8m0_f32(e)[:, :, None], (BM, BK))
+
+
+@device_function
 def row_rms(x_ptr, rows, M, K, stride_xm, eps, BM: tl.constexpr, BKN: tl.constexpr):
     """The rows' reciprocal RMS over their K inputs, BKN-wide blocks added in order (RMSNorm's float32)."""
     ss = tl.zeros((BM,), dtype=tl.float32)
@@ -663,13 +676,13 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
 
 
 # A long call's rows quantized once for every program of its products (PRESTAGED, `stage_launch`): program j
-# writes rows [j 16, (j + 1) 16) of x (zeros past M), RMS-normalized first with NORM, as `stage_codes` lays
-# them out: row r's codes at qc + r KQ, its powers of two at qs + r KQ / ACT_BLOCK. 16 rows a program: the
-# staging tile of a short call's programs.
+# writes rows [j 16, (j + 1) 16) of x (zeros past M), RMS-normalized first with NORM (FP8_ROWS: x's e4m3
+# codes dequantized by their E8M0 bytes at nw_ptr), as `stage_codes` lays them out: row r's codes at
+# qc + r KQ, its powers of two at qs + r KQ / ACT_BLOCK. 16 rows a program: a short call's staging tile.
 @triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _stage_kernel(x_ptr, nw_ptr, qc_ptr, qs_ptr, M, K, KQ, stride_xm, norm_eps, NORM: tl.constexpr,
-                  X_BF16: tl.constexpr, FMT: tl.constexpr, NATIVE: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                  BM: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr):
+                  FP8_ROWS: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, NATIVE: tl.constexpr,
+                  ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BM
     rows = first + tl.arange(0, BM)
     r = tl.zeros((BM,), dtype=tl.float32)
@@ -677,21 +690,26 @@ def _stage_kernel(x_ptr, nw_ptr, qc_ptr, qs_ptr, M, K, KQ, stride_xm, norm_eps, 
         r = row_rms(x_ptr, rows, M, K, stride_xm, norm_eps, BM, BKN)
     SW: tl.constexpr = STAGE_TILES * BK
     for k0 in range(0, KQ, SW):
-        a = row_tile(x_ptr, rows, rows < M, k0, K, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
+        if FP8_ROWS:
+            a = fp8_rows_tile(x_ptr, nw_ptr, rows, rows < M, k0, K, BM, SW)
+        else:
+            a = row_tile(x_ptr, rows, rows < M, k0, K, stride_xm, r, nw_ptr, NORM, X_BF16, BM, SW)
         stage_codes(a, qc_ptr + first * KQ, qs_ptr + first * (KQ // ACT_BLOCK), k0, KQ, FMT, NATIVE, ACT_BLOCK,
                     BM, SW)
 
 
 def stage_launch(x2: torch.Tensor, nw: torch.Tensor, eps: float, norm: bool, fmt: int, native: int, act_block: int,
-                 rows: int, bk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                 rows: int, bk: int, fp8_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """x2 [M, W]'s rows quantized once (`_stage_kernel`), `rows` of them (M and zero rows after it, as many
-    as the products' programs read): (codes, powers of two, KQ: the codes' row width, W rounded up to bk)."""
+    as the products' programs read): (codes, powers of two, KQ: the codes' row width, W rounded up to bk).
+    `fp8_scales`: x2 is e4m3 codes with these E8M0 bytes [M, W / 32] (dequantized first)."""
     m, w = x2.shape
     kq = triton.cdiv(w, bk) * bk
     qc, qs = stage_scratch(1, triton.cdiv(rows, MMA_ROWS) * MMA_ROWS, kq, x2.device)
     _stage_kernel[(triton.cdiv(rows, MMA_ROWS),)](
-        x2, nw, qc, qs, m, w, kq, x2.stride(0), float(eps), NORM=norm, X_BF16=x2.dtype == torch.bfloat16, FMT=fmt,
-        NATIVE=native, ACT_BLOCK=act_block, BM=MMA_ROWS, BK=bk, BKN=min(pow2(w), 1024))
+        x2, nw if fp8_scales is None else fp8_scales, qc, qs, m, w, kq, x2.stride(0), float(eps), NORM=norm,
+        FP8_ROWS=fp8_scales is not None, X_BF16=x2.dtype == torch.bfloat16, FMT=fmt, NATIVE=native,
+        ACT_BLOCK=act_block, BM=MMA_ROWS, BK=bk, BKN=min(pow2(w), 1024))
     return qc, qs, kq
 
 

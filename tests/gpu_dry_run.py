@@ -304,14 +304,14 @@ def drive_benchmark_cases(failures: list):
 
 def drive_long_calls(failures: list):
     """A prefill chunk's weight products (kernels._triton.long_calls: programs of LONG_ROWS rows on the rows
-    staged once, linear.stage_launch) at V4.1 shapes: the linear and MoE benchmark cases at 256 rows."""
+    staged once, linear.stage_launch) at V4.1 shapes: the linear, MoE and Engram benchmark cases at 256 rows."""
     import kernels._triton as kt
     from kernels import bench
 
     bench._copies = lambda nbytes, tiny: 1
     shapes = dataclasses.replace(bench.V41, experts=8)
     with kt.long_calls():
-        for case in (bench._bench_linear, bench._bench_moe):
+        for case in (bench._bench_linear, bench._bench_moe, bench._bench_engram):
             try:
                 case(shapes, 256, torch.device("cpu"), torch.bfloat16, 1, False)
             except Exception:

@@ -60,6 +60,32 @@ def test_the_engram_layer_in_the_checkpoints_formats_matches_the_reference_and_r
     assert native or not kernels._triton.INTERPRET, f"no product multiplied in the checkpoint's formats {ctx}"
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_a_long_calls_engram_layer_stages_its_rows_once_and_its_chunks_give_the_same_bits(native, monkeypatch, dt):
+    """Inside long_calls (a prefill chunk) on the block-scaled MMA the layer's product takes programs of
+    LONG_ROWS rows on the looked-up rows dequantized and quantized once by their own launch
+    (linear.stage_launch; the e4m3 MMA keeps its 8 a program): within the tolerance, and a prompt's rows give
+    the same bits whatever its chunks."""
+    from kernels import linear
+
+    staged = []
+    stage = linear.stage_launch
+    monkeypatch.setattr(engram, "stage_launch", lambda *a, **k: (staged.append(1), stage(*a, **k))[1])
+    s = seed()
+    rows = 40
+    X, codes, scales, *rest = args = layer(rows, 4, 64, 64, 5, dt, 32)
+    ctx = f"(seed {s}, {dt})"
+    with kernels._triton.long_calls():
+        whole = run(engram.fast_layer, *args)
+        parts = torch.cat([run(engram.fast_layer, X[a:b], codes[a:b], scales[a:b], *rest)
+                           for a, b in ((0, 3), (3, 29), (29, rows))])
+    assert torch.equal(whole, parts), f"chunks differ from one call {ctx}"
+    assert_close("streams", engram.layer_reference(*args), whole, TOL[dt], context=ctx)
+    long = kernels._triton.native_products(DEVICE) == kernels._triton.NATIVE_BLOCK_SCALED
+    assert len(staged) == 4 * long or not kernels._triton.INTERPRET, f"{len(staged)} stagings {ctx}"
+    assert native or not kernels._triton.INTERPRET, f"no product multiplied in the checkpoint's formats {ctx}"
+
+
 def test_an_engram_row_does_not_depend_on_the_other_rows():
     s = seed()
     X, codes, scales, *rest = layer(6, 4, 64, 32, 4, torch.bfloat16, 32)

@@ -109,7 +109,8 @@ ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
 # their own, so the main loop is all; the compile check's `... long` rows), per weight element and pass. Only
 # the block-scaled MMA runs long (kernels/_triton.py `product_rows`): sm_90 prices a chunk in 8-row passes.
 ISSUE_PER_ELEMENT_LONG = {
-    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.41, ("moe", "fp8"): 3.41},
+    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.41, ("moe", "fp8"): 3.41,
+          ("engram", "fp8"): 2.00},
 }
 ISSUE_PER_ELEMENT_LONG[100] = ISSUE_PER_ELEMENT_LONG[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",

@@ -122,10 +122,11 @@ class DeclaredReads:
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
-                                          linear=self._products(ops.linear, rows, _one_product_long),
-                                          linear_multi=self._products(ops.linear_multi, rows, _products_long),
-                                          linear_expand=self._products(ops.linear_expand, rows, _one_product_long),
-                                          engram=self._products(ops.engram, tokens, lambda *a: False),
+                                          linear=self._products(ops.linear, rows, _one_product_staging),
+                                          linear_multi=self._products(ops.linear_multi, rows, _products_staging),
+                                          linear_expand=self._products(ops.linear_expand, rows,
+                                                                       _one_product_staging),
+                                          engram=self._products(ops.engram, tokens, _engram_staging),
                                           index_scores=self._index_scores(ops.index_scores))
         try:
             yield
@@ -194,11 +195,12 @@ class DeclaredReads:
 
         return call
 
-    def _products(self, op, rows_of, can_run_long):
+    def _products(self, op, rows_of, long_staging):
         """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
         padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]); where
-        `can_run_long(*args)` (every product in the checkpoint's formats and one staging of the rows), also
-        as a long call's (`products_long`: padded to LONG_ROWS) with the bytes its staging launch moves."""
+        `long_staging(x, *args)` says its launch can run long (every product in the checkpoint's formats and
+        one staging of the rows: the bytes that staging moves, rows read and codes written; 0: it cannot),
+        also as a long call's (`products_long`: padded to LONG_ROWS) with those bytes."""
         rec = self.rec
 
         def call(x, *args, **kwargs):
@@ -206,13 +208,13 @@ class DeclaredReads:
             out = op(x, *args, **kwargs)
             if rec.recording:
                 rows = rows_of(x)
-                long = can_run_long(*args)
+                staged = long_staging(x, *args)
                 for la in rec.launches[first:]:
                     if la.weights:
                         la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
-                        if long:
+                        if staged:
                             la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
-                            la.staged_bytes = rows * x.shape[-1] * (x.element_size() + 1)
+                            la.staged_bytes = staged
             return out
 
         return call
@@ -319,16 +321,32 @@ def _mma_rows(rows: float, tile: int = MMA_ROWS) -> int:
     return math.ceil(rows / tile) * tile
 
 
-def _one_product_long(weight, act_block, *rest, **kw) -> bool:
-    """Whether a product (linear, linear_expand) can run as a long call's: in the checkpoint's formats."""
+def _one_product_long(weight, act_block) -> bool:
+    """Whether a product can run as a long call's: in the checkpoint's formats."""
     return weight.format in ("fp8", "fp4") and bool(act_block) and act_block >= 32
 
 
-def _products_long(products, *rest, **kw) -> bool:
-    """Whether a launch of several products (linear_multi) can: each in the checkpoint's formats, their rows
-    staged alike (one format and activation block)."""
-    return (all(_one_product_long(p.weight, p.act_block) for p in products)
-            and len({(p.weight.format, p.act_block) for p in products}) == 1)
+def _rows_staging(x: torch.Tensor) -> int:
+    """Bytes a staging of x [..., K]'s rows moves: the rows read, a code byte an element written."""
+    return x.numel() * (x.element_size() + 1)
+
+
+def _one_product_staging(x, weight, act_block, *rest, **kw) -> int:
+    """A product's launch (linear, linear_expand) as a long call's: its staging's bytes (0: cannot)."""
+    return _rows_staging(x) if _one_product_long(weight, act_block) else 0
+
+
+def _products_staging(x, products, *rest, **kw) -> int:
+    """A launch of several products (linear_multi): each in the checkpoint's formats, their rows staged alike
+    (one format and activation block)."""
+    alike = (all(_one_product_long(p.weight, p.act_block) for p in products)
+             and len({(p.weight.format, p.act_block) for p in products}) == 1)
+    return _rows_staging(x) if alike else 0
+
+
+def _engram_staging(X, codes, scales, wkv, act_block, *rest, **kw) -> int:
+    """The Engram layer's product: its looked-up rows' codes and bytes read, their codes written."""
+    return 2 * codes.numel() + scales.numel() if _one_product_long(wkv, act_block) else 0
 
 
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],
