@@ -68,7 +68,7 @@ MMA_ROWS = 16
 E4M3_MMA_ROWS = 8
 # ... in a long call (a prefill chunk: `long_calls`) whose products multiply in the checkpoint's formats: 128
 # rows a program (the MMA's N side), so each weight tile streams once per 128 rows, not per 16, and the rows
-# are quantized once per launch before it (linear.stage_launch), not in every program. The mode, not the row
+# are quantized once per launch before it (rows.stage_launch), not in every program. The mode, not the row
 # count, chooses it: every chunk of a prompt, a tail of 3 rows too, takes the same tiles (a prompt's bits do
 # not depend on its chunking), and a decode step or a verify block never does (a verify block equals single
 # steps bit for bit). A row of a long call meets the same K tiles, splits and float32 adds as in a short one,

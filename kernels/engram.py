@@ -33,20 +33,8 @@ from ._triton import (
     tsum,
 )
 from .formats import e8m0_to_float
-from .linear import (
-    STAGE_TILES,
-    PackedWeight,
-    check_act_block,
-    check_weight,
-    fp8_rows_tile,
-    kernel_args,
-    scratch_area,
-    stage_codes,
-    stage_launch,
-    stage_scratch,
-    staged_product,
-    weight_product,
-)
+from .linear import PackedWeight, check_act_block, check_weight, kernel_args, staged_product, weight_product
+from .rows import STAGE_TILES, fp8_rows_tile, scratch_area, stage_codes, stage_launch, stage_scratch
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +77,7 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   out_ptr,    # out [T, hc, D]
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
                   qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, KQ] codes, [BM, KQ / 32] scales; PRESTAGED:
-                  # every row's, which linear.stage_launch wrote
+                  # every row's, which rows.stage_launch wrote
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
                   DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -197,7 +185,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     if prestaged:
         qc, qs, _ = stage_launch(codes.view(t, k), codes, 0.0, False, fmt, native, ab, blocks * bm, bk,
                                  fp8_scales=scales.view(torch.uint8).view(t, k // 32))
-    elif native:  # each program's rows quantized (linear.stage_codes)
+    elif native:  # each program's rows quantized (rows.stage_codes)
         qc, qs = stage_scratch(programs, bm, triton.cdiv(k, bk) * bk, dev)
     else:
         qc = qs = kv

@@ -60,18 +60,14 @@ from ._triton import (
 )
 from .linear import (
     PackedWeight,
-    act_tile,
     check_act_block,
     check_weight,
     kernel_args,
     product_tile,
-    scratch_area,
-    stage_launch,
-    stage_rows,
-    stage_scratch,
     staged_product,
     weight_product,
 )
+from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
 def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -403,8 +399,8 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
     [p, end), BM at a time, into rows of h (IW wide). In the checkpoint's formats the rows are quantized once
-    for both products, into the group's scratch `qc`/`qs` (linear.stage_rows); PRESTAGED: every row of x is,
-    there, before the launch (linear.stage_launch)."""
+    for both products, into the group's scratch `qc`/`qs` (rows.stage_rows); PRESTAGED: every row of x is,
+    there, before the launch (rows.stage_launch)."""
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
@@ -639,7 +635,7 @@ def pairs_per_program(n_pairs: int) -> int:
 
 def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: int, x: torch.Tensor):
     """(codes, scales, columns, by expert) of an expert kernel's scratch where the rows are staged
-    (linear.stage_rows): an area of `bm` rows' `k` columns per N tile and per expert group (the shared
+    (rows.stage_rows): an area of `bm` rows' `k` columns per N tile and per expert group (the shared
     expert's last) or per program along the pairs, whichever is fewer (each group is one expert's, worked by
     one program): a decode step's few pairs take a few areas, a prefill chunk's at most one per expert (V4.1
     over 4 ranks on the block-scaled MMA: 257 x 4 x 16 x 4096 bytes for gate and up). Dummies otherwise."""
@@ -651,7 +647,7 @@ def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: i
 
 def _staged_once(t: torch.Tensor, rows: int, fmt: int, native: int, act_block: int, bk: int):
     """(codes, powers of two, columns, 0): the `rows` rows of t [rows, K] quantized once for a long call's
-    expert launch (linear.stage_launch; on the block-scaled MMA, the only one that runs long, the codes'
+    expert launch (rows.stage_launch; on the block-scaled MMA, the only one that runs long, the codes'
     layout is every format's)."""
     return *stage_launch(t, t, 0.0, False, fmt, native, act_block, rows, bk), 0
 
@@ -742,7 +738,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     # multiply in their own formats (_triton.native_products)
     native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
     bm = product_rows(native)
-    prestaged = bm == LONG_ROWS  # a long call: x and h staged once (linear.stage_launch), every expert reads them
+    prestaged = bm == LONG_ROWS  # a long call: x and h staged once (rows.stage_launch), every expert reads them
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
@@ -768,10 +764,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     h = (torch.zeros if prestaged else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
-    if prestaged:
-        q_up = _staged_once(x, m, table.up[2], native, ab, bk2)
-    else:
-        q_up = _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x)
+    q_up = (_staged_once(x, m, table.up[2], native, ab, bk2) if prestaged else
+            _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
     _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e,
         x.stride(0),
@@ -779,10 +773,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
-    if prestaged:
-        q_down = _staged_once(h, n_pairs, table.down[2], native, ab, bk2)
-    else:
-        q_down = _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x)
+    q_down = (_staged_once(h, n_pairs, table.down[2], native, ab, bk2) if prestaged else
+              _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
         h, table.table, stab, pe, pw, first, end, o, *q_down, n_pairs, per_program, i, i_s, iw, d, e,
         *table.down[:2], *s_down[:2],

@@ -62,7 +62,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
-from kernels.linear import STAGE_TILES  # noqa: E402
+from kernels.rows import STAGE_TILES  # noqa: E402
 from tests import sass  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
@@ -304,7 +304,7 @@ def drive_benchmark_cases(failures: list):
 
 def drive_long_calls(failures: list):
     """A prefill chunk's weight products (kernels._triton.long_calls: programs of LONG_ROWS rows on the rows
-    staged once, linear.stage_launch) at V4.1 shapes: the linear, MoE and Engram benchmark cases at 256 rows."""
+    staged once, rows.stage_launch) at V4.1 shapes: the linear, MoE and Engram benchmark cases at 256 rows."""
     import kernels._triton as kt
     from kernels import bench
 

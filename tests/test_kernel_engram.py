@@ -64,7 +64,7 @@ def test_the_engram_layer_in_the_checkpoints_formats_matches_the_reference_and_r
 def test_a_long_calls_engram_layer_stages_its_rows_once_and_its_chunks_give_the_same_bits(native, monkeypatch, dt):
     """Inside long_calls (a prefill chunk) on the block-scaled MMA the layer's product takes programs of
     LONG_ROWS rows on the looked-up rows dequantized and quantized once by their own launch
-    (linear.stage_launch; the e4m3 MMA keeps its 8 a program): within the tolerance, and a prompt's rows give
+    (rows.stage_launch; the e4m3 MMA keeps its 8 a program): within the tolerance, and a prompt's rows give
     the same bits whatever its chunks."""
     from kernels import linear
 

@@ -153,7 +153,7 @@ def test_several_products_of_one_input_in_one_launch_match_their_references(k, n
 
 
 def _staged_launches(monkeypatch) -> list:
-    """The rows' stagings of long calls (linear.stage_launch) made while the test runs (the list's length)."""
+    """The rows' stagings of long calls (rows.stage_launch) made while the test runs (the list's length)."""
     made = []
     stage = linear.stage_launch
     monkeypatch.setattr(linear, "stage_launch", lambda *a: (made.append(1), stage(*a))[1])

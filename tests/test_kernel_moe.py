@@ -129,7 +129,7 @@ def test_experts_in_the_checkpoints_formats_match_the_reference_and_rows_stay_in
 @pytest.mark.parametrize("fmt,dt", [("fp4", torch.bfloat16), ("fp8", torch.float32)])
 def test_a_long_call_stages_its_rows_once_and_its_chunks_give_the_same_bits(native, monkeypatch, fmt, dt):
     """Inside long_calls (a prefill chunk) on the block-scaled MMA every expert group walks its pairs
-    LONG_ROWS at a time, reading x's and h's rows quantized once for the launch (linear.stage_launch; the
+    LONG_ROWS at a time, reading x's and h's rows quantized once for the launch (rows.stage_launch; the
     e4m3 MMA keeps its 8 a program): within the tolerance, and a prompt's rows give the same bits whatever its
     chunks."""
     staged = []

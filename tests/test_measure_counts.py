@@ -408,7 +408,7 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
     assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
-    staging = next(k for k in prefill["kernels"] if k["kernel"] == "kernels.linear._stage_kernel")
+    staging = next(k for k in prefill["kernels"] if k["kernel"] == "kernels.rows._stage_kernel")
     assert staging["bytes"] == staged
     assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.LAUNCH_S)
 

@@ -216,7 +216,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
     the busiest rank's extra expert reads (`imbalance`), the collectives. Terms: each launch's time goes to
     its bound (bytes, issue, tensor, host_link), its fixed cost to `launches`. A prefill chunk's count
     (`long_calls`) prices the products that `runs_long` as a long call's, each with the launch staging its
-    rows (kernels.linear._stage_kernel: its bytes and LAUNCH_S)."""
+    rows (kernels.rows._stage_kernel: its bytes and LAUNCH_S)."""
     long = count.get("long_calls", False)
     terms = dict.fromkeys(("bytes", "issue", "tensor", "host_link"), 0.0)
     kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "weights": 0, "s": 0.0,
@@ -226,7 +226,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         t = launch_terms(la, gpu, long=long)
         if runs_long(la, gpu, long) and la["staged_bytes"]:
             stagings += 1
-            staging = kernels["kernels.linear._stage_kernel"]
+            staging = kernels["kernels.rows._stage_kernel"]
             staging["launches"] += 1
             staging["bytes"] += la["staged_bytes"]
             s = la["staged_bytes"] / (gpu.hbm_bytes_per_s * COPY_FRACTION)
