@@ -66,9 +66,10 @@ MMA_ROWS = 16
 # ... on the e4m3 MMA (NATIVE_E4M3), whose float32 epilogue per 32-column block costs a row's share of every
 # output: 8 (wgmma's smallest N) halves it against 16; a verify block (at most 6 rows) still fits one program.
 E4M3_MMA_ROWS = 8
-# ... in a long call (a prefill chunk: `long_calls`) whose products multiply in the checkpoint's formats: 128
-# rows a program (the MMA's N side), so each weight tile streams once per 128 rows, not per 16, and the rows
-# are quantized once per launch before it (rows.stage_launch), not in every program. The mode, not the row
+# ... in a long call (a prefill chunk: `long_calls`), on the block-scaled MMA or from registers: 128 rows a
+# program (the MMA's N side), so each weight tile streams (and, from registers, is dequantized) once per 128
+# rows, not per 16; in the checkpoint's formats the rows are quantized once per launch before it
+# (rows.stage_launch), not in every program. The mode, not the row
 # count, chooses it: every chunk of a prompt, a tail of 3 rows too, takes the same tiles (a prompt's bits do
 # not depend on its chunking), and a decode step or a verify block never does (a verify block equals single
 # steps bit for bit). A row of a long call meets the same K tiles, splits and float32 adds as in a short one,
@@ -89,14 +90,15 @@ def long_calls():
         _LONG_CALLS.reset(token)
 
 
-def product_rows(native: int, may_be_long: bool = True) -> int:
+def product_rows(native: int, may_be_long: bool) -> int:
     """Rows one program of the weight products computes when they multiply as `native` says
-    (`native_products`; 0: bfloat16 values from registers, which keep MMA_ROWS): LONG_ROWS inside
-    `long_calls` on the block-scaled MMA (unless the launch cannot stage its rows once: not `may_be_long`),
-    else the MMA's N side. The e4m3 MMA (sm_89/90) keeps its 8: its float32 sum of every 32-column block is
-    paid per row, so 128 rows a program issue ~22 instructions a weight element and spill (the compile
-    check, 2026-12-04), a row's share barely below 8 rows' (2.2)."""
-    if native == NATIVE_BLOCK_SCALED and may_be_long and _LONG_CALLS.get():
+    (`native_products`; 0: bfloat16 values from registers): LONG_ROWS inside `long_calls` on the block-scaled
+    MMA or from registers (there the weights' dequantization spreads over 128 rows) where the launch can
+    (`may_be_long`: its wrapper's choice, e.g. its rows take one staging), else the MMA's N side. The e4m3
+    MMA (sm_89/90) keeps its 8: its float32 sum of every 32-column block is paid per row, so 128 rows a
+    program issue ~22 instructions a weight element and spill (the compile check, 2026-12-04), a row's share
+    barely below 8 rows' (2.2)."""
+    if native in (0, NATIVE_BLOCK_SCALED) and may_be_long and _LONG_CALLS.get():
         return LONG_ROWS
     return E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS
 

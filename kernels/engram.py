@@ -176,7 +176,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
         return out
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
     native = linear.native_kind(dev, [wkv], [ab])
-    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native, one_staging=True)
+    bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native, may_be_long=bool(native))
     prestaged = bm == LONG_ROWS  # a long call: the rows quantized once for every program
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)

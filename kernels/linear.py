@@ -565,16 +565,16 @@ def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list
 
 
 def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native: int = 0,
-         one_staging: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
+         may_be_long: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
     segments' (outputs, act_block, outputs per group), K, the device and the call's kind (`product_rows`:
-    a long call's programs take LONG_ROWS where every segment's rows take one staging, `one_staging`) only:
-    never from the number of rows, so a row's summation order does not depend on how many rows are computed
-    together. `native`: every segment
+    a long call's programs take LONG_ROWS where the launch `may_be_long`) only: never from the number of
+    rows, so a row's summation order does not depend on how many rows are computed together (a long
+    call's programs from registers take 64 outputs a tile). `native`: every segment
     multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
     block-scaled MMA's M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4
     scaling, paid once a tile, spread over twice the weights)."""
-    bm = product_rows(native, one_staging)
+    bm = product_rows(native, may_be_long)
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
     if INTERPRET:  # few, large programs: the interpreter pays per operation, whatever its size
@@ -582,7 +582,7 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
         bn = min(pow2(n_max), 1024)
     else:
         bk = max(128 if native else 64, ab)
-        bn = 256 if native == NATIVE_E4M3 else 128 if native or n_max > 4096 else 64
+        bn = 256 if native == NATIVE_E4M3 else 128 if native or (n_max > 4096 and bm != LONG_ROWS) else 64
     for n, _, ng in segments:
         if ng < n:  # grouped: a tile never straddles two groups
             bn = max(16, min(bn, ng & -ng))
@@ -728,10 +728,12 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     native = native_kind(dev, [p.weight for p in products], [ab for _, ab, _ in shapes])
     # a long call's rows are quantized once for all its products where they take the same codes
     one_staging = len({(p.weight.format, ab) for p, (_, ab, _) in zip(products, shapes)}) == 1
-    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging)
-    prestaged = bm == LONG_ROWS
-    row_blocks = triton.cdiv(m, bm)
     exact = products[0].weight.bf16_exact
+    # long: in the checkpoint's formats where the rows take one staging; from registers where every weight is
+    # bfloat16 values
+    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact)
+    prestaged = bool(native) and bm == LONG_ROWS
+    row_blocks = triton.cdiv(m, bm)
     args, rt, cx, end, used = [], [], {}, 0, 0
     for i in range(MAX_PRODUCTS):
         if i < len(products):

@@ -737,7 +737,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     # FP8/FP4 weights (aligned: whole-vector loads; the interpreter has no vectors) with quantized rows
     # multiply in their own formats (_triton.native_products)
     native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
-    bm = product_rows(native)
+    bm = product_rows(native, bool(native))
     prestaged = bm == LONG_ROWS  # a long call: x and h staged once (rows.stage_launch), every expert reads them
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)

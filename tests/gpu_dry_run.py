@@ -62,6 +62,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
+from kernels._triton import LONG_ROWS  # noqa: E402
 from kernels.rows import STAGE_TILES  # noqa: E402
 from tests import sass  # noqa: E402
 
@@ -256,7 +257,7 @@ class Compiler:
         staged = 0.0 if staging is None else round(sass.per_element(
             staging, k.metadata.num_warps, rows, depth * STAGE_TILES.value * spec.shares), 2)
         kernel = f"{name.removeprefix('kernels.')} {WEIGHT_FORMATS[fmt]}"
-        key = f"{kernel} {'official' if act else 'plain'}{' long' if constexprs.get('PRESTAGED') else ''}"
+        key = f"{kernel} {'official' if act else 'plain'}{' long' if constexprs.get('BM') == LONG_ROWS else ''}"
         worst = self.issue[arch].get(key)
         if worst is None or ipe > worst["per_element"]:
             self.issue[arch][key] = {"per_element": ipe, "staging_per_element": staged,
@@ -316,6 +317,17 @@ def drive_long_calls(failures: list):
                 case(shapes, 256, torch.device("cpu"), torch.bfloat16, 1, False)
             except Exception:
                 failures.append({"case": f"{case.__name__} long call", "error": traceback.format_exc()[-2000:]})
+    # wo_a: a plain FP8 product (no activation quantization) of bfloat16 rows, from registers, a rank's two
+    # groups of V4.1's eight, short and long
+    from kernels import linear
+
+    w = bench.fp8_weight(2 * 1024, 4096, (shapes.block,) * 2, torch.device("cpu"))
+    for m, long in ((1, False), (6, False), (256, True)):
+        try:
+            with kt.long_calls() if long else contextlib.nullcontext():
+                linear.fast(torch.randn(m, 2 * 4096).to(torch.bfloat16), w, None, torch.bfloat16, groups=2)
+        except Exception:
+            failures.append({"case": f"wo_a M={m}", "error": traceback.format_exc()[-2000:]})
 
 
 def drive_split_specializations(failures: list):

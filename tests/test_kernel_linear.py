@@ -222,6 +222,35 @@ def test_a_long_call_of_products_of_the_normalized_input_stages_the_normalized_r
     assert len(staged) == 4 * _runs_long() or not kernels._triton.INTERPRET, f"{len(staged)} stagings {ctx}"
 
 
+@pytest.mark.parametrize("case", ["grouped plain fp8", "mixed formats"])
+def test_a_long_calls_products_from_registers_take_programs_of_long_rows(monkeypatch, case):
+    """Inside long_calls the products whose weights are dequantized to bfloat16 values in registers (a plain
+    FP8 product of bfloat16 rows, V4.1's wo_a; a launch mixing FP8 and dense products) take programs of
+    LONG_ROWS rows too: within the stated bound, and a prompt's rows give the same bits whatever its chunks."""
+    tiles = []
+    plan = linear.plan
+    monkeypatch.setattr(linear, "plan", lambda *a, **k: (lambda r: (tiles.append(r[0]), r)[1])(plan(*a, **k)))
+    s = seed()
+    rows, k = 140, 96
+    if case == "grouped plain fp8":
+        products = [linear.Product(fp8_weight(2 * 48, k, (32, 32), DEVICE), None, BF16, groups=2)]
+        x = (torch.randn(rows, 2 * k, device=DEVICE) * 3).to(BF16)
+    else:
+        products = _products(k)
+        x = (torch.randn(rows, k, device=DEVICE) * 3).to(BF16)
+    ctx = f"(seed {s}, {case})"
+    with kernels._triton.long_calls():
+        got = assert_chunks_equal("products", lambda sl: torch.cat(
+            [y.float() for y in run(linear.fast_multi, x[sl], products)], -1), rows, (3, 131), ctx)
+    assert tiles and set(tiles) == {kernels._triton.LONG_ROWS}, f"programs of {set(tiles)} rows {ctx}"
+    want = linear.reference_multi(x, products)
+    start = 0
+    for i, (p, w) in enumerate(zip(products, want)):
+        g = got[:, start:start + w.shape[-1]].to(w.dtype)
+        start += w.shape[-1]
+        assert_within(f"y{i}", w, g, bound(x, p.weight, p.act_block, p.out_dtype, w, p.groups), ctx)
+
+
 def test_linear_kernel_refuses_bad_arguments_naming_them():
     w = fp8_weight(16, 64, (32, 32), DEVICE)
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=48: must equal the weight's input size 64"):

@@ -216,11 +216,11 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
-            host_bytes=0, flops=None, staged_bytes=0) -> dict:
+            host_bytes=0, flops=None, staged_bytes=0, path="") -> dict:
     return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
             "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {},
-            "staged_bytes": staged_bytes}
+            "staged_bytes": staged_bytes, "path": path or ("native" if weights else "")}
 
 
 def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
@@ -405,6 +405,16 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
         return {"long_calls": long, "launches": [product, mixed], "bytes_per_step": {"total": 0},
                 "collectives": {"per_cycle": 0, "payloads": []}}
 
+    # from registers (wo_a: a plain FP8 product): its own measured loop, long on every GPU, no staging
+    plain = dict(product, path="registers", staged_bytes=0)
+    for arch in (90, 103):
+        g = dataclasses.replace(gpu, arch=arch)
+        rates = cm.ISSUE_PER_ELEMENT_REGISTERS_LONG[arch][("linear", "fp8")], cm.ISSUE_PER_ELEMENT_REGISTERS[arch][
+            ("linear", "fp8")]
+        assert cm.launch_terms(plain, g, long=True)["issue"] == pytest.approx(
+            padded / cm.LONG_ROWS * elements * rates[0] / 1e12)
+        assert cm.launch_terms(plain, g)["issue"] == pytest.approx(rows / 16 * elements * rates[1] / 1e12)
+    assert not cm.runs_long(product, dataclasses.replace(gpu, arch=90), True)
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
     assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
@@ -429,13 +439,14 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     padded = -(-rows // 16) * 16
     products = [la for la in early["launches"] if la["name"] == "kernels.linear._kernel" and la["weights"]]
     assert products and all(la["flops"]["products"] == 2 * padded * sum(la["weights"].values()) for la in products)
-    # as a long call's where a launch's products can run long (one format, quantized rows): LONG_ROWS a pass
-    # and a staging of the rows; the attention's first launch mixes FP8 with dense products and cannot
+    # as a long call's: LONG_ROWS a pass, in the checkpoint's formats with a staging of the rows, from
+    # registers without (wo_a, a plain product; the attention's first launch mixes FP8 with dense products)
     assert early["long_calls"]
     longs = [la for la in products if "products_long" in la["flops"]]
-    assert longs and len(longs) < len(products)
+    assert longs and len(longs) == len(products)
     assert all(la["flops"]["products_long"] == 2 * cm.LONG_ROWS * sum(la["weights"].values()) for la in longs)
-    assert all(la["staged_bytes"] > 0 for la in longs)
+    assert all((la["staged_bytes"] > 0) == (la["path"] == "native") for la in longs)
+    assert {la["path"] for la in longs} == {"native", "registers"}
     experts = [la for la in early["launches"] if "kernels.moe" in la["name"] and la["weights"]]
     assert experts and all(la["staged_bytes"] > 0 and "products_long" in la["flops"] for la in experts)
     attends = [la for la in early["launches"] if "attention" in la["flops"]]

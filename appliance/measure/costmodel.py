@@ -113,6 +113,13 @@ ISSUE_PER_ELEMENT_LONG = {
           ("engram", "fp8"): 2.00},
 }
 ISSUE_PER_ELEMENT_LONG[100] = ISSUE_PER_ELEMENT_LONG[103]
+# ... of a launch whose products take the weights dequantized to bfloat16 values in registers (a plain FP8
+# product of bfloat16 rows: wo_a; a launch mixing formats), short and long (the compile check's `plain` rows;
+# where a format is not measured there, the native loop's figure stands in)
+ISSUE_PER_ELEMENT_REGISTERS = {90: {("linear", "fp8"): 7.44}, 103: {("linear", "fp8"): 6.16}}
+ISSUE_PER_ELEMENT_REGISTERS_LONG = {90: {("linear", "fp8"): 8.41}, 103: {("linear", "fp8"): 7.31}}
+for _table in (ISSUE_PER_ELEMENT_REGISTERS, ISSUE_PER_ELEMENT_REGISTERS_LONG):
+    _table[100] = _table[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
                   "kernels.moe._down_kernel": "moe", "kernels.engram._layer_kernel": "engram"}
 # The best public single-user results on 4 x B300 this product is measured against (DESIGN.md): vLLM's P90
@@ -145,8 +152,20 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
 
 def runs_long(la: dict, gpu: GPU, long: bool) -> bool:
     """Whether a counted launch's products run as a long call's on `gpu` (`long`: the count is a prefill
-    chunk's; the launch declared its long FLOPs, count.py; the GPU multiplies in the checkpoint's formats)."""
-    return long and "products_long" in la["flops"] and gpu.arch in ISSUE_PER_ELEMENT_LONG
+    chunk's; the launch declared its long FLOPs, count.py; from registers on every GPU, in the checkpoint's
+    formats where the GPU runs them long: the block-scaled MMA)."""
+    return (long and "products_long" in la["flops"]
+            and (la["path"] == "registers" or gpu.arch in ISSUE_PER_ELEMENT_LONG))
+
+
+def issue_table(la: dict, long: bool) -> dict:
+    """The issue per weight element that prices a launch's products: by their path and whether they run as a
+    long call's; the native tables where a format is not measured from registers."""
+    native = ISSUE_PER_ELEMENT_LONG if long else ISSUE_PER_ELEMENT
+    if la["path"] != "registers":
+        return native
+    registers = ISSUE_PER_ELEMENT_REGISTERS_LONG if long else ISSUE_PER_ELEMENT_REGISTERS
+    return {arch: {**ISSUE_PER_ELEMENT.get(arch, {}), **measured} for arch, measured in registers.items()}
 
 
 def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = False) -> dict:
@@ -161,8 +180,9 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     family = WEIGHT_KERNELS.get(la["name"])
     # the products' passes over their weights: their declared FLOPs over one pass's (16 rows, or a long
     # call's LONG_ROWS); one if the count declared none
-    tile, kind, table = ((LONG_ROWS, "products_long", ISSUE_PER_ELEMENT_LONG) if runs_long(la, gpu, long)
-                         else (MMA_ROWS, "products", ISSUE_PER_ELEMENT))
+    runs = runs_long(la, gpu, long)
+    tile, kind, table = (LONG_ROWS, "products_long", issue_table(la, True)) if runs else (
+        MMA_ROWS, "products", issue_table(la, False))
     declared = la["flops"].get(kind, 0)
     passes = declared / (2 * tile * counted) if declared and counted else 1.0
     per_element = table.get(gpu.arch, {})

@@ -122,11 +122,10 @@ class DeclaredReads:
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
-                                          linear=self._products(ops.linear, rows, _one_product_staging),
-                                          linear_multi=self._products(ops.linear_multi, rows, _products_staging),
-                                          linear_expand=self._products(ops.linear_expand, rows,
-                                                                       _one_product_staging),
-                                          engram=self._products(ops.engram, tokens, _engram_staging),
+                                          linear=self._products(ops.linear, rows, _one_product_kind),
+                                          linear_multi=self._products(ops.linear_multi, rows, _products_kind),
+                                          linear_expand=self._products(ops.linear_expand, rows, _one_product_kind),
+                                          engram=self._products(ops.engram, tokens, _engram_kind),
                                           index_scores=self._index_scores(ops.index_scores))
         try:
             yield
@@ -195,12 +194,11 @@ class DeclaredReads:
 
         return call
 
-    def _products(self, op, rows_of, long_staging):
+    def _products(self, op, rows_of, kind_of):
         """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
-        padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]); where
-        `long_staging(x, *args)` says its launch can run long (every product in the checkpoint's formats and
-        one staging of the rows: the bytes that staging moves, rows read and codes written; 0: it cannot),
-        also as a long call's (`products_long`: padded to LONG_ROWS) with those bytes."""
+        padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]), and
+        how it multiplies: `kind_of(x, *args)` gives its path (Launch.path), whether it can run as a long
+        call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves."""
         rec = self.rec
 
         def call(x, *args, **kwargs):
@@ -208,11 +206,12 @@ class DeclaredReads:
             out = op(x, *args, **kwargs)
             if rec.recording:
                 rows = rows_of(x)
-                staged = long_staging(x, *args)
+                path, long, staged = kind_of(x, *args)
                 for la in rec.launches[first:]:
                     if la.weights:
+                        la.path = path
                         la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
-                        if staged:
+                        if long:
                             la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
                             la.staged_bytes = staged
             return out
@@ -294,6 +293,8 @@ class DeclaredReads:
                 # each held routed expert's rows are its pairs, padded to whole tiles; the shared expert takes
                 # every row
                 long = act_block is not None and act_block >= 32  # in the checkpoint's formats: can run long
+                for la in rec.launches[first:]:
+                    la.path = ("native" if long else "registers") if la.weights else ""
                 all_pairs = x.shape[0] * (top_k + (shared is not None))
                 tiles = ((MMA_ROWS, "products"), (LONG_ROWS, "products_long"))
                 for tile, kind in tiles if long else tiles[:1]:
@@ -331,22 +332,31 @@ def _rows_staging(x: torch.Tensor) -> int:
     return x.numel() * (x.element_size() + 1)
 
 
-def _one_product_staging(x, weight, act_block, *rest, **kw) -> int:
-    """A product's launch (linear, linear_expand) as a long call's: its staging's bytes (0: cannot)."""
-    return _rows_staging(x) if _one_product_long(weight, act_block) else 0
+def _one_product_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
+    """A product's launch (linear, linear_expand): (path, can run long, its staging's bytes): in the
+    checkpoint's formats, its rows staged; from registers (a plain product) where its weights are bfloat16
+    values."""
+    if _one_product_long(weight, act_block):
+        return "native", True, _rows_staging(x)
+    return "registers", weight.bf16_exact, 0
 
 
-def _products_staging(x, products, *rest, **kw) -> int:
-    """A launch of several products (linear_multi): each in the checkpoint's formats, their rows staged alike
-    (one format and activation block)."""
-    alike = (all(_one_product_long(p.weight, p.act_block) for p in products)
-             and len({(p.weight.format, p.act_block) for p in products}) == 1)
-    return _rows_staging(x) if alike else 0
+def _products_kind(x, products, *rest, **kw) -> tuple[str, bool, int]:
+    """A launch of several products (linear_multi): in the checkpoint's formats where every product is (long
+    where their rows are staged alike: one format and activation block); else from registers (long where
+    every weight is bfloat16 values)."""
+    if all(_one_product_long(p.weight, p.act_block) for p in products):
+        alike = len({(p.weight.format, p.act_block) for p in products}) == 1
+        return "native", alike, _rows_staging(x) if alike else 0
+    return "registers", all(p.weight.bf16_exact for p in products), 0
 
 
-def _engram_staging(X, codes, scales, wkv, act_block, *rest, **kw) -> int:
-    """The Engram layer's product: its looked-up rows' codes and bytes read, their codes written."""
-    return 2 * codes.numel() + scales.numel() if _one_product_long(wkv, act_block) else 0
+def _engram_kind(X, codes, scales, wkv, act_block, *rest, **kw) -> tuple[str, bool, int]:
+    """The Engram layer's product: in the checkpoint's formats, its looked-up rows' codes and bytes read and
+    their codes written; from registers it keeps short programs."""
+    if _one_product_long(wkv, act_block):
+        return "native", True, 2 * codes.numel() + scales.numel()
+    return "registers", False, 0
 
 
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],

@@ -165,6 +165,10 @@ class Launch:
     # the checkpoint's formats: the bytes the launch staging its rows once moves (rows read, codes written);
     # declared by count.py's wrappers for the launches whose products can run long, 0 for the others
     staged_bytes: int = 0
+    # how its weight products multiply (declared by count.py's wrappers): "native" (in the checkpoint's formats:
+    # FP8/FP4 weights, quantized rows), "registers" (weights dequantized to bfloat16 values in registers: a
+    # plain product, or a launch mixing formats); "" for a launch without weight products
+    path: str = ""
 
 
 WEIGHT_DTYPES = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2)}  # format, elements a stored element
