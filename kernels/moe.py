@@ -67,6 +67,7 @@ from .linear import (
     staged_product,
     weight_product,
 )
+from .mhc import fast_expand
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -559,10 +560,11 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows M K + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
-                    y_ptr,       # out [M, hc, D] in X's dtype; PAIRS_ONLY: [M, D] float32
+                    y_ptr,       # out [M, hc, D] in X's dtype; STORE_PAIRS: [M, D] float32; STORE_SUM: [M, D]
                     M, D, K, hc, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
-                    PAIRS_ONLY: tl.constexpr,  # store each row's pairs' sum as is (no shared expert, no expand)
+                    STORE: tl.constexpr,  # COMBINED (the expand), STORE_PAIRS (a row's pairs' sum as is) or
+                    # STORE_SUM (pairs and shared expert, rounded to X's dtype: the expand left to mhc's kernel)
                     X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -570,37 +572,40 @@ def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared e
     y = tl.zeros((BD,), dtype=tl.float32)
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
-    if PAIRS_ONLY:
+    if STORE == 1:  # STORE_PAIRS
         tl.store(y_ptr + m * D + cols, y, mask=cmask)
     else:
         _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc, HAS_SHARED,
-                           S_ROUND, X_BF16, BHC, BD)
+                           S_ROUND, STORE, X_BF16, BHC, BD)
 
 
 @device_function
 def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc,
-                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
-                       BD: tl.constexpr):
+                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, STORE: tl.constexpr, X_BF16: tl.constexpr,
+                       BHC: tl.constexpr, BD: tl.constexpr):
     """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
-    the expand stored."""
+    stored (STORE_SUM) or expanded."""
     if HAS_SHARED:
         s = tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
-    y = round_out(y, X_BF16).to(tl.float32)
-    # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
-    k = tl.arange(0, BHC)
-    km = k < hc
-    post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
-    mixed = tl.zeros((BHC, BD), dtype=tl.float32)
-    for j in range(hc):
-        cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
-        xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        mixed += cj[:, None] * xj[None, :]
-    out = post[:, None] * y[None, :] + mixed
-    tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
-             mask=km[:, None] & cmask[None, :])
+    if STORE == 2:  # STORE_SUM
+        tl.store(y_ptr + m * D + cols, round_out(y, X_BF16), mask=cmask)
+    else:
+        y = round_out(y, X_BF16).to(tl.float32)
+        # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
+        k = tl.arange(0, BHC)
+        km = k < hc
+        post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
+        mixed = tl.zeros((BHC, BD), dtype=tl.float32)
+        for j in range(hc):
+            cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
+            xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            mixed += cj[:, None] * xj[None, :]
+        out = post[:, None] * y[None, :] + mixed
+        tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
+                 mask=km[:, None] & cmask[None, :])
 
 
 def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
@@ -794,12 +799,16 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     return out, weights, idx
 
 
-def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool) -> None:
-    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand."""
+COMBINED, STORE_PAIRS, STORE_SUM = 0, 1, 2  # what _combine_kernel stores
+
+
+def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, store: int = COMBINED) -> None:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand (or,
+    STORE_SUM, the sum rounded to X's dtype into out [M, D])."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc,
-                                             HAS_SHARED=has_shared, S_ROUND=split, PAIRS_ONLY=False,
+                                             HAS_SHARED=has_shared, S_ROUND=split, STORE=store,
                                              X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
 
 
@@ -811,7 +820,7 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, HAS_SHARED=False, S_ROUND=False,
-                                                 PAIRS_ONLY=True, X_BF16=False, BHC=1, BD=bd)
+                                                 STORE=STORE_PAIRS, X_BF16=False, BHC=1, BD=bd)
     return out
 
 
@@ -819,11 +828,13 @@ def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, re
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`), sends each rank that rank's
     share of those rows (and of its shared expert rows where the shared expert is split), sums what it
-    receives in rank order, adds its rows' shared expert, expands, and the rows are gathered. The routed
+    receives in rank order, adds its rows' shared expert, rounds, the rows are gathered and every rank expands
+    them all (mhc.fast_expand: the combine's own arithmetic, the same bits). The routed
     sum is associated by rank, as the official code's all-reduce of each rank's experts' sum does: within
     float32 rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D]
-    instead of every rank's partials of every pair (top-k times fewer); the combined rows travel in X's
-    dtype. `share`: (rows a share is padded to, this rank's first row, its end)."""
+    instead of every rank's partials of every pair (top-k times fewer); the summed rows travel in X's dtype,
+    not the hc streams they expand into. `share`: (rows a share is padded to, this rank's first row, its
+    end)."""
     m, k = pos.shape
     per, lo, hi = share
     world = reduce.world
@@ -837,9 +848,10 @@ def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, re
     local = summed[:n]  # this rank's rows' pairs' sums; then their shared rows
     if has_shared:
         local = torch.cat((local, summed[per:per + n] if split else o[m * k + lo:m * k + hi]))
-    part = torch.empty((n, *X.shape[1:]), dtype=X.dtype, device=X.device)
+    part = torch.empty((n, X.shape[2]), dtype=X.dtype, device=X.device)
     if n:
         local_pos = torch.arange(n, device=o.device).view(n, 1)
-        _combine(local.contiguous(), local_pos, X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split)
-    return reduce.gather_rows(part, m)
+        _combine(local.contiguous(), local_pos, X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split,
+                 STORE_SUM)
+    return fast_expand(reduce.gather_rows(part, m), X, post, comb)
 
