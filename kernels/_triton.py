@@ -94,7 +94,8 @@ def product_rows(native: int, may_be_long: bool) -> int:
     """Rows one program of the weight products computes when they multiply as `native` says
     (`native_products`; 0: bfloat16 values from registers): LONG_ROWS inside `long_calls` on the block-scaled
     MMA or from registers (there the weights' dequantization spreads over 128 rows) where the launch can
-    (`may_be_long`: its wrapper's choice, e.g. its rows take one staging), else the MMA's N side. The e4m3
+    (`may_be_long`: its wrapper's choice: its rows take one staging; from registers, a plain product), else
+    the MMA's N side. The e4m3
     MMA (sm_89/90) keeps its 8: its float32 sum of every 32-column block is paid per row, so 128 rows a
     program issue ~22 instructions a weight element and spill (the compile check, 2026-12-04), a row's share
     barely below 8 rows' (2.2)."""

@@ -730,8 +730,10 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     one_staging = len({(p.weight.format, ab) for p, (_, ab, _) in zip(products, shapes)}) == 1
     exact = products[0].weight.bf16_exact
     # long: in the checkpoint's formats where the rows take one staging; from registers where every weight is
-    # bfloat16 values
-    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact)
+    # bfloat16 values and every product plain, without the expand (rows quantized in the loop, or the
+    # expand's epilogue, beside 128 rows spill: the compile check)
+    plain = not any(ab for _, ab, _ in shapes) and expand is None
+    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact and plain)
     prestaged = bool(native) and bm == LONG_ROWS
     row_blocks = triton.cdiv(m, bm)
     args, rt, cx, end, used = [], [], {}, 0, 0

@@ -443,7 +443,7 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     # registers without (wo_a, a plain product; the attention's first launch mixes FP8 with dense products)
     assert early["long_calls"]
     longs = [la for la in products if "products_long" in la["flops"]]
-    assert longs and len(longs) == len(products)
+    assert longs and len(longs) < len(products)  # the attention's first launch quantizes rows in its loop
     assert all(la["flops"]["products_long"] == 2 * cm.LONG_ROWS * sum(la["weights"].values()) for la in longs)
     assert all((la["staged_bytes"] > 0) == (la["path"] == "native") for la in longs)
     assert {la["path"] for la in longs} == {"native", "registers"}
@@ -498,7 +498,7 @@ def test_a_selected_experts_rows_are_padded_to_whole_tiles_in_expectation():
     """The rows a selected expert's products compute: its pairs padded to whole tiles, in expectation under
     uniform routing (binomial pairs) as simulated calls measure them; a decode row's expert pads to one tile,
     and where the mean share sits at a tile's edge half the experts take a second tile."""
-    from appliance.measure.count import expected_tile_rows, tile_rows
+    from appliance.measure.tiles import expected_tile_rows, tile_rows
 
     assert expected_tile_rows(384, 6, 1, 16) == pytest.approx(16)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))

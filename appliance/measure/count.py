@@ -37,30 +37,12 @@ from kernels._triton import LONG_ROWS, MMA_ROWS, long_calls
 
 from .recorder import LiveBytes, Recorder, unique_violations
 from .shapes import meta_model, rank_shares
+from .tiles import engram_kind, expand_kind, expected_tile_rows, one_product_kind, products_kind, tile_rows
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
     """Expected distinct experts selected by `rows` rows of top-k under uniform routing."""
     return n_experts * (1 - (1 - top_k / n_experts) ** rows)
-
-
-def expected_tile_rows(n_experts: int, top_k: int, rows: int, tile: int) -> float:
-    """The rows a selected expert's products compute under uniform routing, in expectation: its pairs (each
-    row picks it with probability top_k / n_experts: binomial, given at least one) padded to whole tiles of
-    `tile`. Not the mean share padded: at 8192 rows V4.1's experts average 128 pairs, and half of them take
-    a second tile of 128."""
-    x = torch.arange(1, rows + 1, dtype=torch.float64)
-    p = torch.tensor(min(top_k / n_experts, 1.0), dtype=torch.float64)
-    pmf = torch.distributions.Binomial(rows, probs=p).log_prob(x).exp()
-    return float((pmf * torch.ceil(x / tile) * tile).sum() / pmf.sum())
-
-
-def tile_rows(indices: torch.Tensor, held: list[bool], tile: int) -> float:
-    """The rows the held selected experts' products compute, each its pairs in `indices` padded to whole
-    tiles of `tile`, per selected held expert (a measured call's `expected_tile_rows`)."""
-    counts = torch.bincount(indices.flatten().cpu(), minlength=len(held))[torch.tensor(held)]
-    counts = counts[counts > 0]
-    return float((torch.ceil(counts / tile) * tile).sum() / max(len(counts), 1))
 
 
 class _Tagged:
@@ -122,10 +104,10 @@ class DeclaredReads:
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
-                                          linear=self._products(ops.linear, rows, _one_product_kind),
-                                          linear_multi=self._products(ops.linear_multi, rows, _products_kind),
-                                          linear_expand=self._products(ops.linear_expand, rows, _one_product_kind),
-                                          engram=self._products(ops.engram, tokens, _engram_kind),
+                                          linear=self._products(ops.linear, rows, one_product_kind),
+                                          linear_multi=self._products(ops.linear_multi, rows, products_kind),
+                                          linear_expand=self._products(ops.linear_expand, rows, expand_kind),
+                                          engram=self._products(ops.engram, tokens, engram_kind),
                                           index_scores=self._index_scores(ops.index_scores))
         try:
             yield
@@ -320,43 +302,6 @@ def _mma_rows(rows: float, tile: int = MMA_ROWS) -> int:
     """Rows a product computes for `rows`: whole tiles of the MMA's (a decode step's 16 however many it uses;
     a long call's LONG_ROWS)."""
     return math.ceil(rows / tile) * tile
-
-
-def _one_product_long(weight, act_block) -> bool:
-    """Whether a product can run as a long call's: in the checkpoint's formats."""
-    return weight.format in ("fp8", "fp4") and bool(act_block) and act_block >= 32
-
-
-def _rows_staging(x: torch.Tensor) -> int:
-    """Bytes a staging of x [..., K]'s rows moves: the rows read, a code byte an element written."""
-    return x.numel() * (x.element_size() + 1)
-
-
-def _one_product_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
-    """A product's launch (linear, linear_expand): (path, can run long, its staging's bytes): in the
-    checkpoint's formats, its rows staged; from registers (a plain product) where its weights are bfloat16
-    values."""
-    if _one_product_long(weight, act_block):
-        return "native", True, _rows_staging(x)
-    return "registers", weight.bf16_exact, 0
-
-
-def _products_kind(x, products, *rest, **kw) -> tuple[str, bool, int]:
-    """A launch of several products (linear_multi): in the checkpoint's formats where every product is (long
-    where their rows are staged alike: one format and activation block); else from registers (long where
-    every weight is bfloat16 values)."""
-    if all(_one_product_long(p.weight, p.act_block) for p in products):
-        alike = len({(p.weight.format, p.act_block) for p in products}) == 1
-        return "native", alike, _rows_staging(x) if alike else 0
-    return "registers", all(p.weight.bf16_exact for p in products), 0
-
-
-def _engram_kind(X, codes, scales, wkv, act_block, *rest, **kw) -> tuple[str, bool, int]:
-    """The Engram layer's product: in the checkpoint's formats, its looked-up rows' codes and bytes read and
-    their codes written; from registers it keeps short programs."""
-    if _one_product_long(wkv, act_block):
-        return "native", True, 2 * codes.numel() + scales.numel()
-    return "registers", False, 0
 
 
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],

@@ -1,0 +1,68 @@
+"""How a counted launch's weight products run (count.py's wrappers declare it on each launch): their path
+(in the checkpoint's formats, or from registers), whether they can run as a long call's (a prefill chunk:
+kernels/_triton.py LONG_ROWS) and what staging their rows then moves, and the rows a selected expert's
+products compute, its pairs padded to whole tiles."""
+
+import torch
+
+
+def expected_tile_rows(n_experts: int, top_k: int, rows: int, tile: int) -> float:
+    """The rows a selected expert's products compute under uniform routing, in expectation: its pairs (each
+    row picks it with probability top_k / n_experts: binomial, given at least one) padded to whole tiles of
+    `tile`. Not the mean share padded: at 8192 rows V4.1's experts average 128 pairs, and half of them take
+    a second tile of 128."""
+    x = torch.arange(1, rows + 1, dtype=torch.float64)
+    p = torch.tensor(min(top_k / n_experts, 1.0), dtype=torch.float64)
+    pmf = torch.distributions.Binomial(rows, probs=p).log_prob(x).exp()
+    return float((pmf * torch.ceil(x / tile) * tile).sum() / pmf.sum())
+
+
+def tile_rows(indices: torch.Tensor, held: list[bool], tile: int) -> float:
+    """The rows the held selected experts' products compute, each its pairs in `indices` padded to whole
+    tiles of `tile`, per selected held expert (a measured call's `expected_tile_rows`)."""
+    counts = torch.bincount(indices.flatten().cpu(), minlength=len(held))[torch.tensor(held)]
+    counts = counts[counts > 0]
+    return float((torch.ceil(counts / tile) * tile).sum() / max(len(counts), 1))
+
+
+def product_is_native(weight, act_block) -> bool:
+    """Whether a product multiplies in the checkpoint's formats (FP8/FP4 weights, quantized rows)."""
+    return weight.format in ("fp8", "fp4") and bool(act_block) and act_block >= 32
+
+
+def rows_staging(x: torch.Tensor) -> int:
+    """Bytes a staging of x [..., K]'s rows moves: the rows read, a code byte an element written."""
+    return x.numel() * (x.element_size() + 1)
+
+
+def one_product_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
+    """A product's launch (linear): (path, can run long, its staging's bytes): in the checkpoint's formats,
+    its rows staged; from registers where it is plain (no rows quantized in its loop) on bfloat16 values."""
+    if product_is_native(weight, act_block):
+        return "native", True, rows_staging(x)
+    return "registers", weight.bf16_exact and not act_block, 0
+
+
+def expand_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
+    """A product with the mHC expand as its epilogue (linear_expand): from registers it keeps short programs
+    (the epilogue beside 128 rows spills)."""
+    path, long, staged = one_product_kind(x, weight, act_block)
+    return path, long and path == "native", staged
+
+
+def products_kind(x, products, *rest, **kw) -> tuple[str, bool, int]:
+    """A launch of several products (linear_multi): in the checkpoint's formats where every product is (long
+    where their rows are staged alike: one format and activation block); else from registers (long where
+    every product is plain on bfloat16 values)."""
+    if all(product_is_native(p.weight, p.act_block) for p in products):
+        alike = len({(p.weight.format, p.act_block) for p in products}) == 1
+        return "native", alike, rows_staging(x) if alike else 0
+    return "registers", all(p.weight.bf16_exact and not p.act_block for p in products), 0
+
+
+def engram_kind(X, codes, scales, wkv, act_block, *rest, **kw) -> tuple[str, bool, int]:
+    """The Engram layer's product: in the checkpoint's formats, its looked-up rows' codes and bytes read and
+    their codes written; from registers it keeps short programs."""
+    if product_is_native(wkv, act_block):
+        return "native", True, 2 * codes.numel() + scales.numel()
+    return "registers", False, 0
