@@ -32,7 +32,7 @@ class RunOptions:
     draft: str = "none"  # speculative drafting, one of DRAFTS (auto: the checkpoint's own drafter)
     draft_tokens: int = 3  # drafts per cycle
     # prefill chunk: cancel and progress act between chunks. The most rows one forward takes: on 4 x B300 an
-    # 8192-token chunk is modeled at 0.12-0.17 s, 855K in 15.3 s against 16.5 s in chunks of 4096 (an expert's
+    # 8192-token chunk is modeled at 0.10-0.15 s, 855K in 13.2 s against 14.6 s in chunks of 4096 (an expert's
     # 128 pairs about fill one tile; 16384 gains 1%) and its scratch, 26 GB a rank, fits an H200 (BENCHMARKS.md)
     chunk: int = MAX_CHUNK
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
