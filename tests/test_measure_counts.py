@@ -415,6 +415,11 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
             padded / cm.LONG_ROWS * elements * rates[0] / 1e12)
         assert cm.launch_terms(plain, g)["issue"] == pytest.approx(rows / 16 * elements * rates[1] / 1e12)
     assert not cm.runs_long(product, dataclasses.replace(gpu, arch=90), True)
+    # on sm_90 the checkpoint's formats take the e4m3 MMA in programs of 8 rows: a pass per 8 at its rate
+    h200 = dataclasses.replace(gpu, arch=90)
+    e4m3 = dict(product, flops=dict(product["flops"], products_e4m3=2 * rows * elements))
+    assert cm.launch_terms(e4m3, h200, long=True)["issue"] == pytest.approx(
+        rows / 8 * elements * cm.ISSUE_PER_ELEMENT[90][("linear", "fp8")] / 1e12)
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
     assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
@@ -446,6 +451,9 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     assert longs and len(longs) < len(products)  # the attention's first launch quantizes rows in its loop
     assert all(la["flops"]["products_long"] == 2 * cm.LONG_ROWS * sum(la["weights"].values()) for la in longs)
     assert all((la["staged_bytes"] > 0) == (la["path"] == "native") for la in longs)
+    padded8 = -(-rows // 8) * 8
+    assert all(la["flops"]["products_e4m3"] == 2 * padded8 * sum(la["weights"].values())
+               for la in products if la["path"] == "native")
     assert {la["path"] for la in longs} == {"native", "registers"}
     experts = [la for la in early["launches"] if "kernels.moe" in la["name"] and la["weights"]]
     assert experts and all(la["staged_bytes"] > 0 and "products_long" in la["flops"] for la in experts)

@@ -26,7 +26,7 @@ Assumptions (each constant below names its source):
   here (the block-scaled MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both);
   the attention's (4 x queries x heads x head dim x rows it attends) and the indexer's scores (2 x queries x
   index heads x visible key rows x index dim) at the bfloat16 peak. Their main loops issue one pass per 16
-  rows.
+  rows (8 on the e4m3 MMA of sm_89/90 in the checkpoint's formats; 128 in a prefill chunk's long calls).
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kernels._triton import LONG_ROWS, MMA_ROWS
+from kernels._triton import E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,11 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     return ALLREDUCE_LATENCY_S + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 
+# the architectures whose products in the checkpoint's formats take the e4m3 MMA in programs of 8 rows
+# (kernels/_triton.py E4M3_MMA_ROWS); ISSUE_PER_ELEMENT's figures for them are per pass of 8
+E4M3_ARCHS = (89, 90)
+
+
 def runs_long(la: dict, gpu: GPU, long: bool) -> bool:
     """Whether a counted launch's products run as a long call's on `gpu` (`long`: the count is a prefill
     chunk's; the launch declared its long FLOPs, count.py; from registers on every GPU, in the checkpoint's
@@ -170,9 +175,10 @@ def issue_table(la: dict, long: bool) -> dict:
 
 def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = False) -> dict:
     """What bounds one counted launch (count.py's `launches`), in seconds: its bytes from HBM, the
-    instructions its weight products issue (one pass of the main loop per 16 rows; per LONG_ROWS where it
-    `runs_long`), their tensor FLOPs and the attention's and its reads over the host link; the routed
-    experts' part scaled by `routed_scale` (a busier rank than the mean)."""
+    instructions its weight products issue (one pass of the main loop per 16 rows, per 8 on the e4m3 MMA in
+    the checkpoint's formats, per LONG_ROWS where it `runs_long`), their tensor FLOPs and the attention's
+    and its reads over the host link; the routed experts' part scaled by `routed_scale` (a busier rank than
+    the mean)."""
     extra = routed_scale - 1.0
     hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
     counted = sum(la["weights"].values())
@@ -183,6 +189,8 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     runs = runs_long(la, gpu, long)
     tile, kind, table = (LONG_ROWS, "products_long", issue_table(la, True)) if runs else (
         MMA_ROWS, "products", issue_table(la, False))
+    if not runs and la["path"] == "native" and gpu.arch in E4M3_ARCHS and "products_e4m3" in la["flops"]:
+        tile, kind = E4M3_MMA_ROWS, "products_e4m3"  # the e4m3 MMA's programs of 8 rows
     declared = la["flops"].get(kind, 0)
     passes = declared / (2 * tile * counted) if declared and counted else 1.0
     per_element = table.get(gpu.arch, {})

@@ -33,7 +33,7 @@ import torch
 
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
-from kernels._triton import LONG_ROWS, MMA_ROWS, long_calls
+from kernels._triton import E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
 
 from .recorder import LiveBytes, Recorder, unique_violations
 from .shapes import meta_model, rank_shares
@@ -193,6 +193,8 @@ class DeclaredReads:
                     if la.weights:
                         la.path = path
                         la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
+                        if path == "native":  # the e4m3 MMA's programs of 8 (sm_89/90)
+                            la.flops["products_e4m3"] = 2 * _mma_rows(rows, E4M3_MMA_ROWS) * sum(la.weights.values())
                         if long:
                             la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
                             la.staged_bytes = staged
@@ -278,7 +280,7 @@ class DeclaredReads:
                 for la in rec.launches[first:]:
                     la.path = ("native" if long else "registers") if la.weights else ""
                 all_pairs = x.shape[0] * (top_k + (shared is not None))
-                tiles = ((MMA_ROWS, "products"), (LONG_ROWS, "products_long"))
+                tiles = ((MMA_ROWS, "products"), (E4M3_MMA_ROWS, "products_e4m3"), (LONG_ROWS, "products_long"))
                 for tile, kind in tiles if long else tiles[:1]:
                     with rec.pause():
                         per_expert = (expected_tile_rows(len(experts), top_k, x.shape[0], tile) if self.meta else
