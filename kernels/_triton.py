@@ -76,6 +76,10 @@ E4M3_MMA_ROWS = 8
 # on a wider MMA; its bits are not promised equal to a short call's (under the interpreter they differ: numpy
 # orders a product's sums by its shape).
 LONG_ROWS = 128
+# ... on the e4m3 MMA (sm_89/90): 32, beside 128 outputs a tile (the per-32-column float32 epilogue is paid
+# per row: 128 rows issued ~22 instructions a weight element and spilled, 32 beside 256 outputs spilled; 32
+# beside 128 outputs issue 4.7-6.0 an element, a row's share about half 8 rows'; the compile check, 2026-12-04)
+E4M3_LONG_ROWS = 32
 _LONG_CALLS = contextvars.ContextVar("long_calls", default=False)
 
 
@@ -92,16 +96,19 @@ def long_calls():
 
 def product_rows(native: int, may_be_long: bool) -> int:
     """Rows one program of the weight products computes when they multiply as `native` says
-    (`native_products`; 0: bfloat16 values from registers): LONG_ROWS inside `long_calls` on the block-scaled
-    MMA or from registers (there the weights' dequantization spreads over 128 rows) where the launch can
-    (`may_be_long`: its wrapper's choice: its rows take one staging; from registers, a plain product), else
-    the MMA's N side. The e4m3
-    MMA (sm_89/90) keeps its 8: its float32 sum of every 32-column block is paid per row, so 128 rows a
-    program issue ~22 instructions a weight element and spill (the compile check, 2026-12-04), a row's share
-    barely below 8 rows' (2.2)."""
-    if native in (0, NATIVE_BLOCK_SCALED) and may_be_long and _LONG_CALLS.get():
-        return LONG_ROWS
-    return E4M3_MMA_ROWS if native == NATIVE_E4M3 else MMA_ROWS
+    (`native_products`; 0: bfloat16 values from registers): inside `long_calls`, where the launch can
+    (`may_be_long`: its wrapper's choice: its rows take one staging; from registers, a plain product),
+    LONG_ROWS on the block-scaled MMA or from registers (there the weights' dequantization spreads over 128
+    rows) and E4M3_LONG_ROWS on the e4m3 MMA; else the MMA's N side."""
+    long = may_be_long and _LONG_CALLS.get()
+    if native == NATIVE_E4M3:
+        return E4M3_LONG_ROWS if long else E4M3_MMA_ROWS
+    return LONG_ROWS if long else MMA_ROWS
+
+
+def is_long(rows: int) -> bool:
+    """Whether programs of `rows` rows (`product_rows`) are a long call's."""
+    return rows in (LONG_ROWS, E4M3_LONG_ROWS)
 
 
 if INTERPRET:

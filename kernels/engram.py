@@ -21,9 +21,9 @@ import torch
 from . import linear
 from ._triton import (
     INTERPRET,
-    LONG_ROWS,
     counters,
     device_of,
+    is_long,
     pow2,
     require,
     require_dtype,
@@ -177,7 +177,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
     native = linear.native_kind(dev, [wkv], [ab])
     bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native, may_be_long=bool(native))
-    prestaged = bm == LONG_ROWS  # a long call: the rows quantized once for every program
+    prestaged = is_long(bm)  # a long call: the rows quantized once for every program
     blocks = triton.cdiv(t, bm)
     cnt = counters(dev, blocks)
     kv = torch.empty((t, n), dtype=X.dtype, device=dev)

@@ -36,8 +36,9 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   share the launch;
   BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
   split order. A verify block's rows therefore equal single-row calls bit for bit.
-- A long call (a prefill chunk, inside `_triton.long_calls`) on the block-scaled MMA: programs of
-  LONG_ROWS (128) rows, so a weight tile streams once per 128 rows; the rows are quantized once for the
+- A long call (a prefill chunk, inside `_triton.long_calls`) in the checkpoint's formats: programs of
+  LONG_ROWS (128) rows on the block-scaled MMA, E4M3_LONG_ROWS (32) on the e4m3 MMA, so a weight tile
+  streams once per 128 (32) rows; the rows are quantized once for the
   launch by a launch of their own (`stage_launch`: the same codes `stage_codes` writes, RMS-normalized first
   where the products fuse the norm), which every program reads (PRESTAGED). Every chunk of a prompt takes
   these programs whatever its size, so a prompt's rows do not depend on its chunks (bit for bit); a long
@@ -65,6 +66,7 @@ from ._triton import (
     e2m1_high_as_e4m3,
     e2m1_low_as_e4m3,
     e8m0_f32,
+    is_long,
     native_products,
     pow2,
     product_rows,
@@ -582,7 +584,10 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
         bn = min(pow2(n_max), 1024)
     else:
         bk = max(128 if native else 64, ab)
-        bn = 256 if native == NATIVE_E4M3 else 128 if native or (n_max > 4096 and bm != LONG_ROWS) else 64
+        if native == NATIVE_E4M3:
+            bn = 128 if is_long(bm) else 256
+        else:
+            bn = 128 if native or (n_max > 4096 and bm != LONG_ROWS) else 64
     for n, _, ng in segments:
         if ng < n:  # grouped: a tile never straddles two groups
             bn = max(16, min(bn, ng & -ng))
@@ -734,7 +739,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     # expand's epilogue, beside 128 rows spill: the compile check)
     plain = not any(ab for _, ab, _ in shapes) and expand is None
     bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact and plain)
-    prestaged = bool(native) and bm == LONG_ROWS
+    prestaged = bool(native) and is_long(bm)
     row_blocks = triton.cdiv(m, bm)
     args, rt, cx, end, used = [], [], {}, 0, 0
     for i in range(MAX_PRODUCTS):

@@ -22,8 +22,9 @@ Kernels, float32 only (no float64 instruction):
   up fused with SwiGLU, then down), weights found through a device table of expert pointers; then the
   rows' expert outputs are added in increasing expert id in float32, plus the shared expert, as the
   reference does. GEMMs are the linear kernel's (tensor-core dots of exact bfloat16 values, float32
-  accumulation, 16 rows per program whatever the number of rows: batch invariant; in a long call on the
-  block-scaled MMA an expert's pairs LONG_ROWS at a time, x's and h's rows staged once for the launch).
+  accumulation, 16 rows per program whatever the number of rows: batch invariant; in a long call in the
+  checkpoint's formats an expert's pairs LONG_ROWS (e4m3 MMA: E4M3_LONG_ROWS) at a time, x's and h's rows
+  staged once for the launch).
   Tolerance: each GEMM
   within the linear kernel's bound (K 2^-23 of the sum of magnitudes), which can move a rounding of g, u
   or h to x's dtype by one ulp, and through the FP8 quantization of h one e4m3 step of an element: checked
@@ -39,13 +40,13 @@ import torch.nn.functional as F
 from . import linear
 from ._triton import (
     INTERPRET,
-    LONG_ROWS,
     NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_rne,
     counters,
     device_function,
     device_of,
+    is_long,
     native_products,
     pow2,
     product_rows,
@@ -458,7 +459,9 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     first_ptr,  # int64 [P] first pair of the pair's expert group (the group leader works)
                     end_ptr,    # int64 [P] one past the group's last pair
                     h_ptr,      # out [P, IW] in x's dtype: the rounded SwiGLU activations, per pair
-                    qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch (NATIVE): per group and N tile (_scratch)
+                    # scratch (NATIVE): per group and N tile (_scratch); PRESTAGED: every row's codes, the shared
+                    # expert's from row q_by_expert on (its own layout: _staged_once)
+                    qc_ptr, qs_ptr, q_cols, q_by_expert,
                     P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
@@ -479,6 +482,8 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                           swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT,
                           APPLY_W, X_BF16, PRESTAGED, BM, BN, BK)
             elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
+                if PRESTAGED:
+                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
                 _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I_S, IW, stride_x, s_swn,
                           s_ssn, limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
                           HAS_LIMIT, 0, X_BF16, PRESTAGED, BM, BN, BK)
@@ -526,6 +531,13 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I, IW, D, st
         tl.store(o_ptr + prs[None, :].to(tl.int64) * D + offs_n[:, None], o, mask=n_mask[:, None] & pm[None, :])
 
 
+@device_function
+def _shared_codes(qc_ptr, qs_ptr, KQ, first, ACT_BLOCK: tl.constexpr):
+    """The staged codes and powers of two of the shared expert's rows (`_staged_once`): from row `first`."""
+    first = first.to(tl.int64)
+    return qc_ptr + first * KQ, qs_ptr + first * (KQ // ACT_BLOCK)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
@@ -551,6 +563,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                             BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED, BM, BN,
                             BK)
             elif HAS_SHARED:
+                if PRESTAGED:
+                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
                 _down_group(h_ptr, stab_ptr, pw_ptr, o_ptr, qc, qs, q_cols, p, end, I_S, IW, D, s_swn, s_ssn, S_FMT,
                             S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
                             X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
@@ -650,11 +664,16 @@ def _scratch(native: int, experts: int, programs: int, tiles: int, bm: int, k: i
     return (*stage_scratch(areas * tiles, bm, k, x.device), k, int(areas == experts + 1))
 
 
-def _staged_once(t: torch.Tensor, rows: int, fmt: int, native: int, act_block: int, bk: int):
-    """(codes, powers of two, columns, 0): the `rows` rows of t [rows, K] quantized once for a long call's
-    expert launch (rows.stage_launch; on the block-scaled MMA, the only one that runs long, the codes'
-    layout is every format's)."""
-    return *stage_launch(t, t, 0.0, False, fmt, native, act_block, rows, bk), 0
+def _staged_once(t: torch.Tensor, rows: int, formats: tuple[int, int], native: int, act_block: int, bk: int):
+    """(codes, powers of two, columns, the shared expert's first row): the `rows` rows of t [rows, K]
+    quantized once for a long call's expert launch (rows.stage_launch) in the routed experts' format's layout,
+    and again after them in the shared expert's (`formats`) where the layouts differ (FP4's re-encoded
+    column order on the e4m3 MMA beside FP8); 0 where they do not."""
+    qc, qs, kq = stage_launch(t, t, 0.0, False, formats[0], native, act_block, rows, bk)
+    if native != NATIVE_E4M3 or (formats[0] == linear.FMT_FP4) == (formats[1] == linear.FMT_FP4):
+        return qc, qs, kq, 0
+    sqc, sqs, _ = stage_launch(t, t, 0.0, False, formats[1], native, act_block, rows, bk)
+    return torch.cat((qc, sqc)), torch.cat((qs, sqs)), kq, qc.numel() // kq
 
 
 def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -743,7 +762,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     # multiply in their own formats (_triton.native_products)
     native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
     bm = product_rows(native, bool(native))
-    prestaged = bm == LONG_ROWS  # a long call: x and h staged once (rows.stage_launch), every expert reads them
+    prestaged = is_long(bm)  # a long call: x and h staged once (rows.stage_launch), every expert reads them
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
@@ -751,7 +770,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         bk2 = max(128 if native else 64, ab)
         if native:  # 128 outputs a tile, the block-scaled MMA's M side; 256 on the e4m3 MMA (as linear.plan),
             # there over 8 warps and 2 pipeline stages (4 warps, or 3 stages, spill)
-            bn_up = bn_down = 256 if native == NATIVE_E4M3 else 128
+            bn_up = bn_down = 256 if native == NATIVE_E4M3 and not prestaged else 128
         else:  # bfloat16 products from registers: a 128-deep K tile (ACT_BLOCK 128) spills at 32 outputs
             bn_up, bn_down = (32, 32) if bk2 == 64 else (16, 16)
     per_program = pairs_per_program(n_pairs)
@@ -769,7 +788,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     h = (torch.zeros if prestaged else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
-    q_up = (_staged_once(x, m, table.up[2], native, ab, bk2) if prestaged else
+    q_up = (_staged_once(x, m, (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
             _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
     _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e,
@@ -778,7 +797,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     o = torch.empty((n_pairs, d), dtype=torch.float32, device=dev)
-    q_down = (_staged_once(h, n_pairs, table.down[2], native, ab, bk2) if prestaged else
+    q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
         h, table.table, stab, pe, pw, first, end, o, *q_down, n_pairs, per_program, i, i_s, iw, d, e,

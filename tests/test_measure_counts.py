@@ -414,12 +414,17 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
         assert cm.launch_terms(plain, g, long=True)["issue"] == pytest.approx(
             padded / cm.LONG_ROWS * elements * rates[0] / 1e12)
         assert cm.launch_terms(plain, g)["issue"] == pytest.approx(rows / 16 * elements * rates[1] / 1e12)
-    assert not cm.runs_long(product, dataclasses.replace(gpu, arch=90), True)
-    # on sm_90 the checkpoint's formats take the e4m3 MMA in programs of 8 rows: a pass per 8 at its rate
+    # on sm_90 the checkpoint's formats take the e4m3 MMA in programs of 8 rows, 32 in a long call: a pass
+    # per 8 (32) at its rate
     h200 = dataclasses.replace(gpu, arch=90)
-    e4m3 = dict(product, flops=dict(product["flops"], products_e4m3=2 * rows * elements))
-    assert cm.launch_terms(e4m3, h200, long=True)["issue"] == pytest.approx(
+    padded32 = -(-rows // 32) * 32
+    e4m3 = dict(product, flops=dict(product["flops"], products_e4m3=2 * rows * elements,
+                                    products_long_e4m3=2 * padded32 * elements))
+    assert cm.runs_long(e4m3, h200, True)
+    assert cm.launch_terms(e4m3, h200)["issue"] == pytest.approx(
         rows / 8 * elements * cm.ISSUE_PER_ELEMENT[90][("linear", "fp8")] / 1e12)
+    assert cm.launch_terms(e4m3, h200, long=True)["issue"] == pytest.approx(
+        padded32 / 32 * elements * cm.ISSUE_PER_ELEMENT_LONG[90][("linear", "fp8")] / 1e12)
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
     assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
@@ -453,6 +458,7 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     assert all((la["staged_bytes"] > 0) == (la["path"] == "native") for la in longs)
     padded8 = -(-rows // 8) * 8
     assert all(la["flops"]["products_e4m3"] == 2 * padded8 * sum(la["weights"].values())
+               and la["flops"]["products_long_e4m3"] == 2 * -(-rows // 32) * 32 * sum(la["weights"].values())
                for la in products if la["path"] == "native")
     assert {la["path"] for la in longs} == {"native", "registers"}
     experts = [la for la in early["launches"] if "kernels.moe" in la["name"] and la["weights"]]

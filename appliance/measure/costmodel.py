@@ -26,7 +26,8 @@ Assumptions (each constant below names its source):
   here (the block-scaled MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both);
   the attention's (4 x queries x heads x head dim x rows it attends) and the indexer's scores (2 x queries x
   index heads x visible key rows x index dim) at the bfloat16 peak. Their main loops issue one pass per 16
-  rows (8 on the e4m3 MMA of sm_89/90 in the checkpoint's formats; 128 in a prefill chunk's long calls).
+  rows (8 on the e4m3 MMA of sm_89/90 in the checkpoint's formats; in a prefill chunk's long calls 128, or
+  32 on that e4m3 MMA).
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kernels._triton import E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS
+from kernels._triton import E4M3_LONG_ROWS, E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,12 @@ ISSUE_PER_ELEMENT = {
 }
 ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
 # ... in a long call's programs (a prefill chunk: LONG_ROWS rows a pass, the rows staged once by a launch of
-# their own, so the main loop is all; the compile check's `... long` rows), per weight element and pass. Only
-# the block-scaled MMA runs long (kernels/_triton.py `product_rows`): sm_90 prices a chunk in 8-row passes.
+# their own, so the main loop is all; the compile check's `... long` rows), per weight element and pass: of
+# 128 rows on the block-scaled MMA, of 32 on the e4m3 MMA (kernels/_triton.py `product_rows`)
 ISSUE_PER_ELEMENT_LONG = {
-    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.41, ("moe", "fp8"): 3.41,
+    90: {("linear", "fp8"): 4.70, ("linear", "fp4"): 6.00, ("moe", "fp4"): 7.61, ("moe", "fp8"): 7.61,
+         ("engram", "fp8"): 4.59},
+    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.39, ("moe", "fp8"): 3.39,
           ("engram", "fp8"): 2.00},
 }
 ISSUE_PER_ELEMENT_LONG[100] = ISSUE_PER_ELEMENT_LONG[103]
@@ -150,15 +153,15 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     return ALLREDUCE_LATENCY_S + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 
-# the architectures whose products in the checkpoint's formats take the e4m3 MMA in programs of 8 rows
-# (kernels/_triton.py E4M3_MMA_ROWS); ISSUE_PER_ELEMENT's figures for them are per pass of 8
+# the architectures whose products in the checkpoint's formats take the e4m3 MMA in programs of 8 rows, 32 in
+# a long call (kernels/_triton.py E4M3_MMA_ROWS, E4M3_LONG_ROWS); their issue figures are per such pass
 E4M3_ARCHS = (89, 90)
 
 
 def runs_long(la: dict, gpu: GPU, long: bool) -> bool:
     """Whether a counted launch's products run as a long call's on `gpu` (`long`: the count is a prefill
     chunk's; the launch declared its long FLOPs, count.py; from registers on every GPU, in the checkpoint's
-    formats where the GPU runs them long: the block-scaled MMA)."""
+    formats where the long loop was measured: sm_90's e4m3 MMA, sm_100/103's block-scaled MMA)."""
     return (long and "products_long" in la["flops"]
             and (la["path"] == "registers" or gpu.arch in ISSUE_PER_ELEMENT_LONG))
 
@@ -176,7 +179,8 @@ def issue_table(la: dict, long: bool) -> dict:
 def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = False) -> dict:
     """What bounds one counted launch (count.py's `launches`), in seconds: its bytes from HBM, the
     instructions its weight products issue (one pass of the main loop per 16 rows, per 8 on the e4m3 MMA in
-    the checkpoint's formats, per LONG_ROWS where it `runs_long`), their tensor FLOPs and the attention's
+    the checkpoint's formats; where it `runs_long`, per LONG_ROWS, or E4M3_LONG_ROWS on the e4m3 MMA in the
+    checkpoint's formats), their tensor FLOPs and the attention's
     and its reads over the host link; the routed experts' part scaled by `routed_scale` (a busier rank than
     the mean)."""
     extra = routed_scale - 1.0
@@ -189,8 +193,10 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     runs = runs_long(la, gpu, long)
     tile, kind, table = (LONG_ROWS, "products_long", issue_table(la, True)) if runs else (
         MMA_ROWS, "products", issue_table(la, False))
-    if not runs and la["path"] == "native" and gpu.arch in E4M3_ARCHS and "products_e4m3" in la["flops"]:
-        tile, kind = E4M3_MMA_ROWS, "products_e4m3"  # the e4m3 MMA's programs of 8 rows
+    if la["path"] == "native" and gpu.arch in E4M3_ARCHS:  # the e4m3 MMA's programs of 8 rows, long 32
+        e4m3 = (E4M3_LONG_ROWS, "products_long_e4m3") if runs else (E4M3_MMA_ROWS, "products_e4m3")
+        if e4m3[1] in la["flops"]:
+            tile, kind = e4m3
     declared = la["flops"].get(kind, 0)
     passes = declared / (2 * tile * counted) if declared and counted else 1.0
     per_element = table.get(gpu.arch, {})

@@ -33,7 +33,7 @@ import torch
 
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
-from kernels._triton import E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
+from kernels._triton import E4M3_LONG_ROWS, E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
 
 from .recorder import LiveBytes, Recorder, unique_violations
 from .shapes import meta_model, rank_shares
@@ -198,6 +198,9 @@ class DeclaredReads:
                         if long:
                             la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
                             la.staged_bytes = staged
+                        if long and path == "native":
+                            la.flops["products_long_e4m3"] = 2 * _mma_rows(rows, E4M3_LONG_ROWS) * sum(
+                                la.weights.values())
             return out
 
         return call
@@ -280,7 +283,8 @@ class DeclaredReads:
                 for la in rec.launches[first:]:
                     la.path = ("native" if long else "registers") if la.weights else ""
                 all_pairs = x.shape[0] * (top_k + (shared is not None))
-                tiles = ((MMA_ROWS, "products"), (E4M3_MMA_ROWS, "products_e4m3"), (LONG_ROWS, "products_long"))
+                tiles = ((MMA_ROWS, "products"), (E4M3_MMA_ROWS, "products_e4m3"), (LONG_ROWS, "products_long"),
+                         (E4M3_LONG_ROWS, "products_long_e4m3"))
                 for tile, kind in tiles if long else tiles[:1]:
                     with rec.pause():
                         per_expert = (expected_tile_rows(len(experts), top_k, x.shape[0], tile) if self.meta else
