@@ -231,9 +231,15 @@ def _bench_indexer(s, m, dev, dt, iters, tiny):
     scores = [(indexer.fast_scores(q, w, k, positions, 1, rd),) for q, w, k in sets]
     t = _time(lambda sc: indexer.fast_select(sc, s.index_topk), scores, iters, cuda)
     out.append(("index select", f"N={n} k={s.index_topk}", t, 4 * m * n + 8 * m * s.index_topk))
-    t = _time(lambda sc: indexer.fast_select(sc, s.index_topk, positions, 1, None, 8, 2048 if not tiny else 4),
-              scores, iters, cuda)
-    out.append(("index select + candidate blocks", f"N={n} block 8", t, 4 * m * n + m * n + 8 * m * s.index_topk))
+    top = 2048 if not tiny else 4
+    t = _time(lambda sc: indexer.fast_select(sc, s.index_topk, positions, 1, 8, top), scores, iters, cuda)
+    out.append(("index select + candidate blocks", f"N={n} block 8", t, 4 * m * n + 8 * m * (top + s.index_topk)))
+    inside = [(q, w, k, indexer.fast_select(sc, s.index_topk, positions, 1, 8, top)[1])
+              for (q, w, k), (sc,) in zip(sets, scores)]
+    t = _time(lambda q, w, k, b: indexer.fast_scores(q, w, k, positions, 1, rd, inside=b, block=8), inside, iters,
+              cuda)
+    out.append(("index scores inside the blocks", f"{top} blocks of 8", t,
+                8 * m * top * (s.index_dim * dt.itemsize + 4)))  # each row's keys (gathered) and scores
     return out
 
 

@@ -1,6 +1,6 @@
 """The lightning-indexer kernels: scores (with the official bf16 roundings), top-k selection with the
-reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks and the selection inside
-them.
+reference's tie rule (exact ties go to the lower row), and V4.1's candidate blocks, the scores of their rows
+and the selection among them (against a selection over all rows with the others masked).
 
 Tolerance (kernels/indexer.py): float32 operands, no rounding: 2^-22 of the largest score (float32 sums);
 with a round_dtype: one rounding of it (relative to the largest score). Selections and masks: equal. Batch
@@ -62,7 +62,7 @@ def test_index_scores_do_not_depend_on_the_other_rows_or_on_the_reach(dt, rd, qu
     sc = torch.where(torch.rand_like(short) < 0.3, 0.0, short)  # ties
     assert_rows_invariant("select", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37)[0], context=ctx)
     assert_rows_invariant("select with candidates", lambda sl: run(indexer.fast_select, sc[sl].contiguous(), 37,
-                                                                   pos[sl], 1, None, 4, 9)[0], context=ctx)
+                                                                   pos[sl], 1, 4, 9)[0], context=ctx)
 
 
 def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_rows():
@@ -77,24 +77,48 @@ def test_top_k_selection_matches_the_reference_including_ties_and_unselectable_r
         assert_equal(f"select k={k}", indexer.select(sc, k)[0], run(indexer.fast_select, sc, k)[0], f"(seed {s})")
 
 
-def test_candidate_blocks_and_the_selection_inside_them_match_the_reference():
-    """The source layer's candidate mask and top-k, and a later layer's top-k inside that mask."""
+def blocks_mask(kept: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Kept blocks [M, B] (-1 unused) -> bool [M, n] over their rows: the mask a re-indexing layer applies."""
+    mask = torch.zeros(kept.shape[0], n + block, dtype=torch.bool, device=kept.device)
+    for m, b in (kept >= 0).nonzero().tolist():
+        r = kept[m, b].item() * block
+        mask[m, r: r + block] = True
+    return mask[:, :n]
+
+
+@pytest.mark.parametrize("dt,rd", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
+def test_candidate_blocks_and_the_selection_inside_them_match_the_reference(dt, rd):
+    """The source layer's candidate blocks and top-k; a later layer's scores of the rows of those blocks (the
+    bits of its scores over all rows) and its top-k among them, which equals the top-k over all rows with
+    the rows outside the blocks masked (ties included: quantized operands, many zero scores)."""
     s = seed()
     n = 61
     nv = torch.tensor([0, 5, 61, 33, 1], device=DEVICE)
     sc = torch.randn(5, n, device=DEVICE)
     sc[:, ::4] = 0.0
     sc = sc.masked_fill(torch.arange(n, device=DEVICE)[None] >= nv[:, None], float("-inf"))
-    later = torch.randn(5, n, device=DEVICE).masked_fill(torch.arange(n, device=DEVICE)[None] >= nv[:, None],
-                                                        float("-inf"))
-    for block, top in ((4, 3), (8, 100), (1, 5)):
-        ctx = f"(seed {s}, block={block} top={top})"
-        want, mask = indexer.select(sc, 7, nv - 1, 1, None, block, top)
-        got, fast_mask = run(indexer.fast_select, sc, 7, nv - 1, 1, None, block, top)
-        assert_equal("mask", mask, fast_mask, ctx)
+    q, w, keys, _ = inputs(5, 4, 32, n, dt, DEVICE, quantized=True)
+    pos = nv - 1
+    later = indexer.scores(q, w, keys, pos, 1, rd)
+    fast_later = run(indexer.fast_scores, q, w, keys, pos, 1, rd)
+    for block, top in ((4, 3), (8, 100), (1, 5), (3, 30)):
+        ctx = f"(seed {s}, {dt}, block={block} top={top})"
+        want, kept = indexer.select(sc, 7, pos, 1, block, top)
+        got, fast_kept = run(indexer.fast_select, sc, 7, pos, 1, block, top)
+        assert_equal("candidate blocks", kept, fast_kept, ctx)
         assert_equal("select at the source", want, got, ctx)
-        assert_equal("select inside", indexer.select(later, 7, candidates=mask)[0],
-                     run(indexer.fast_select, later, 7, candidates=mask)[0], ctx)
+        masked = indexer.select(later.masked_fill(~blocks_mask(kept, block, n), float("-inf")), 7)[0]
+        inside = indexer.scores(q, w, keys, pos, 1, rd, inside=kept, block=block)
+        fast_inside = run(indexer.fast_scores, q, w, keys, pos, 1, rd, inside=kept, block=block)
+        rows = indexer.inside_rows(kept, block)
+        there = (rows >= 0) & (rows < n)
+        full = fast_later.gather(1, rows.clamp(0, n - 1)).masked_fill(~there, float("-inf"))
+        assert torch.equal(bits(full), bits(fast_inside)), f"scores inside the blocks are not those of all rows {ctx}"
+        assert_close("scores inside", inside, fast_inside, TOL[rd], context=ctx)
+        assert_equal("select inside (reference)", masked,
+                     indexer.select(inside, 7, block=block, inside=kept)[0], ctx)
+        assert_equal("select inside", masked, run(indexer.fast_select, fast_inside, 7, block=block, inside=kept)[0],
+                     ctx)
 
 
 def test_index_scores_kernel_refuses_keys_of_another_width():
@@ -112,7 +136,7 @@ class TestIndexerAtV41ShapesOnCuda:
         sc = check_scores(m, 32, 128, 40000, torch.bfloat16, torch.bfloat16, True, dev)
         pos = torch.full((m,), 39999, device=dev)
         assert_equal("select", indexer.select(sc, 512)[0], run(indexer.fast_select, sc, 512)[0])
-        want, mask = indexer.select(sc, 512, pos, 1, None, 8, 2048)
-        got, fast_mask = run(indexer.fast_select, sc, 512, pos, 1, None, 8, 2048)
-        assert_equal("candidates", mask, fast_mask)
+        want, kept = indexer.select(sc, 512, pos, 1, 8, 2048)
+        got, fast_kept = run(indexer.fast_select, sc, 512, pos, 1, 8, 2048)
+        assert_equal("candidate blocks", kept, fast_kept)
         assert_equal("select at the source", want, got)

@@ -34,6 +34,7 @@ import torch
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
 from kernels._triton import E4M3_LONG_ROWS, E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
+from kernels.indexer import inside_rows
 
 from .recorder import LiveBytes, Recorder, unique_violations
 from .shapes import meta_model, rank_shares
@@ -121,14 +122,16 @@ class DeclaredReads:
         if comp_kv is None or comp_index is None or comp_index.numel() == 0:
             yield
             return
-        with rec.pause():
-            rows = min(comp_kv.shape[0], comp_index.numel()) if self.meta else \
-                int(comp_index[comp_index >= 0].unique().numel())
-        row_bytes = comp_kv.shape[-1] * comp_kv.element_size()
+        row_bytes = self._distinct_rows(comp_kv, comp_index) * _row(comp_kv)
         if rec.recording:
-            self.rows_read[rec.block] += rows * row_bytes
-        with rec.gather(comp_kv, rows * row_bytes):
+            self.rows_read[rec.block] += row_bytes
+        with rec.gather(comp_kv, row_bytes):
             yield
+
+    def _distinct_rows(self, cache, index) -> int:
+        """How many distinct rows of `cache` `index` (-1 = none) names (a meta build: as many as it can)."""
+        with self.rec.pause():
+            return min(cache.shape[0], index.numel()) if self.meta else int(index[index >= 0].unique().numel())
 
     @contextmanager
     def _table_rows(self, rope, rows: int):
@@ -164,14 +167,20 @@ class DeclaredReads:
 
     def _index_scores(self, scores):
         """The indexer scores every visible key row for every query and head (the rows past a query's own
-        are masked after they are computed)."""
+        are masked after they are computed); a re-indexing layer the rows of its candidate blocks, of which
+        it reads the distinct ones (as attention its selected rows)."""
         rec = self.rec
 
-        def call(q, w, keys, *rest, **kwargs):
+        def call(q, w, keys, *rest, inside=None, block=1, **kwargs):
             first = len(rec.launches)
-            out = scores(q, w, keys, *rest, **kwargs)
+            with ExitStack() as reads:
+                if inside is not None:  # the ideal counts these keys as the state's (state_ideal)
+                    with rec.pause():
+                        rows = inside_rows(inside, block)
+                    reads.enter_context(rec.gather(keys, self._distinct_rows(keys, rows) * _row(keys)))
+                out = scores(q, w, keys, *rest, inside=inside, block=block, **kwargs)
             m, nh, di = q.shape
-            self._declare(first, "attention", 2 * m * nh * keys.shape[0] * di)
+            self._declare(first, "attention", 2 * m * nh * out.shape[1] * di)
             return out
 
         return call

@@ -168,12 +168,14 @@ class V41Attention(AttentionProjections):
         official = self.rt.num.official
         rows = query_share(self.index_comm, qi.shape[0])
         positions = step.positions[rows]
-        scores = ops.index_scores(qi[rows], w[rows], keys, positions, self.ratio, dt if official else None)
         source = L == c.candidate_source_layer
-        inside = 0 <= c.candidate_source_layer < L  # level two: only inside the source's candidate blocks
-        topk, made = ops.index_select(scores, c.index_topk, positions, self.ratio,
-                                      step.candidates[rows] if inside else None,
-                                      c.candidate_block_size if source else 0, c.candidate_topk_blocks)
+        inside = step.candidates[rows] if 0 <= c.candidate_source_layer < L else None  # level two
+        block = c.candidate_block_size
+        scores = ops.index_scores(qi[rows], w[rows], keys, positions, self.ratio, dt if official else None,
+                                  inside=inside, block=block)
+        topk, made = ops.index_select(scores, c.index_topk, positions, self.ratio, block=block,
+                                      top_blocks=c.candidate_topk_blocks if source else 0, inside=inside)
+        topk = topk[:, : min(c.index_topk, keys.shape[0])]  # inside the blocks: k wide, as if over all N rows
         if rows != ALL_ROWS:
             topk = gather_rows(self.index_comm, topk, qi.shape[0])
             made = gather_rows(self.index_comm, made, qi.shape[0]) if made is not None else None

@@ -25,11 +25,8 @@ def query_share(comm, rows: int) -> slice:
 
 def gather_rows(comm, part: torch.Tensor, rows: int) -> torch.Tensor:
     """Every rank's share (`query_share`) of a [rows, ...] result, in row order: each padded to the same
-    ceil(rows / world) rows for the gather (booleans travel as bytes), the padding dropped."""
+    ceil(rows / world) rows for the gather, the padding dropped."""
     per = -(-rows // comm.world)
-    flag = part.dtype == torch.bool
-    t = part.to(torch.uint8) if flag else part
-    if t.shape[0] < per:
-        t = torch.cat((t, t.new_zeros((per - t.shape[0], *t.shape[1:]))))
-    whole = comm.all_gather(t, dim=0)[:rows]
-    return whole.bool() if flag else whole
+    if part.shape[0] < per:
+        part = torch.cat((part, part.new_zeros((per - part.shape[0], *part.shape[1:]))))
+    return comm.all_gather(part, dim=0)[:rows]

@@ -18,7 +18,7 @@ class Step:
     index_keys: str  # "own" | "reference"
     bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: the cycle's reach - 1)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
-    candidates: torch.Tensor | None = None  # [T, N] bool, from the candidate source
+    candidates: torch.Tensor | None = None  # [T, B] int64 kept blocks (-1 unused), from the candidate source
     captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
 
     @property
