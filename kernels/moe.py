@@ -571,11 +571,11 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows M K + m
+def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared expert's at rows SH0 + m SHS
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
-                    y_ptr,       # out [M, hc, D] in X's dtype; STORE_PAIRS: [M, D] float32; STORE_SUM: [M, D]
-                    M, D, K, hc, HAS_SHARED: tl.constexpr,
+                    y_ptr,       # out [M, hc, D] in X's dtype; STORE_PAIRS: float32 rows YS apart; STORE_SUM: [M, D]
+                    M, D, K, hc, SH0, SHS, YS, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
                     STORE: tl.constexpr,  # COMBINED (the expand), STORE_PAIRS (a row's pairs' sum as is) or
                     # STORE_SUM (pairs and shared expert, rounded to X's dtype: the expand left to mhc's kernel)
@@ -587,20 +587,20 @@ def _combine_kernel(o_ptr,       # float32 [P, D] outputs per pair; the shared e
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
     if STORE == 1:  # STORE_PAIRS
-        tl.store(y_ptr + m * D + cols, y, mask=cmask)
+        tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
-        _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc, HAS_SHARED,
+        _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS, HAS_SHARED,
                            S_ROUND, STORE, X_BF16, BHC, BD)
 
 
 @device_function
-def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, M, D, K, hc,
+def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS,
                        HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, STORE: tl.constexpr, X_BF16: tl.constexpr,
                        BHC: tl.constexpr, BD: tl.constexpr):
     """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
     stored (STORE_SUM) or expanded."""
     if HAS_SHARED:
-        s = tl.load(o_ptr + (M * K + m) * D + cols, mask=cmask, other=0.0)
+        s = tl.load(o_ptr + (SH0 + m * SHS) * D + cols, mask=cmask, other=0.0)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
@@ -821,56 +821,56 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
 COMBINED, STORE_PAIRS, STORE_SUM = 0, 1, 2  # what _combine_kernel stores
 
 
-def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, store: int = COMBINED) -> None:
-    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand (or,
-    STORE_SUM, the sum rounded to X's dtype into out [M, D])."""
+def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, store: int = COMBINED,
+             shared_rows: tuple[int, int] | None = None) -> None:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row (o's row first + m
+    step, `shared_rows`; after the pairs by default), the expand (STORE_SUM: the sum, rounded, into [M, D])."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
-    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc,
+    sh0, shs = shared_rows or (m * pos.shape[1], 1)
+    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, shs, d,
                                              HAS_SHARED=has_shared, S_ROUND=split, STORE=store,
                                              X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
 
 
-def _pairs_sum(o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Each row's pairs of o [P, D] (pos [M, K]) summed in increasing expert id, in float32: [M, D]."""
+def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
+    """Each row's pairs of o [P, D] (pos [M, K]) summed in increasing expert id, in float32, into out's rows."""
     m, k = pos.shape
     d = o.shape[1]
-    out = torch.empty((m, d), dtype=torch.float32, device=o.device)
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
-        _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, HAS_SHARED=False, S_ROUND=False,
-                                                 STORE=STORE_PAIRS, X_BF16=False, BHC=1, BD=bd)
-    return out
+        _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, 0, 0, out.stride(0),
+                                                 HAS_SHARED=False, S_ROUND=False, STORE=STORE_PAIRS, X_BF16=False,
+                                                 BHC=1, BD=bd)
 
 
 def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, reduce, share) -> torch.Tensor:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
-    share of every expert's; in increasing expert id, float32: `_pairs_sum`), sends each rank that rank's
-    share of those rows (and of its shared expert rows where the shared expert is split), sums what it
-    receives in rank order, adds its rows' shared expert, rounds, the rows are gathered and every rank expands
-    them all (mhc.fast_expand: the combine's own arithmetic, the same bits). The routed
-    sum is associated by rank, as the official code's all-reduce of each rank's experts' sum does: within
-    float32 rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D]
-    instead of every rank's partials of every pair (top-k times fewer); the summed rows travel in X's dtype,
-    not the hc streams they expand into. `share`: (rows a share is padded to, this rank's first row, its
-    end)."""
-    m, k = pos.shape
-    per, lo, hi = share
-    world = reduce.world
-    rows = torch.arange(world * per, device=o.device).clamp(max=m - 1)  # padding repeats the last row
-    mine = _pairs_sum(o, pos)
-    sent = mine[rows].view(world, per, -1)
+    share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
+    [rows, parts, D] (beside a split shared expert's partial): each rank gets its share of the rows, sums
+    them in rank order where they arrive, adds its rows' shared expert, rounds; the rows are gathered and
+    every rank expands them all (mhc.fast_expand: the combine's arithmetic, the same bits). The routed sum
+    is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
+    rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
+    every rank's partials of every pair; the summed rows travel in X's dtype, not as the hc streams.
+    `share`: (rows a share is padded to, this rank's first row, its end)."""
+    (m, k), (per, lo, hi), d = pos.shape, share, o.shape[1]
+    world, parts = reduce.world, 2 if split else 1
+    sent = torch.empty((world * per, parts, d), dtype=torch.float32, device=o.device)
+    sent[m:].zero_()  # the padding rows' sums are dropped
+    _pairs_sum(o, pos, sent[:m, 0])
     if split:  # the shared rows are partials too
-        sent = torch.cat((sent, o[m * k + rows].view(world, per, -1)), dim=1)
-    summed = reduce.sum_shares(sent)  # [per (+ per), D]
+        sent[:m, 1].copy_(o[m * k:m * k + m])
+    summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
     n = hi - lo
-    local = summed[:n]  # this rank's rows' pairs' sums; then their shared rows
-    if has_shared:
-        local = torch.cat((local, summed[per:per + n] if split else o[m * k + lo:m * k + hi]))
     part = torch.empty((n, X.shape[2]), dtype=X.dtype, device=X.device)
     if n:
-        local_pos = torch.arange(n, device=o.device).view(n, 1)
-        _combine(local.contiguous(), local_pos, X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split,
-                 STORE_SUM)
+        if split:  # row i's pairs' sum at row 2 i, its shared row at 2 i + 1
+            local, pairs, shared_rows = summed, torch.arange(0, 2 * n, 2, device=o.device), (1, 2)
+        else:  # a shared expert whole on every rank: its rows as the down kernel left them, after the sums
+            local = torch.cat((summed[:n], o[m * k + lo:m * k + hi])) if has_shared else summed
+            pairs, shared_rows = torch.arange(n, device=o.device), None
+        _combine(local, pairs.view(n, 1), X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split, STORE_SUM,
+                 shared_rows)
     return fast_expand(reduce.gather_rows(part, m), X, post, comb)
 
