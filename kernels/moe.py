@@ -857,10 +857,11 @@ def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, re
     (m, k), (per, lo, hi), d = pos.shape, share, o.shape[1]
     world, parts = reduce.world, 2 if split else 1
     sent = torch.empty((world * per, parts, d), dtype=torch.float32, device=o.device)
-    sent[m:].zero_()  # the padding rows' sums are dropped
     _pairs_sum(o, pos, sent[:m, 0])
     if split:  # the shared rows are partials too
         sent[:m, 1].copy_(o[m * k:m * k + m])
+    if m < world * per:
+        sent[m:].zero_()  # the padding rows' sums are dropped
     summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
     n = hi - lo
     part = torch.empty((n, X.shape[2]), dtype=X.dtype, device=X.device)
