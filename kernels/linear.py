@@ -570,12 +570,12 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
          may_be_long: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
     segments' (outputs, act_block, outputs per group), K, the device and the call's kind (`product_rows`:
-    a long call's programs take LONG_ROWS where the launch `may_be_long`) only: never from the number of
-    rows, so a row's summation order does not depend on how many rows are computed together (a long
-    call's programs from registers take 64 outputs a tile). `native`: every segment
-    multiplies in the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the
-    block-scaled MMA's M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4
-    scaling, paid once a tile, spread over twice the weights)."""
+    a long call's programs take LONG_ROWS where the launch `may_be_long`, without split-K) only: never from
+    the number of rows, so a row's summation order does not depend on how many rows are computed together
+    (from registers a long call's programs take 64 outputs a tile). `native`: every segment multiplies in
+    the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the block-scaled MMA's
+    M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4 scaling, paid once a
+    tile, spread over twice the weights)."""
     bm = product_rows(native, may_be_long)
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
@@ -594,7 +594,9 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
     splits = []
     programs = sum(triton.cdiv(n, bn) for n, _, _ in segments)
     for _n, _, _ in segments:
-        if INTERPRET:
+        if is_long(bm):  # the row blocks fill the device: no float32 partials written and read back
+            kps = k
+        elif INTERPRET:
             kps = 512 if k > 512 else pow2(k, bk)
         else:
             chunks = triton.cdiv(k, bk)

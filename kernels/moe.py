@@ -865,13 +865,10 @@ def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, re
     summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
     n = hi - lo
     part = torch.empty((n, X.shape[2]), dtype=X.dtype, device=X.device)
-    if n:
-        if split:  # row i's pairs' sum at row 2 i, its shared row at 2 i + 1
-            local, pairs, shared_rows = summed, torch.arange(0, 2 * n, 2, device=o.device), (1, 2)
-        else:  # a shared expert whole on every rank: its rows as the down kernel left them, after the sums
-            local = torch.cat((summed[:n], o[m * k + lo:m * k + hi])) if has_shared else summed
-            pairs, shared_rows = torch.arange(n, device=o.device), None
-        _combine(local, pairs.view(n, 1), X[lo:hi], post[lo:hi], comb[lo:hi], part, has_shared, split, STORE_SUM,
-                 shared_rows)
+    if n:  # row i's pairs' sum at row parts i, a split shared expert's at parts i + 1; a whole one's rows as
+        # the down kernel left them, after the sums
+        local = summed if split or not has_shared else torch.cat((summed[:n], o[m * k + lo:m * k + hi]))
+        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X[lo:hi], post[lo:hi],
+                 comb[lo:hi], part, has_shared, split, STORE_SUM, (1, 2) if split else None)
     return fast_expand(reduce.gather_rows(part, m), X, post, comb)
 
