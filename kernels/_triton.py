@@ -72,9 +72,9 @@ E4M3_MMA_ROWS = 8
 # (rows.stage_launch), not in every program. The mode, not the row
 # count, chooses it: every chunk of a prompt, a tail of 3 rows too, takes the same tiles (a prompt's bits do
 # not depend on its chunking), and a decode step or a verify block never does (a verify block equals single
-# steps bit for bit). A row of a long call meets the same K tiles, splits and float32 adds as in a short one,
-# on a wider MMA; its bits are not promised equal to a short call's (under the interpreter they differ: numpy
-# orders a product's sums by its shape).
+# steps bit for bit). A row of a long call meets the same K tiles as in a short one, on a wider MMA and
+# without split-K (linear.plan); its bits are not promised equal to a short call's (under the interpreter
+# they differ: numpy orders a product's sums by its shape).
 LONG_ROWS = 128
 # ... on the e4m3 MMA (sm_89/90): 32, beside 128 outputs a tile (the per-32-column float32 epilogue is paid
 # per row: 128 rows issued ~22 instructions a weight element and spilled, 32 beside 256 outputs spilled; 32

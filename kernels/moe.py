@@ -869,6 +869,6 @@ def _combined_by_shares(o, pos, X, post, comb, has_shared: bool, split: bool, re
         # the down kernel left them, after the sums
         local = summed if split or not has_shared else torch.cat((summed[:n], o[m * k + lo:m * k + hi]))
         _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X[lo:hi], post[lo:hi],
-                 comb[lo:hi], part, has_shared, split, STORE_SUM, (1, 2) if split else None)
+                 comb[lo:hi], part, has_shared, split, STORE_SUM, (1, parts) if split else None)
     return fast_expand(reduce.gather_rows(part, m), X, post, comb)
 

@@ -180,9 +180,8 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     """What bounds one counted launch (count.py's `launches`), in seconds: its bytes from HBM, the
     instructions its weight products issue (one pass of the main loop per 16 rows, per 8 on the e4m3 MMA in
     the checkpoint's formats; where it `runs_long`, per LONG_ROWS, or E4M3_LONG_ROWS on the e4m3 MMA in the
-    checkpoint's formats), their tensor FLOPs and the attention's
-    and its reads over the host link; the routed experts' part scaled by `routed_scale` (a busier rank than
-    the mean)."""
+    checkpoint's formats), their tensor FLOPs and the attention's and its reads over the host link; the
+    routed experts' part scaled by `routed_scale` (a busier rank than the mean)."""
     extra = routed_scale - 1.0
     hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
     counted = sum(la["weights"].values())
