@@ -240,6 +240,12 @@ def _bench_indexer(s, m, dev, dt, iters, tiny):
               cuda)
     out.append(("index scores inside the blocks", f"{top} blocks of 8", t,
                 8 * m * top * (s.index_dim * dt.itemsize + 4)))  # each row's keys (gathered) and scores
+    # a long call's: the blocks' maxima alone, the candidate blocks chosen from them
+    t = _time(lambda q, w, k: indexer.fast_scores(q, w, k, positions, 1, rd, maxima=8), sets, iters, cuda)
+    out.append(("index block maxima", f"N={n} block 8", t, n * s.index_dim * dt.itemsize + 4 * m * n // 8))
+    maxima = [(indexer.fast_scores(q, w, k, positions, 1, rd, maxima=8),) for q, w, k in sets]
+    t = _time(lambda mx: indexer.fast_select(mx, 0, positions // 8, 1, 1, top), maxima, iters, cuda)
+    out.append(("candidate blocks from maxima", f"{n // 8} blocks", t, 4 * m * n // 8 + 8 * m * top))
     return out
 
 

@@ -15,7 +15,8 @@ Kernels:
 - `fast_scores`, float32 only: one program per block of keys (BN fixed by the operands' dtype, never by the
   number of keys), looping over the query rows with the same tiles for each, so each key is read once and a
   row's scores do not depend on the other rows or on how many keys there are (batch invariant; `inside`,
-  each row loads its own keys into the same tiles: the same bits as over all rows). The dots accumulate in float32
+  each row loads its own keys into the same tiles: the same bits as over all rows; `maxima`, each block's
+  largest of those scores, stored instead of them). The dots accumulate in float32
   (bfloat16 operands on tensor cores, exact products; float32 operands as FMA dots); relu, weights and the
   head sum in float32 with the reference's roundings. With the FP4-quantized operands of `official`
   numerics the dots are exact, and so are the bfloat16 products and (for a spread of exponents under 16
@@ -49,12 +50,16 @@ from ._triton import (
 
 
 def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
-           round_dtype: torch.dtype | None, inside: torch.Tensor | None = None, block: int = 1) -> torch.Tensor:
+           round_dtype: torch.dtype | None, inside: torch.Tensor | None = None, block: int = 1,
+           maxima: int = 0) -> torch.Tensor:
     """q [M, nh, dI], w [M, nh] (already scaled), keys [N, dI], the queries' positions [M] -> float32 [M, N]
     (a query at p sees the rows of its completed groups: n_valid = (p + 1) // ratio). Every head on every
     rank (appliance/parallel/sharding.py keeps the indexer whole). With `inside` (int64 [M, B], a query's
     candidate blocks of `block` rows, ascending, -1 unused: `select`'s at the source) only their rows:
     float32 [M, B * block], entry j the row `inside_rows(inside, block)[m, j]` (-inf where there is none).
+    With `maxima` (a power of two, not with `inside`) only each block of that many rows' largest score:
+    float32 [M, ceil(N / maxima)] (-inf where a block has no valid row), what a long call selects its
+    candidate blocks by before it scores their rows (the scores themselves never stored).
     Bytes moved: keys once (N x dI; inside, the rows of the candidate blocks) + q + w + the scores."""
     n_valid = (positions + 1) // ratio
     if inside is None:
@@ -70,7 +75,11 @@ def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torc
     else:
         s = (torch.relu(d) * w.double().unsqueeze(-1)).sum(1)
     s = s.to(round_dtype).float() if round_dtype is not None else s.float()
-    return s.masked_fill((rows < 0) | (rows >= n_valid.unsqueeze(1)), float("-inf"))
+    s = s.masked_fill((rows < 0) | (rows >= n_valid.unsqueeze(1)), float("-inf"))
+    if maxima:
+        s = torch.nn.functional.pad(s, (0, -s.shape[1] % maxima), value=float("-inf"))
+        return s.view(s.shape[0], -1, maxima).amax(-1)
+    return s
 
 
 def inside_rows(inside: torch.Tensor, block: int) -> torch.Tensor:
@@ -146,9 +155,9 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    k_ptr,   # keys [N, dI], row stride stride_k
                    pos_ptr,  # int64 positions [M]: a query at p sees (p + 1) // ratio rows
                    in_ptr,  # INSIDE: int64 candidate blocks [M, NI] (-1 unused), contiguous
-                   s_ptr,   # out float32 [M, S]: S = N, or NI * block inside
+                   s_ptr,   # out float32 [M, S]: S = N, NI * block inside, or N / MAXB block maxima
                    M, N, S, NH, DI, stride_k, NI, block, rows_per_prog, ratio,
-                   RD: tl.constexpr, INSIDE: tl.constexpr,
+                   RD: tl.constexpr, INSIDE: tl.constexpr, MAXB: tl.constexpr,
                    DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    BDC: tl.constexpr):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns: keys, or slots of the candidate blocks
@@ -192,14 +201,19 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
         s = _round_to(tsum(u, axis=0), RD)
         nv = (tl.load(pos_ptr + m) + 1) // ratio
         s = tl.where(kmask & (keys < nv), s, float("-inf"))
-        tl.store(s_ptr + m64 * S + cols, s, mask=cols < S)
+        if MAXB:  # each block of MAXB columns' largest score, stored alone
+            b = tl.program_id(0) * (BN // MAXB) + tl.arange(0, BN // MAXB)
+            tl.store(s_ptr + m64 * S + b, tmax(tl.reshape(s, (BN // MAXB, MAXB)), axis=1), mask=b < S)
+        else:
+            tl.store(s_ptr + m64 * S + cols, s, mask=cols < S)
 
 
 _ROUND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
 def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
-                round_dtype: torch.dtype | None, inside: torch.Tensor | None = None, block: int = 1) -> torch.Tensor:
+                round_dtype: torch.dtype | None, inside: torch.Tensor | None = None, block: int = 1,
+                maxima: int = 0) -> torch.Tensor:
     """The kernel for `scores` (same signature and result)."""
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, nh, dI])")
@@ -217,10 +231,12 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
         require(inside.dim() == 2 and inside.shape[0] == m and inside.dtype == torch.int64, "inside",
                 f"{tuple(inside.shape)} {inside.dtype}", f"must be int64 [{m}, B]")
         require(block >= 1, "block", block, "must be >= 1")
+    require(maxima in (0, 1, 2, 4, 8, 16, 32) and not (maxima and inside is not None), "maxima", maxima,
+            "must be 0 or a power of two up to 32, without inside")
     dev = device_of(q, w, keys, positions, inside)
     n = keys.shape[0]
     cols = n if inside is None else inside.shape[1] * block
-    out = torch.empty((m, cols), dtype=torch.float32, device=dev)
+    out = torch.empty((m, triton.cdiv(cols, maxima) if maxima else cols), dtype=torch.float32, device=dev)
     if m == 0 or cols == 0:
         return out
     q, w, pos = q.contiguous(), w.contiguous(), positions.to(torch.int64).contiguous()
@@ -233,8 +249,8 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
         bn, rows = 64 if bf16 else 32, 8
     bd = pow2(di, 16 if not INTERPRET else 1)
     _scores_kernel[(triton.cdiv(cols, bn), triton.cdiv(m, rows))](
-        q, w, keys, pos, blocks, out, m, n, cols, nh, di, keys.stride(0), blocks.shape[-1], block, rows, ratio,
-        RD=_ROUND[round_dtype], INSIDE=within, DOT_BF16=bf16 and not INTERPRET, BN=bn,
+        q, w, keys, pos, blocks, out, m, n, out.shape[1], nh, di, keys.stride(0), blocks.shape[-1], block, rows,
+        ratio, RD=_ROUND[round_dtype], INSIDE=within, MAXB=maxima, DOT_BF16=bf16 and not INTERPRET, BN=bn,
         BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32))
     return out
 
@@ -264,6 +280,10 @@ def _values(s_ptr, m, cols, N, NS, nv, block, MAXIMA: tl.constexpr, BL: tl.const
     else:
         v = tl.load(s_ptr + m * NS + cols, mask=valid, other=float("-inf"))
     return v, valid
+
+
+# the passes `_top_k_row` makes over a row: eight counting 4 bits each, the count above the k-th, the compaction
+SELECT_PASSES = 10
 
 
 @device_function
@@ -324,7 +344,8 @@ def _select_kernel(s_ptr,     # float32 scores [M, N], contiguous
     if SOURCE:  # the candidate blocks: the top KB of the NB block maxima
         nv = (tl.load(pos_ptr + m) + 1) // ratio
         _top_k_row(s_ptr, in_ptr, made_ptr + m * KB, m, NB, N, NI, nv, block, KB, 1, 0, BN, BL)
-    _top_k_row(s_ptr, in_ptr, out_ptr + m * k, m, N, N, NI, 0, block, k, 0, INSIDE, BN, BL)
+    if k > 0:
+        _top_k_row(s_ptr, in_ptr, out_ptr + m * k, m, N, N, NI, 0, block, k, 0, INSIDE, BN, BL)
 
 
 def fast_select(scores: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1,

@@ -10,8 +10,10 @@ first keys as they were, bit for bit."""
 import pytest
 import torch
 
+from appliance.model.deepseek_v41 import blocks_by_maxima
 from kernels import indexer
 from kernels.formats import q4_e8m0
+from kernels.registry import FAST, REFERENCE
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, bits, requires_cuda, run, seed
 
@@ -119,6 +121,45 @@ def test_candidate_blocks_and_the_selection_inside_them_match_the_reference(dt, 
                      indexer.select(inside, 7, block=block, inside=kept)[0], ctx)
         assert_equal("select inside", masked, run(indexer.fast_select, fast_inside, 7, block=block, inside=kept)[0],
                      ctx)
+
+
+@pytest.mark.parametrize("dt,rd", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
+def test_block_maxima_are_the_largest_scores_of_their_blocks(dt, rd):
+    s = seed()
+    q, w, keys, pos = inputs(5, 4, 32, 203, dt, DEVICE, quantized=True)
+    fast_all = run(indexer.fast_scores, q, w, keys, pos, 1, rd)
+    for block in (1, 4, 8, 32):
+        ctx = f"(seed {s}, {dt}, block={block})"
+        want = indexer.scores(q, w, keys, pos, 1, rd, maxima=block)
+        got = run(indexer.fast_scores, q, w, keys, pos, 1, rd, maxima=block)
+        padded = torch.nn.functional.pad(fast_all, (0, -203 % block), value=float("-inf"))
+        assert torch.equal(bits(padded.view(5, -1, block).amax(-1)), bits(got)), f"not the kernel's scores' {ctx}"
+        assert_close("block maxima", want, got, TOL[rd], context=ctx)
+
+
+@pytest.mark.parametrize("ops", [REFERENCE, FAST], ids=["reference", "fast"])
+def test_a_selection_by_block_maxima_picks_what_the_selection_over_all_rows_picks(ops):
+    """A long call's indexer (appliance/model/deepseek_v41.py blocks_by_maxima): blocks by their largest
+    score, then the rows inside them; equal to selecting over all rows, ties across blocks included (rows
+    repeated further on score the same), at a source (its candidate blocks too) and elsewhere."""
+    s = seed()
+    n, k, block = 300, 5, 4
+    q, w, keys, pos = inputs(7, 4, 32, n, torch.bfloat16, DEVICE, quantized=True)
+    keys[150:] = keys[:150]  # every score tied with one 150 rows on
+    pos[1], pos[2] = -1, 10  # a query with no valid row, one with a few
+    rd = torch.bfloat16
+    full = ops.index_scores(q, w, keys, pos, 1, rd)
+    for top_blocks in (0, 12):
+        ctx = f"(seed {s}, top_blocks={top_blocks})"
+        want, want_made = ops.index_select(full, k, pos, 1, block=block, top_blocks=top_blocks)
+        inside, made = blocks_by_maxima(ops, q, w, keys, pos, 1, rd, block, k, top_blocks)
+        assert inside is not None, f"the keys are enough to select by block maxima {ctx}"
+        if top_blocks:
+            assert_equal("candidate blocks", want_made, made, ctx)
+        scored = ops.index_scores(q, w, keys, pos, 1, rd, inside=inside, block=block)
+        got = ops.index_select(scored, k, block=block, inside=inside)[0][:, :k]
+        assert_equal("selection by block maxima", want, got, ctx)
+    assert blocks_by_maxima(ops, q, w, keys[:80], pos.clamp(max=79), 1, rd, block, k, 0) == (None, None)
 
 
 def test_index_scores_kernel_refuses_keys_of_another_width():

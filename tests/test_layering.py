@@ -164,8 +164,10 @@ def test_the_server_and_the_front_objects_never_import_torch():
 
 # Line budgets (lines of source, comments and docstrings included): a package's whole, any module, any function.
 # Kernels get more: a Triton kernel and its launcher carry long argument lists. Raising a budget is a decision
-# made here, with its reason; the request loop has its own, tighter one below.
-PACKAGE_LINES = {"appliance": 13_600, "kernels": 5_500, "server": 4_600, "graphs": 200}
+# made here, with its reason; the request loop has its own, tighter one below. Kernels 5,500 -> 5,550: the
+# indexer's block maxima (a prefill chunk's scores never stored whole), a mode of the scores kernel and its
+# reference.
+PACKAGE_LINES = {"appliance": 13_600, "kernels": 5_550, "server": 4_600, "graphs": 200}
 MODULE_LINES = {"kernels": 900, "appliance": 600, "server": 600, "graphs": 200}
 FUNCTION_LINES = {"kernels": 140, "appliance": 90, "server": 90, "graphs": 90}
 

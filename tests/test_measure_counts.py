@@ -89,6 +89,28 @@ def test_declared_gathers_and_reads_through_tables_replace_what_the_tensors_woul
     assert [la.bytes_read for la in rec.launches] == [10 * 64 * 4, 12345 + 32, 32]
 
 
+def test_a_launch_writes_its_results_a_kernels_fresh_outputs_an_indexed_writes_values_and_what_is_declared():
+    from kernels import rmsnorm
+
+    rows, d = (int(v) for v in torch.randint(2, 9, (2,)))
+    x, weight = torch.randn(rows, d * 8), torch.rand(d * 8)
+    ring, idx, vals, w8 = torch.zeros(50, 8), torch.tensor([1, 4]), torch.randn(2, 8), torch.rand(8)
+    with Recorder() as rec:
+        y = x * 2.0                                   # a result: written
+        y.add_(1.0)                                   # in place: written again
+        out = rmsnorm.fast(y, weight, 1e-6)           # a Triton kernel's fresh output
+        ring.index_put_((idx,), vals)                 # the two rows it writes, not the ring
+        with rec.writes(ring, 123):
+            rmsnorm.fast(ring, w8, 1e-6)              # declared: 123 bytes of the ring, none read
+            ring.add_(1.0)
+        rmsnorm.fast(out, weight, 1e-6)               # its input was written before: read
+    row = rows * d * 8 * 4
+    kernel = [la for la in rec.launches if la.kind == "triton"]
+    assert [la.bytes_written for la in rec.launches if la.kind == "torch"] == [row, row, 2 * 8 * 4, 123]
+    assert [la.bytes_written for la in kernel] == [row, 123 + 50 * 8 * 4, row]
+    assert [la.bytes_read for la in kernel] == [row + d * 8 * 4, 8 * 4, row + d * 8 * 4]
+
+
 def test_a_launch_that_touches_a_float64_tensor_is_counted_with_its_place():
     x, i = torch.randn(8), torch.arange(8)
 
@@ -216,8 +238,9 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
-            host_bytes=0, flops=None, staged_bytes=0, path="") -> dict:
-    return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "weights": weights or {},
+            host_bytes=0, flops=None, staged_bytes=0, path="", bytes_written=0) -> dict:
+    return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "bytes_written": bytes_written,
+            "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
             "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {},
             "staged_bytes": staged_bytes, "path": path or ("native" if weights else "")}
@@ -227,7 +250,8 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     gpu = cm.GPU("toy", hbm_bytes_per_s=1e12, memory_bytes=1e11, nvlink_bytes_per_s=1e11, source="test",
                  arch=103, issue_per_s=1e12, tensor_flops={"fp8": 1e14})
     per = cm.ISSUE_PER_ELEMENT[103][("moe", "fp4")]
-    copy = _launch(bytes_read=int(torch.randint(10**6, 10**8, ()).item()))
+    copy = _launch(bytes_read=int(torch.randint(10**6, 10**8, ()).item()),
+                   bytes_written=int(torch.randint(10**6, 10**8, ()).item()))
     # an expert launch whose instructions outweigh its bytes: 8e6 fp4 elements (4 MB) issue per x 8e6
     moe = _launch("kernels.moe._gate_up_kernel", bytes_read=4_000_000, weights={"fp4": 8_000_000},
                   routed_bytes=3_000_000, routed_weights={"fp4": 6_000_000}, routing=(256, 6, 1))
@@ -239,7 +263,8 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     copy_bw = 1e12 * cm.COPY_FRACTION
     one = cm.cycle_time(count, gpu, world=1)
     t = one["terms_s"]
-    assert t["bytes"] == pytest.approx(copy["bytes_read"] / copy_bw)  # the lookup is bound by the link
+    # what it reads and what it writes; the lookup is bound by the link
+    assert t["bytes"] == pytest.approx((copy["bytes_read"] + copy["bytes_written"]) / copy_bw)
     assert t["issue"] == pytest.approx(8e6 * per / 1e12)  # the MoE launch is bound by issue, not its 4 MB
     assert t["host_link"] == pytest.approx(cm.HOST_READ_LATENCY_S + 20e3 / gpu.host_link_bytes_per_s)
     assert t["launches"] == pytest.approx(3 * cm.LAUNCH_S)
@@ -366,7 +391,8 @@ def test_a_prefill_chunk_is_priced_by_its_rows_and_its_prompts_time_to_first_tok
     def chunk(start, attention_flops):
         return {"start": start, "chunk": 256, "launches_per_chunk": 2, "launches_per_layer": 2, "scratch_bytes": 0,
                 "collectives": {"per_cycle": 1, "payloads": [{"op": "allgather_", "bytes": 10**6, "count": 1}]},
-                "bytes_per_step": {"total": elements}, "flops": {"products": 0, "attention": attention_flops},
+                "bytes_per_step": {"total": elements, "written": 0},
+                "flops": {"products": 0, "attention": attention_flops},
                 "launches": [product, _launch("kernels.attention._kernel", flops={"attention": attention_flops})]}
 
     first, last = chunk(0, 1e12), chunk(256 * 99, 5e12)
@@ -402,7 +428,7 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
     assert cm.launch_terms(product, gpu)["issue"] == pytest.approx(rows / 16 * elements * short_rate / 1e12)
 
     def count(long):
-        return {"long_calls": long, "launches": [product, mixed], "bytes_per_step": {"total": 0},
+        return {"long_calls": long, "launches": [product, mixed], "bytes_per_step": {"total": 0, "written": 0},
                 "collectives": {"per_cycle": 0, "payloads": []}}
 
     # from registers (wo_a: a plain FP8 product): its own measured loop, long on every GPU, no staging

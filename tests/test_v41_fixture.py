@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from appliance.measure.selections import engram_ids, index_topk
+from appliance.model import deepseek_v41
 from appliance.model.engram import EngramHash, build_token_map
 from appliance.model.step import begin
 
@@ -69,6 +70,34 @@ def test_end_to_end_prefill_logits_meet_the_fixtures_smoke_gate(fixture_model, e
     c = compare(m.forward(expected["prompt_ids"], m.new_state(1024)).logits, expected["prefill_logits"])
     print("end-to-end prefill vs the official reference:", json.dumps(c))
     assert c["top1"] >= 0.8 and c["mean_kl"] <= 0.05, c
+
+
+def test_selecting_by_block_maxima_changes_no_selection_and_no_logit(fixture_model, expected, monkeypatch):
+    """A long call over many keys selects its rows inside the blocks with the largest maxima
+    (deepseek_v41.blocks_by_maxima); taken wherever it can be here (the tiny model's keys are few), the
+    prompt's selections and logits are those of the selection over all rows, bit for bit."""
+    m = fixture_model.model
+    narrowed = []
+    by_maxima = deepseek_v41.blocks_by_maxima
+
+    def counted(*args):
+        out = by_maxima(*args)
+        narrowed.append(out[0] is not None)
+        return out
+
+    runs = []
+    for gain in (deepseek_v41.MAXIMA_GAIN, 0):
+        monkeypatch.setattr(deepseek_v41, "MAXIMA_GAIN", gain)
+        monkeypatch.setattr(deepseek_v41, "blocks_by_maxima", counted)
+        with index_topk(m) as kept:
+            logits = m.forward(expected["prompt_ids"], m.new_state(1024)).logits
+        runs.append((logits, kept))
+    assert any(narrowed) and not all(narrowed), narrowed
+    (plain, plain_kept), (narrow, narrow_kept) = runs
+    assert plain_kept.keys() == narrow_kept.keys()
+    for layer, picks in plain_kept.items():
+        assert all(torch.equal(a, b) for a, b in zip(picks, narrow_kept[layer], strict=True)), f"layer {layer}"
+    assert torch.equal(plain, narrow)
 
 
 @pytest.mark.parametrize("mode, key", [("reference", "short_decode_logits"), ("own", "ownkeys_short_decode_logits")])

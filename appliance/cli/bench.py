@@ -411,7 +411,8 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
         terms = " + ".join(f"{t.replace('_', ' ')} {v * 1e3:.1f}" for t, v in c["terms_s"].items() if v)
         click.echo(f"  chunk at {start}: {c['launches']} launches ({c['launches_per_layer']} a layer at most), "
                    f"{c['collectives']} collectives sending {c['link_bytes_sent'] / 1e9:.2f} GB a rank, "
-                   f"{c['bytes_read'] / 1e9:.1f} GB read, {c['flops']['products'] / 1e12:.1f} TFLOP products + "
+                   f"{c['bytes_read'] / 1e9:.1f} GB read, {c['bytes_written'] / 1e9:.1f} GB written, "
+                   f"{c['flops']['products'] / 1e12:.1f} TFLOP products + "
                    f"{c['flops']['attention'] / 1e12:.1f} TFLOP attention and indexer a rank, "
                    f"{c['scratch_bytes'] / 1e9:.1f} GB scratch")
         click.echo(f"    {terms} = {c['chunk_s'] * 1e3:.1f} ms ({p['chunk'] / c['chunk_s']:,.0f} tok/s; "
@@ -451,6 +452,7 @@ def bench_prefill(options: RunOptions, tokens, gpu, as_json):
     row["counted"] = [{"start": c["start"], "rows": c["chunk"], "measured_ms": measured[c["start"]]["ms"],
                        "launches": c["launches_per_chunk"], "collectives": c["collectives"]["per_cycle"],
                        "collective_bytes": c["collective_bytes"], "bytes_read": c["bytes_per_step"]["total"],
+                       "bytes_written": c["bytes_per_step"]["written"],
                        "scratch_bytes": c["scratch_bytes"], "flops": c["flops"],
                        "modeled_ms": cm.cycle_time(c, cm.GPUS[kind], world)["cycle_s"] * 1e3 if kind else None}
                       for c in counted]
@@ -464,7 +466,8 @@ def bench_prefill(options: RunOptions, tokens, gpu, as_json):
         modeled = f"; modeled on {kind}: {c['modeled_ms']:.2f} ms" if kind else ""
         click.echo(f"  chunk at {c['start']} ({c['rows']} rows): measured {c['measured_ms']:.1f} ms; counted "
                    f"{c['launches']} launches, {c['collectives']} collectives ({c['collective_bytes'] / 1e6:.1f} MB), "
-                   f"{c['bytes_read'] / 1e9:.3f} GB read, {c['scratch_bytes'] / 1e6:.1f} MB scratch{modeled}")
+                   f"{c['bytes_read'] / 1e9:.3f} GB read, {c['bytes_written'] / 1e9:.3f} GB written, "
+                   f"{c['scratch_bytes'] / 1e6:.1f} MB scratch{modeled}")
 
 
 def _gpu_kind(device) -> str | None:

@@ -11,10 +11,10 @@ Assumptions (each constant below names its source):
       launch = max(bytes / (HBM x COPY_FRACTION), issued instructions / issue rate,
                    tensor FLOPs / tensor peak, host-link reads) + LAUNCH_S
   The bandwidth term is the copy bandwidth: a kernel's ramp and tail are in LAUNCH_S, not a second fraction.
-- Bytes are what the launch reads, counted (not the ideal); writes are small next to reads in decode and
-  are not counted. The bytes a launch reads from host memory (the Engram rows the lookup copies, ~12.7 KB per
-  token on V4.1-Flash) go over the host link: one round trip (`HOST_READ_LATENCY_S`; the loads are issued
-  together) plus the bytes at the link's bandwidth.
+- Bytes are what the launch reads and writes, counted (not the ideal; recorder.py says what it counts of
+  the writes), both at the copy bandwidth. The bytes a launch reads from host memory (the Engram rows the
+  lookup copies, ~12.7 KB per token on V4.1-Flash) go over the host link: one round trip
+  (`HOST_READ_LATENCY_S`; the loads are issued together) plus the bytes at the link's bandwidth.
 - Instruction issue is priced where it was measured: the weight products (linear, MoE, Engram; the main loop
   and the rows' staging), per weight element and format, as the compile check reads them from the SASS for
   the GPU's architecture (`ISSUE_PER_ELEMENT`), over the GPU's issue rate (lane-instructions per second: 32
@@ -183,7 +183,7 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     checkpoint's formats), their tensor FLOPs and the attention's and its reads over the host link; the
     routed experts' part scaled by `routed_scale` (a busier rank than the mean)."""
     extra = routed_scale - 1.0
-    hbm = la["bytes_read"] - la["host_bytes"] + extra * la["routed_bytes"]
+    hbm = la["bytes_read"] + la["bytes_written"] - la["host_bytes"] + extra * la["routed_bytes"]
     counted = sum(la["weights"].values())
     weights = {f: n + extra * la["routed_weights"].get(f, 0) for f, n in la["weights"].items()}
     family = WEIGHT_KERNELS.get(la["name"])
@@ -252,7 +252,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
     rows (kernels.rows._stage_kernel: its bytes and LAUNCH_S)."""
     long = count.get("long_calls", False)
     terms = dict.fromkeys(("bytes", "issue", "tensor", "host_link"), 0.0)
-    kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "weights": 0, "s": 0.0,
+    kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "written": 0, "weights": 0, "s": 0.0,
                                                      "by_bound": defaultdict(float), "issue_priced": False})
     imbalance, shares, stagings = 0.0, {}, 0
     for la in count["launches"]:
@@ -271,6 +271,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k = kernels[la["name"]]
         k["launches"] += 1
         k["bytes"] += la["bytes_read"]
+        k["written"] += la["bytes_written"]
         k["weights"] += sum(la["weights"].values())
         k["s"] += t[bound] + LAUNCH_S
         k["by_bound"][bound] += t[bound]
@@ -391,6 +392,7 @@ def prefill(first: dict, last: dict, gpu: GPU, world: int, prompts: list[int]) -
             "launches": c["launches_per_chunk"] + t["stagings"], "launches_per_layer": c["launches_per_layer"],
             "scratch_bytes": c["scratch_bytes"],
             "collectives": c["collectives"]["per_cycle"], "bytes_read": c["bytes_per_step"]["total"],
+            "bytes_written": c["bytes_per_step"]["written"],
             "link_bytes_sent": sum(p["count"] * moved_bytes(p["op"], p["bytes"], world)
                                    for p in c["collectives"]["payloads"]),
             "flops": c["flops"], "kernels": t["kernels"]}

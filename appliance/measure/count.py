@@ -34,9 +34,9 @@ import torch
 from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
 from kernels._triton import E4M3_LONG_ROWS, E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
-from kernels.indexer import inside_rows
+from kernels.indexer import SELECT_PASSES, inside_rows
 
-from .recorder import LiveBytes, Recorder, unique_violations
+from .recorder import LiveBytes, Recorder, nbytes, tensor_args, unique_violations
 from .shapes import meta_model, rank_shares
 from .tiles import engram_kind, expand_kind, expected_tile_rows, one_product_kind, products_kind, tile_rows
 
@@ -109,7 +109,8 @@ class DeclaredReads:
                                           linear_multi=self._products(ops.linear_multi, rows, products_kind),
                                           linear_expand=self._products(ops.linear_expand, rows, expand_kind),
                                           engram=self._products(ops.engram, tokens, engram_kind),
-                                          index_scores=self._index_scores(ops.index_scores))
+                                          index_scores=self._index_scores(ops.index_scores),
+                                          index_select=self._index_select(ops.index_select))
         try:
             yield
         finally:
@@ -180,7 +181,24 @@ class DeclaredReads:
                     reads.enter_context(rec.gather(keys, self._distinct_rows(keys, rows) * _row(keys)))
                 out = scores(q, w, keys, *rest, inside=inside, block=block, **kwargs)
             m, nh, di = q.shape
-            self._declare(first, "attention", 2 * m * nh * out.shape[1] * di)
+            scored = inside.shape[1] * block if inside is not None else keys.shape[0]
+            self._declare(first, "attention", 2 * m * nh * scored * di)
+            return out
+
+        return call
+
+    def _index_select(self, select):
+        """The selection kernel reads its scores once a pass (indexer.SELECT_PASSES), and at the candidate
+        source as many times again choosing the blocks (their maxima read from the scores, or given)."""
+        rec = self.rec
+
+        def call(scores, k, positions=None, ratio=1, block=0, top_blocks=0, inside=None):
+            first = len(rec.launches)
+            out = select(scores, k, positions, ratio, block, top_blocks, inside)
+            kernel = [la for la in rec.launches[first:] if la.kind == "triton"]
+            if rec.recording and kernel:  # counted once as it was received
+                times = SELECT_PASSES * ((min(k, scores.shape[1]) > 0) + (top_blocks > 0))
+                kernel[-1].bytes_read += (times - 1) * nbytes(scores)
             return out
 
         return call
@@ -189,7 +207,10 @@ class DeclaredReads:
         """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
         padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]), and
         how it multiplies: `kind_of(x, *args)` gives its path (Launch.path), whether it can run as a long
-        call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves."""
+        call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves. What
+        a product writes is its outputs: the float32 partials of a split-K are left out (a long call takes none;
+        under the interpreter the count's splits are its own, not a GPU's; a GPU's, of a decode step's 16 rows,
+        are read back from L2 by the tile's last program)."""
         rec = self.rec
 
         def call(x, *args, **kwargs):
@@ -198,9 +219,10 @@ class DeclaredReads:
             if rec.recording:
                 rows = rows_of(x)
                 path, long, staged = kind_of(x, *args)
+                written = sum(nbytes(t) for t in tensor_args((out,)))
                 for la in rec.launches[first:]:
                     if la.weights:
-                        la.path = path
+                        la.path, la.bytes_written = path, written
                         la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
                         if path == "native":  # the e4m3 MMA's programs of 8 (sm_89/90)
                             la.flops["products_e4m3"] = 2 * _mma_rows(rows, E4M3_MMA_ROWS) * sum(la.weights.values())
@@ -221,20 +243,23 @@ class DeclaredReads:
             launches[-1].flops[kind] = launches[-1].flops.get(kind, 0) + flops
 
     def _attn_inputs(self, attn_inputs):
-        """The window ring is written, not read; the RoPE tables at the call's positions."""
+        """The window ring is written at the call's positions, not read; the RoPE tables read at them."""
         def call(q, kv, positions, rope, kv_norm, eps, ring, *rest):
-            with self.rec.gather(ring, 0), self._table_rows(rope, positions.numel()):
+            rows = min(positions.numel(), ring.shape[0])
+            with self.rec.writes(ring, rows * _row(ring)), self._table_rows(rope, positions.numel()):
                 return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
 
         return call
 
     def _compress(self, compress):
-        """The compressor reads a group's slots of its ring; the row caches are written, not read."""
+        """The compressor reads a group's slots of its ring; the row caches are written (a row a group the call
+        completes), not read."""
         rec = self.rec
 
         def call(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows, *rest):
-            with rec.gather(ring, min(ring.shape[0], ratio) * _row(ring)), rec.gather(kv_rows, 0), \
-                    rec.gather(key_rows, 0), self._table_rows(rope, positions.numel()):
+            rows = -(-positions.numel() // ratio)
+            with rec.gather(ring, min(ring.shape[0], ratio) * _row(ring)), rec.writes(kv_rows, rows * _row(kv_rows)), \
+                    rec.writes(key_rows, rows * _row(key_rows)), self._table_rows(rope, positions.numel()):
                 return compress(kappa, zeta, positions, ring, ratio, norm, eps, wk, k_norm, rope, kv_rows, key_rows,
                                 *rest)
 
@@ -430,7 +455,8 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
         "collectives": {"per_cycle": s["collectives"],
                         "per_layer": max((v["collectives"] for v in layers.values()), default=0),
                         "payloads": payloads(rec.collectives)},
-        "bytes_per_step": {"total": total, "ideal": ideal["total"], "ratio": total / ideal["total"],
+        "bytes_per_step": {"total": total, "written": s["bytes_written"], "ideal": ideal["total"],
+                           "ratio": total / ideal["total"],
                            "ideal_parts": ideal, "by_block": {b: v["bytes_read"] for b, v in s["by_block"].items()}},
         "capture_violations": unique_violations(rec.violations),
         "torch_ops": s["torch_ops"], "triton_kernels": s["triton_kernels"],
@@ -477,7 +503,7 @@ def count_prefill(model, state, start: int, chunk: int) -> dict:
         "host_syncs": s["host_syncs"], "scratch_bytes": rec.memory.peak + journal, "long_calls": True,
         "collectives": {"per_cycle": s["collectives"], "payloads": paid},
         "collective_bytes": sum(c["count"] * c["bytes"] for c in paid),
-        "bytes_per_step": {"total": s["bytes_read"]},
+        "bytes_per_step": {"total": s["bytes_read"], "written": s["bytes_written"]},
         "flops": {kind: sum(la.flops.get(kind, 0) for la in rec.launches) for kind in ("products", "attention")},
         "launches": [dataclasses.asdict(la) for la in rec.launches],
     }

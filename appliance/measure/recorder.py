@@ -21,6 +21,12 @@ How an operation is classified (the CPU sees the same operations a GPU would, on
 - a **float64 launch**: a launch that reads or writes a float64 tensor (the fast path's numerics allow
   none: a B300 runs float64 at ~1/60 of its float32 rate), with where it happened.
 
+Bytes written by a launch: a Triton kernel's outputs the first time anything writes them (storage allocated
+inside and not yet written: a kernel does not read what nothing wrote), a torch operation's results and
+overwritten arguments (an indexed write, `index_put_`, `index_copy_`, `scatter_`: its values), and the writes
+the model declares through `writes()` (the state rows a chunk writes into its rings and caches). Not counted:
+a Triton kernel's writes into storage written before in the step (in-place updates, a buffer zeroed first).
+
 Bytes read by a launch: every tensor it receives, once (views count their own elements, not their whole
 storage), except (a) outputs: tensors freshly allocated (`empty*`) and not yet written, and the written
 argument of an overwriting operation (`copy_`, `fill_`, `index_put_`...); (b) gathers: `t[index]`,
@@ -84,9 +90,12 @@ _GATHERS = {aten.index.Tensor, aten.index_select.default, aten.gather.default, a
 _OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
                aten.index_put_.default, aten._index_put_impl_.default, aten.index_copy_.default,
                aten.scatter_.src, aten.scatter_.value, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
+# overwriting operations that write at an index: the argument holding what they write (values, or the index)
+_INDEXED_WRITES = {aten.index_put_.default: 2, aten._index_put_impl_.default: 2, aten.index_copy_.default: 3,
+                   aten.scatter_.src: 3, aten.scatter_.value: 2}
 
 
-def _tensors(*groups) -> list[torch.Tensor]:
+def tensor_args(*groups) -> list[torch.Tensor]:
     """The tensors among arguments (one level of lists and tuples, as operation arguments nest)."""
     out = []
     for group in groups:
@@ -148,6 +157,10 @@ class Launch:
     name: str
     block: str  # "layer 3", "stage 0", "outside"
     bytes_read: int
+    # bytes it writes: the outputs a Triton kernel writes first (storage allocated and not written before),
+    # a torch operation's results (an indexed write's values), what the model declares (`writes()`); not the
+    # rewrites of storage written before in the step (a Triton kernel's in-place updates)
+    bytes_written: int = 0
     # quantized weight elements streamed whole, by format: "fp8" (float8_e4m3fn tensors), "fp4" (int8 tensors,
     # two a byte); what the products' instruction issue is priced by (costmodel.py)
     weights: dict[str, int] = field(default_factory=dict)
@@ -197,6 +210,7 @@ class Recorder(TorchDispatchMode):
         self.host_scalars: set[int] = set()  # 0-dim tensors made from Python numbers
         self.gathered: dict[int, int] = {}  # storage -> bytes a launch reads of it (declared gathers)
         self.through: dict[int, tuple[int, str]] = {}  # table storage -> (bytes read through it, what)
+        self.written: dict[int, int] = {}  # storage -> bytes a launch writes of it, not reading it (declared)
         self.memory: LiveBytes | None = None  # set: the storages made inside are tracked (LiveBytes)
         self.triton_launches = 0
         self._saved: dict = {}
@@ -269,6 +283,16 @@ class Recorder(TorchDispatchMode):
         finally:
             self.gathered.pop(key, None)
 
+    @contextmanager
+    def writes(self, t: torch.Tensor, bytes_written: int):
+        """Inside, a launch that receives `t` (or a view of it) writes `bytes_written` of it and reads none."""
+        key = storage_key(t)
+        self.written[key] = bytes_written
+        try:
+            yield
+        finally:
+            self.written.pop(key, None)
+
     def read_through(self, table: torch.Tensor, bytes_read: int, what: str) -> None:
         """The next launch that receives `table` reads `bytes_read` through the addresses it holds."""
         self.through[storage_key(table)] = (bytes_read, what)
@@ -313,10 +337,10 @@ class Recorder(TorchDispatchMode):
         def run(fn, *args, **kwargs):
             if recorder.paused:
                 return original(fn, *args, **kwargs)
-            tensors = _tensors(args, kwargs.values())
+            tensors = tensor_args(args, kwargs.values())
             name = getattr(getattr(fn, "fn", None), "__qualname__", type(fn).__name__)
             module = getattr(getattr(fn, "fn", None), "__module__", "")
-            recorder._launch("triton", f"{module}.{name}", tensors, (), written=())
+            recorder._launch("triton", f"{module}.{name}", tensors, (), overwritten=())
             recorder._note_float64(f"{module}.{name}", tensors)
             recorder.triton_launches += 1
             if recorder.meta:
@@ -326,17 +350,19 @@ class Recorder(TorchDispatchMode):
 
         return run
 
-    def _launch(self, kind: str, name: str, inputs: list, gathers: tuple, written: tuple) -> None:
+    def _launch(self, kind: str, name: str, inputs: list, gathers: tuple, overwritten: tuple,
+                results: int = 0) -> None:
         """One launch reading `inputs` (tensors), of which `gathers` (source, elements) are gathers and
-        `written` are overwritten, not read."""
+        `overwritten` are written, not read; a torch operation writes `results` bytes (its results and
+        overwritten arguments)."""
         if not self.recording:
             for t in inputs:
                 self.fresh.discard(storage_key(t))
             return
         seen = set()
-        total = 0
+        total, wrote = 0, results
         weights: dict[str, int] = defaultdict(int)
-        skip = {id(t) for t in written}
+        skip = {id(t) for t in overwritten}
         gather_src = {id(src): elems for src, elems in gathers}
         for t in inputs:
             key = storage_key(t)
@@ -347,9 +373,14 @@ class Recorder(TorchDispatchMode):
             if id(t) in skip:
                 self.fresh.discard(key)
                 continue
+            if key in self.written:
+                wrote += self.written[key]
+                self.fresh.discard(key)
+                continue
             if key in self.fresh:  # an output: allocated, not written yet
                 if kind == "triton":
                     self.fresh.discard(key)
+                    wrote += nbytes(t)
                 continue
             if key in self.through:
                 extra, _ = self.through.pop(key)
@@ -364,7 +395,7 @@ class Recorder(TorchDispatchMode):
                 if t.dtype in WEIGHT_DTYPES:
                     fmt, per = WEIGHT_DTYPES[t.dtype]
                     weights[fmt] += t.numel() * per
-        self.launches.append(Launch(kind, name, self.block, total, dict(weights)))
+        self.launches.append(Launch(kind, name, self.block, total, wrote, dict(weights)))
 
     def _note_float64(self, name: str, tensors: list) -> None:
         if self.recording and any(t.dtype == torch.float64 and storage_key(t) not in self.host_scalars
@@ -382,15 +413,15 @@ class Recorder(TorchDispatchMode):
                 return 0
         out = func(*args, **kwargs)
         if self.memory is not None:
-            self.memory.track(_tensors((out,)), {storage_key(t) for t in _tensors(args, kwargs.values())})
+            self.memory.track(tensor_args((out,)), {storage_key(t) for t in tensor_args(args, kwargs.values())})
         if self.paused or not self.recording:
             return out
         self._classify(func, args, kwargs, out)
         return out
 
     def _classify(self, func, args, kwargs, out) -> None:
-        ins = _tensors(args, kwargs.values())
-        outs = _tensors((out,))
+        ins = tensor_args(args, kwargs.values())
+        outs = tensor_args((out,))
         if func.namespace in ("c10d", "_c10d_functional"):
             for t in ins:  # outputs of a collective are written by it
                 self.fresh.discard(storage_key(t))
@@ -409,7 +440,7 @@ class Recorder(TorchDispatchMode):
                     self.violations.append({"step": self.label, "block": self.block, "where": self._where(),
                                             "why": "a tensor made from host data (torch.tensor(...) of several "
                                                    "values)"})
-                self._launch("torch", "host-to-device copy", [], (), ())
+                self._launch("torch", "host-to-device copy", [], (), (), nbytes(args[0]))
             else:
                 self.host_scalars.add(storage_key(args[0]))
             return
@@ -434,16 +465,20 @@ class Recorder(TorchDispatchMode):
         if ins and all(storage_key(t) in self.host_scalars for t in ins) and all(o.dim() == 0 for o in outs):
             self.host_scalars.update(storage_key(o) for o in outs)  # arithmetic on host scalars
             return
-        written = ()
+        overwritten = ()
         if func in _OVERWRITES and ins:
-            written = (args[0],)
+            overwritten = (args[0],)
         elif "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
-            written = (kwargs["out"],)
+            overwritten = (kwargs["out"],)
+        results = sum(nbytes(o) for o in outs if storage_key(o) not in self.written)  # declared: as declared
+        if func in _INDEXED_WRITES:  # the values written, not the whole destination
+            values = args[_INDEXED_WRITES[func]]
+            results = values.numel() * outs[0].element_size() if isinstance(values, torch.Tensor) else 0
         gathers = ()
         if func in _GATHERS and outs:
             src = args[1] if func is aten.embedding.default else args[0]
             gathers = ((src, outs[0].numel()),)
-        self._launch("torch", func.name().removeprefix("aten::"), ins, gathers, written)
+        self._launch("torch", func.name().removeprefix("aten::"), ins, gathers, overwritten, results)
         self._note_float64(func.name().removeprefix("aten::"), ins + outs)
         for o in outs:
             self.fresh.discard(storage_key(o))
@@ -453,12 +488,13 @@ class Recorder(TorchDispatchMode):
     def summary(self) -> dict:
         """Launches, syncs, collectives and bytes, in total and per block (a block's share of what ran)."""
         by_block: dict[str, dict] = defaultdict(lambda: {"launches": 0, "torch": 0, "triton": 0, "bytes_read": 0,
-                                                          "host_syncs": 0, "collectives": 0})
+                                                          "bytes_written": 0, "host_syncs": 0, "collectives": 0})
         for la in self.launches:
             b = by_block[la.block]
             b["launches"] += 1
             b[la.kind] += 1
             b["bytes_read"] += la.bytes_read
+            b["bytes_written"] += la.bytes_written
         for s in self.syncs:
             by_block[s["block"]]["host_syncs"] += 1
         for c in self.collectives:
@@ -469,6 +505,7 @@ class Recorder(TorchDispatchMode):
                 "triton_launches": sum(triton.values()), "host_syncs": len(self.syncs),
                 "collectives": len(self.collectives), "float64_launches": len(self.float64),
                 "bytes_read": sum(la.bytes_read for la in self.launches),
+                "bytes_written": sum(la.bytes_written for la in self.launches),
                 "by_block": dict(by_block), "torch_ops": dict(torch_ops.most_common()),
                 "triton_kernels": dict(triton.most_common())}
 

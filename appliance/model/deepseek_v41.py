@@ -26,7 +26,7 @@ from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
 from .rope import RopeTable, frequencies
-from .rowsplit import ALL_ROWS, gather_rows, query_share
+from .rowsplit import ALL_ROWS, SPLIT_ROWS, gather_rows, query_share
 from .runtime import Runtime
 from .state import DecodeState, new_state
 from .step import Output, Step, begin, finish
@@ -170,11 +170,17 @@ class V41Attention(AttentionProjections):
         positions = step.positions[rows]
         source = L == c.candidate_source_layer
         inside = step.candidates[rows] if 0 <= c.candidate_source_layer < L else None  # level two
-        block = c.candidate_block_size
+        block, made = c.candidate_block_size, None
+        if inside is None and qi.shape[0] > SPLIT_ROWS:  # the call's rows: every rank takes the same branch
+            inside, made = blocks_by_maxima(ops, qi[rows], w[rows], keys, positions, self.ratio,
+                                            dt if official else None, block, c.index_topk,
+                                            c.candidate_topk_blocks if source else 0)
         scores = ops.index_scores(qi[rows], w[rows], keys, positions, self.ratio, dt if official else None,
                                   inside=inside, block=block)
-        topk, made = ops.index_select(scores, c.index_topk, positions, self.ratio, block=block,
-                                      top_blocks=c.candidate_topk_blocks if source else 0, inside=inside)
+        topk, made_here = ops.index_select(scores, c.index_topk, positions, self.ratio, block=block,
+                                           top_blocks=c.candidate_topk_blocks if source and made is None else 0,
+                                           inside=inside)
+        made = made if made is not None else made_here
         topk = topk[:, : min(c.index_topk, keys.shape[0])]  # inside the blocks: k wide, as if over all N rows
         if rows != ALL_ROWS:
             topk = gather_rows(self.index_comm, topk, qi.shape[0])
@@ -183,6 +189,33 @@ class V41Attention(AttentionProjections):
             step.candidates = made
         step.topk[L] = topk
         return topk
+
+
+# a long call selects by block maxima where its keys outnumber the rows it then scores this many times: below,
+# the second launch and the rows scored again cost more than the scores' writes and passes they save
+MAXIMA_GAIN = 4
+
+
+def blocks_by_maxima(ops, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
+                     round_dtype: torch.dtype | None, block: int, k: int, top_blocks: int):
+    """A long call over many keys (a prefill chunk deep in a prompt) selects as a re-indexing layer does:
+    blocks of `block` rows chosen by their largest score (the scores kernel stores only those), then only
+    their rows scored -> (the blocks the rows are selected inside, the candidate blocks where `top_blocks`
+    (the source)), or (None, None) where the keys are too few to gain. The same picks as over all rows: the
+    k-th largest score is at least the k-th largest block maximum, so every row above it, and every tie of
+    it a lower index would pick, lies in the k blocks with the largest maxima (ties to the lower block), or
+    in the source's candidate blocks (more than k: the newest, kept whatever its score, may displace one)."""
+    wanted = top_blocks or k
+    few = keys.shape[0] <= MAXIMA_GAIN * wanted * block
+    if few or (top_blocks and top_blocks <= k) or block & (block - 1) or block > 32:
+        return None, None
+    maxima = ops.index_scores(qi, w, keys, positions, ratio, round_dtype, maxima=block)
+    if not top_blocks:
+        return ops.index_select(maxima, k)[0], None
+    # the maxima's valid blocks, as positions of ratio 1: a query with n valid rows has ceil(n / block)
+    blocks = -(-((positions + 1) // ratio) // block)
+    made = ops.index_select(maxima, 0, blocks - 1, 1, block=1, top_blocks=top_blocks)[1]
+    return made, made
 
 
 class StaggeredBlock:
