@@ -106,6 +106,11 @@ def product_rows(native: int, may_be_long: bool) -> int:
     return LONG_ROWS if long else MMA_ROWS
 
 
+def in_long_calls() -> bool:
+    """Whether the launch is inside `long_calls` (a prefill chunk's: its row blocks fill the device)."""
+    return _LONG_CALLS.get()
+
+
 def is_long(rows: int) -> bool:
     """Whether programs of `rows` rows (`product_rows`) are a long call's."""
     return rows in (LONG_ROWS, E4M3_LONG_ROWS)

@@ -43,6 +43,7 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   where the products fuse the norm), which every program reads (PRESTAGED). Every chunk of a prompt takes
   these programs whatever its size, so a prompt's rows do not depend on its chunks (bit for bit); a long
   call's row is not promised equal to the same row in a short one (a wider MMA; see `_triton.LONG_ROWS`).
+  No launch of a long call splits K (its row blocks fill the device), whatever its programs' rows.
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
@@ -66,6 +67,7 @@ from ._triton import (
     e2m1_high_as_e4m3,
     e2m1_low_as_e4m3,
     e8m0_f32,
+    in_long_calls,
     is_long,
     native_products,
     pow2,
@@ -570,7 +572,8 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
          may_be_long: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
     segments' (outputs, act_block, outputs per group), K, the device and the call's kind (`product_rows`:
-    a long call's programs take LONG_ROWS where the launch `may_be_long`, without split-K) only: never from
+    a long call's programs take LONG_ROWS where the launch `may_be_long`; no launch of a long call splits K:
+    its row blocks fill the device, the float32 partials would be written and read back) only: never from
     the number of rows, so a row's summation order does not depend on how many rows are computed together
     (from registers a long call's programs take 64 outputs a tile). `native`: every segment multiplies in
     the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the block-scaled MMA's
@@ -594,7 +597,7 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
     splits = []
     programs = sum(triton.cdiv(n, bn) for n, _, _ in segments)
     for _n, _, _ in segments:
-        if is_long(bm):  # the row blocks fill the device: no float32 partials written and read back
+        if is_long(bm) or in_long_calls():  # the row blocks fill the device: no float32 partials
             kps = k
         elif INTERPRET:
             kps = 512 if k > 512 else pow2(k, bk)

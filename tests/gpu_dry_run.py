@@ -336,6 +336,7 @@ def drive_split_specializations(failures: list):
     """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
     summed over four ranks by the rank-order sum (the gathers are stand-ins: nothing runs)."""
+    import kernels._triton as kt
     from kernels import bench, moe, rank_sum
 
     s = dataclasses.replace(bench.V41, experts=8)
@@ -351,6 +352,17 @@ def drive_split_specializations(failures: list):
     # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
     # torch and the same combine kernel)
     split = types.SimpleNamespace(sum=four, shared_split=True, share=lambda rows: None)
+    # a long call's (a prefill chunk's) sums by rows: its pairs kept in x's dtype, the shared partials apart
+    shares = types.SimpleNamespace(sum=four, shared_split=True, world=4, share=lambda rows: (rows // 4, 0, rows // 4),
+                                   sum_shares=lambda t: t.sum(0), gather_rows=lambda part, rows: part.repeat(4, 1))
+    try:
+        with kt.long_calls():
+            m = 256
+            moe.fast_ffn(torch.randn(m, s.dim).bfloat16(), gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5,
+                         1e-20, None, experts, shared, s.block, 10.0, True, torch.randn(m, 4, s.dim).bfloat16(),
+                         torch.rand(m, 4), torch.rand(m, 4, 4), reduce=shares)
+    except Exception:
+        failures.append({"case": "a long call's sums by rows", "error": traceback.format_exc()[-2000:]})
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
             try:

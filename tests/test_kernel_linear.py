@@ -217,6 +217,19 @@ def test_a_long_call_of_products_of_the_normalized_input_stages_the_normalized_r
     assert len(staged) == 4 or not kernels._triton.INTERPRET, f"{len(staged)} stagings for 4 long calls {ctx}"
 
 
+def test_no_launch_of_a_long_call_splits_k():
+    """A long call's row blocks fill the device: none of its launches writes float32 partials to add back,
+    the 16-row programs of a launch that quantizes its rows in the loop included; a short call splits a
+    long K (the split chosen by N and K only)."""
+    k = int(torch.randint(4, 9, ()).item()) * 1024
+    segments = [(int(torch.randint(1, 9, ()).item()) * 64, 32, 1 << 20)]
+    for native, may_be_long in ((0, False), (0, True)):
+        short = linear.plan(segments, k, DEVICE, native, may_be_long)[3]
+        with kernels._triton.long_calls():
+            long = linear.plan(segments, k, DEVICE, native, may_be_long)[3]
+        assert short[0][1] > 1 and long == [(k, 1)], (native, may_be_long, short, long)
+
+
 @pytest.mark.parametrize("case", ["grouped plain fp8", "mixed formats"])
 def test_a_long_calls_plain_products_from_registers_take_programs_of_long_rows(monkeypatch, case):
     """Inside long_calls the plain products whose weights are dequantized to bfloat16 values in registers (a

@@ -208,9 +208,9 @@ class DeclaredReads:
         padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]), and
         how it multiplies: `kind_of(x, *args)` gives its path (Launch.path), whether it can run as a long
         call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves. What
-        a product writes is its outputs: the float32 partials of a split-K are left out (a long call takes none;
-        under the interpreter the count's splits are its own, not a GPU's; a GPU's, of a decode step's 16 rows,
-        are read back from L2 by the tile's last program)."""
+        a product writes is its outputs: the float32 partials of a split-K are left out (no launch of a long
+        call takes one; a GPU's, of a decode step's 16 rows, are read back from L2 by the tile's last
+        program, and the count's under the interpreter are its own)."""
         rec = self.rec
 
         def call(x, *args, **kwargs):
