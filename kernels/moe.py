@@ -795,25 +795,17 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     q_up = (_staged_once(x, m, (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
             _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
     _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
-        x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e,
-        x.stride(0),
+        x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
         *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     share = reduce.share(m) if reduce is not None else None
-    # a long call sums each row's pairs on its rank: they are stored in x's dtype, their values' (the shared
-    # expert's rows apart: float32 where split, its partial unrounded); a decode step's sum over ranks, float32
-    o = torch.empty((n_pairs if share is None else m * top_k, d), dtype=torch.float32 if share is None else x.dtype,
-                    device=dev)
-    o_shared, os_row = o, 0
-    if share is not None and shared is not None:
-        o_shared, os_row = torch.empty((m, d), dtype=torch.float32 if split else x.dtype, device=dev), m * top_k
+    o, o_shared, os_row = _pair_outputs(x, top_k, shared is not None, split, share is not None)
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
         h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *q_down, n_pairs, per_program, i, i_s, iw, d,
-        e,
-        *table.down[:2], *s_down[:2],
+        e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
@@ -828,6 +820,17 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     # (4) the sum in expert order, the shared expert, the expand
     _combine(o, pos, X, post, comb, out, shared is not None, split)
     return out, weights, idx
+
+
+def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, split: bool, long: bool):
+    """(o, the shared expert's rows, the pair of their first): a decode step's pairs float32 (summed over ranks
+    so), the shared rows after them; a long call's in x's dtype (their values'), the shared rows apart."""
+    m, d = x.shape
+    if not long:
+        o = torch.empty((m * (top_k + has_shared), d), dtype=torch.float32, device=x.device)
+        return o, o, 0
+    o = torch.empty((m * top_k, d), dtype=x.dtype, device=x.device)
+    return o, torch.empty((m, d), dtype=torch.float32 if split else x.dtype, device=x.device), m * top_k
 
 
 COMBINED, STORE_PAIRS, STORE_SUM = 0, 1, 2  # what _combine_kernel stores
