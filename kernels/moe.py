@@ -788,8 +788,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
                   # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
                   num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
                   num_stages=2 if native == NATIVE_E4M3 else 3)
-    # staged whole (PRESTAGED), h's columns past a narrower group's I must read as zeros
-    h = (torch.zeros if prestaged else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
+    # staged whole (PRESTAGED), h's columns past a narrower group's I must read as zeros (none where I = I_S)
+    h = (torch.zeros if prestaged and i != i_s else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
     q_up = (_staged_once(x, m, (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
