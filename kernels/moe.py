@@ -490,14 +490,14 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
 
 
 @device_function
-def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
+def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, o_stride, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): outputs per
-    pair (values of x's dtype) at o's row pair - row0; in the checkpoint's formats through the group's scratch
-    or the launch's staged rows of h, as `_up_group`."""
+    pair (values of x's dtype) at o's row pair - row0 (rows o_stride apart); in the checkpoint's formats
+    through the group's scratch or the launch's staged rows of h, as `_up_group`."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < D
@@ -528,7 +528,7 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, qc, qs, q_cols, p, end, I, IW,
                 o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[None, :]).to(tl.float32)
             else:
                 o = o * pw[None, :]
-        tl.store(o_ptr + (prs[None, :] - row0).to(tl.int64) * D + offs_n[:, None], o,
+        tl.store(o_ptr + (prs[None, :] - row0).to(tl.int64) * o_stride + offs_n[:, None], o,
                  mask=n_mask[:, None] & pm[None, :])
 
 
@@ -543,7 +543,7 @@ def _shared_codes(qc_ptr, qs_ptr, KQ, first, ACT_BLOCK: tl.constexpr):
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out [P, D] float32 or (a long call) x's dtype: each pair's expert output (its values)
-                 os_ptr, OS_ROW,  # out: the shared expert's rows, pair p at os's row p - OS_ROW (float32 where split)
+                 os_ptr, OS_ROW, OS_STRIDE,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
                  qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
@@ -561,15 +561,14 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                 slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
                 qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
             if e < E:
-                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, qc, qs, q_cols, p, end, I, IW, D, swn, ssn, FMT,
-                            BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED, BM,
-                            BN, BK)
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, D, qc, qs, q_cols, p, end, I, IW, D, swn, ssn,
+                            FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED,
+                            BM, BN, BK)
             elif HAS_SHARED:
                 if PRESTAGED:
                     qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
-                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, I_S, IW, D, s_swn, s_ssn,
-                            S_FMT,
-                            S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
+                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, OS_STRIDE, qc, qs, q_cols, p, end, I_S, IW, D,
+                            s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
                             X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
 
 
@@ -800,18 +799,18 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
     share = reduce.share(m) if reduce is not None else None
-    o, o_shared, os_row = _pair_outputs(x, top_k, shared is not None, split, share is not None)
+    o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, split, share, reduce)
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *q_down, n_pairs, per_program, i, i_s, iw, d,
-        e, *table.down[:2], *s_down[:2],
+        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, o_shared.stride(0), *q_down, n_pairs,
+        per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
-        return (_combined_by_shares(o, o_shared, pos, X, post, comb, shared is not None, split, reduce, share),
-                weights, idx)
+        return (_combined_by_shares(o, o_shared, sent, pos, X, post, comb, shared is not None, split, reduce,
+                                    share), weights, idx)
     if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
         if split:
             o = reduce.sum(o)
@@ -822,15 +821,18 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     return out, weights, idx
 
 
-def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, split: bool, long: bool):
-    """(o, the shared expert's rows, the pair of their first): a decode step's pairs float32 (summed over ranks
-    so), the shared rows after them; a long call's in x's dtype (their values'), the shared rows apart."""
+def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, split: bool, share, reduce):
+    """(o, the shared expert's rows, the pair of their first, what a long call sends): a decode step's pairs
+    float32 (summed over ranks so), the shared rows after them; a long call's in x's dtype (their values'), the
+    shared rows apart (where split, its float32 partials where they are sent: `_combined_by_shares`)."""
     m, d = x.shape
-    if not long:
+    if share is None:
         o = torch.empty((m * (top_k + has_shared), d), dtype=torch.float32, device=x.device)
-        return o, o, 0
+        return o, o, 0, None
     o = torch.empty((m * top_k, d), dtype=x.dtype, device=x.device)
-    return o, torch.empty((m, d), dtype=torch.float32 if split else x.dtype, device=x.device), m * top_k
+    sent = torch.empty((reduce.world * share[0], 1 + split, d), dtype=torch.float32, device=x.device)
+    shared_rows = sent[:m, 1] if split else torch.empty((m, d), dtype=x.dtype, device=x.device)
+    return o, shared_rows, m * top_k, sent
 
 
 COMBINED, STORE_PAIRS, STORE_SUM = 0, 1, 2  # what _combine_kernel stores
@@ -859,7 +861,7 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
                                                  BHC=1, BD=bd)
 
 
-def _combined_by_shares(o, o_shared, pos, X, post, comb, has_shared: bool, split: bool, reduce,
+def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, has_shared: bool, split: bool, reduce,
                         share) -> torch.Tensor:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
@@ -869,13 +871,11 @@ def _combined_by_shares(o, o_shared, pos, X, post, comb, has_shared: bool, split
     is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
     rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
     every rank's partials of every pair; the summed rows travel in X's dtype, not as the hc streams.
-    `share`: (rows a share is padded to, this rank's first row, its end); o_shared: the shared expert's rows."""
+    `share`: (rows a share is padded to, this rank's first row, its end); o_shared: the shared expert's rows
+    (where split, `sent`'s second part: its partials are sent too)."""
     m, (per, lo, hi), d = pos.shape[0], share, o.shape[1]
     world, parts = reduce.world, 2 if split else 1
-    sent = torch.empty((world * per, parts, d), dtype=torch.float32, device=o.device)
     _pairs_sum(o, pos, sent[:m, 0])
-    if split:  # the shared rows are partials too
-        sent[:m, 1].copy_(o_shared)
     if m < world * per:
         sent[m:].zero_()  # the padding rows' sums are dropped
     summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows

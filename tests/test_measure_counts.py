@@ -495,6 +495,12 @@ def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(relea
     assert late["bytes_per_step"]["total"] > early["bytes_per_step"]["total"]
     assert 0 < early["collective_bytes"] <= late["collective_bytes"] < 1.1 * early["collective_bytes"]
     assert early["host_syncs"] == 0
+    # the MoE's pairs' sums (the first combine of a layer's MoE) write the rows they send: a row of the
+    # model's width in float32 each, none of it read
+    layer = [la for la in early["launches"] if la["block"] == "layer 3"]
+    sums = next(la for la in layer if la["name"] == "kernels.moe._combine_kernel")
+    pairs = rows * 6  # top-6 of V4.1-Flash's experts: their outputs in bfloat16, their positions int64
+    assert (sums["bytes_written"], sums["bytes_read"]) == (rows * 5120 * 4, pairs * 5120 * 2 + pairs * 8), sums
 
 
 def test_bench_model_prices_a_prompts_prefill_against_its_goal(released_config):
