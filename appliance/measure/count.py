@@ -312,10 +312,9 @@ class DeclaredReads:
                 _expert_reads(rec.launches[first:], held[0] if held else (), n, shared or (),
                               (len(experts), top_k, x.shape[0]), len(held) < len(experts))
                 if reduce is not None and reduce.share(x.shape[0]) is not None and reduce.shared_split:
-                    # a long call's pairs' sums go into the rows it sends, beside the shared expert's partials the
-                    # down launch wrote there first: written, not read (the recorder saw that storage written)
+                    # the pairs' sums are written into the sent rows (the down launch wrote there first), not read
                     sums = next(la for la in rec.launches[first:] if la.name.endswith("_combine_kernel"))
-                    rows = x.shape[0] * x.shape[1] * 4
+                    rows = x.numel() * 4
                     sums.bytes_read, sums.bytes_written = sums.bytes_read - rows, sums.bytes_written + rows
                 # each held routed expert's rows are its pairs, padded to whole tiles; the shared expert takes
                 # every row
