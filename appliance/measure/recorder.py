@@ -273,25 +273,13 @@ class Recorder(TorchDispatchMode):
 
     # --- what the model declares ---------------------------------------------------------------------
 
-    @contextmanager
     def gather(self, t: torch.Tensor, bytes_read: int):
         """Inside, a launch that receives `t` (or a view of it) reads `bytes_read` of it, not all of it."""
-        key = storage_key(t)
-        self.gathered[key] = bytes_read
-        try:
-            yield
-        finally:
-            self.gathered.pop(key, None)
+        return _declared(self.gathered, t, bytes_read)
 
-    @contextmanager
     def writes(self, t: torch.Tensor, bytes_written: int):
         """Inside, a launch that receives `t` (or a view of it) writes `bytes_written` of it and reads none."""
-        key = storage_key(t)
-        self.written[key] = bytes_written
-        try:
-            yield
-        finally:
-            self.written.pop(key, None)
+        return _declared(self.written, t, bytes_written)
 
     def read_through(self, table: torch.Tensor, bytes_read: int, what: str) -> None:
         """The next launch that receives `table` reads `bytes_read` through the addresses it holds."""
@@ -508,6 +496,17 @@ class Recorder(TorchDispatchMode):
                 "bytes_written": sum(la.bytes_written for la in self.launches),
                 "by_block": dict(by_block), "torch_ops": dict(torch_ops.most_common()),
                 "triton_kernels": dict(triton.most_common())}
+
+
+@contextmanager
+def _declared(table: dict[int, int], t: torch.Tensor, n: int):
+    """`t`'s storage in `table` with `n` (bytes) while inside."""
+    key = storage_key(t)
+    table[key] = n
+    try:
+        yield
+    finally:
+        table.pop(key, None)
 
 
 def unique_violations(violations: list[dict]) -> list[dict]:
