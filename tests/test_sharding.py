@@ -98,8 +98,10 @@ def sums_by_rows(world, seed: int) -> dict:
     long call's sums by rows (the attention's output, parallel/sharding.py `sum_by_rows`; the MoE's,
     ExpertReduce.share), again with the attention's summed whole, and again with every sum whole; how many
     sums went by rows, whether the first two give the same logits' bits and how far the third's are
-    (relative to a row's largest)."""
+    (relative to a row's largest); and whether the indexer's selection by block maxima (each rank its share
+    of the queries) gives the first one's bits."""
     from appliance.loader import load_model
+    from appliance.model import deepseek_v41
     from appliance.model.rowsplit import ALL_ROWS
     from appliance.options import RunOptions
     from appliance.parallel import sharding
@@ -115,13 +117,25 @@ def sums_by_rows(world, seed: int) -> dict:
 
     by_rows = logits()
     n = [len(calls)]
+    # the indexer's selection by block maxima taken wherever it can be (the tiny model's keys are few)
+    narrowed, by_maxima, gain = [], deepseek_v41.blocks_by_maxima, deepseek_v41.MAXIMA_GAIN
+
+    def counted(*args):
+        out = by_maxima(*args)
+        narrowed.append(out[0] is not None)
+        return out
+
+    deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = 0, counted
+    maxima_equal = torch.equal(by_rows, logits())
+    deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = gain, by_maxima
+    del calls[n[0]:]
     sharding.sum_by_rows = lambda comm, t, out_dtype: comm.sum(t, out_dtype=out_dtype)
     attention_whole = logits()
     n.append(len(calls) - n[0])
     sharding.query_share = lambda comm, rows: ALL_ROWS  # every sum whole
     whole = logits()
     n.append(len(calls) - sum(n))
-    return {"calls": n, "layers": len(lm.model.layers),
+    return {"calls": n, "layers": len(lm.model.layers), "maxima_equal": maxima_equal, "narrowed": any(narrowed),
             "attention_equal": torch.equal(by_rows, attention_whole), "rows": int(by_rows.shape[0]),
             "moe_error": ((by_rows - whole).abs().amax(-1) / whole.abs().amax(-1)).max().item()}
 
@@ -138,4 +152,5 @@ def test_four_ranks_sum_a_long_calls_attention_outputs_and_experts_by_rows(tmp_p
                      seed=int(torch.randint(1 << 30, ()))):
         assert rank["calls"] == [2 * rank["layers"], rank["layers"], 0], rank
         assert rank["attention_equal"] and rank["rows"] == 23, rank
+        assert rank["narrowed"] and rank["maxima_equal"], rank  # the indexer by block maxima: the same bits
         assert rank["moe_error"] <= 2.0**-16, rank
