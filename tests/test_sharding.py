@@ -122,7 +122,7 @@ def sums_by_rows(world, seed: int) -> dict:
 
     def counted(*args):
         out = by_maxima(*args)
-        narrowed.append(out[0] is not None)
+        narrowed.append(out is not None)
         return out
 
     deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = 0, counted

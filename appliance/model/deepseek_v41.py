@@ -170,17 +170,17 @@ class V41Attention(AttentionProjections):
         positions = step.positions[rows]
         source = L == c.candidate_source_layer
         inside = step.candidates[rows] if 0 <= c.candidate_source_layer < L else None  # level two
-        block, made = c.candidate_block_size, None
+        block, narrowed = c.candidate_block_size, False
         if inside is None and qi.shape[0] > SPLIT_ROWS:  # the call's rows: every rank takes the same branch
-            inside, made = blocks_by_maxima(ops, qi[rows], w[rows], keys, positions, self.ratio,
-                                            dt if official else None, block, c.index_topk,
-                                            c.candidate_topk_blocks if source else 0)
+            inside = blocks_by_maxima(ops, qi[rows], w[rows], keys, positions, self.ratio, dt if official else None,
+                                      block, c.index_topk, c.candidate_topk_blocks if source else 0)
+            narrowed = inside is not None  # at the source: its candidate blocks, chosen
         scores = ops.index_scores(qi[rows], w[rows], keys, positions, self.ratio, dt if official else None,
                                   inside=inside, block=block)
-        topk, made_here = ops.index_select(scores, c.index_topk, positions, self.ratio, block=block,
-                                           top_blocks=c.candidate_topk_blocks if source and made is None else 0,
-                                           inside=inside)
-        made = made if made is not None else made_here
+        topk, made = ops.index_select(scores, c.index_topk, positions, self.ratio, block=block,
+                                      top_blocks=c.candidate_topk_blocks if source and not narrowed else 0,
+                                      inside=inside)
+        made = inside if source and narrowed else made
         topk = topk[:, : min(c.index_topk, keys.shape[0])]  # inside the blocks: k wide, as if over all N rows
         if rows != ALL_ROWS:
             topk = gather_rows(self.index_comm, topk, qi.shape[0])
@@ -197,25 +197,24 @@ MAXIMA_GAIN = 4
 
 
 def blocks_by_maxima(ops, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
-                     round_dtype: torch.dtype | None, block: int, k: int, top_blocks: int):
+                     round_dtype: torch.dtype | None, block: int, k: int, top_blocks: int) -> torch.Tensor | None:
     """A long call over many keys (a prefill chunk deep in a prompt) selects as a re-indexing layer does:
     blocks of `block` rows chosen by their largest score (the scores kernel stores only those), then only
-    their rows scored -> (the blocks the rows are selected inside, the candidate blocks where `top_blocks`
-    (the source)), or (None, None) where the keys are too few to gain. The same picks as over all rows: the
+    their rows scored -> the blocks the rows are selected inside (where `top_blocks`, the source: its
+    candidate blocks), or None where the keys are too few to gain. The same picks as over all rows: the
     k-th largest score is at least the k-th largest block maximum, so every row above it, and every tie of
     it a lower index would pick, lies in the k blocks with the largest maxima (ties to the lower block), or
     in the source's candidate blocks (more than k: the newest, kept whatever its score, may displace one)."""
     wanted = top_blocks or k
     few = keys.shape[0] <= MAXIMA_GAIN * wanted * block
     if few or (top_blocks and top_blocks <= k) or block & (block - 1) or block > 32:
-        return None, None
+        return None
     maxima = ops.index_scores(qi, w, keys, positions, ratio, round_dtype, maxima=block)
     if not top_blocks:
-        return ops.index_select(maxima, k)[0], None
+        return ops.index_select(maxima, k)[0]
     # the maxima's valid blocks, as positions of ratio 1: a query with n valid rows has ceil(n / block)
     blocks = -(-((positions + 1) // ratio) // block)
-    made = ops.index_select(maxima, 0, blocks - 1, 1, block=1, top_blocks=top_blocks)[1]
-    return made, made
+    return ops.index_select(maxima, 0, blocks - 1, 1, block=1, top_blocks=top_blocks)[1]
 
 
 class StaggeredBlock:
