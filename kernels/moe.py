@@ -709,9 +709,10 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
     if hash_idx is not None:
         require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
-    hc = X.shape[1]
-    require(X.dim() == 3 and X.shape == (m, hc, d) and X.dtype == x.dtype, "X", f"{tuple(X.shape)} {X.dtype}",
-            f"must be [{m}, hc, {d}] {x.dtype}")
+    share = reduce.share(m) if reduce is not None else None  # a long call's: X may hold the share's rows only
+    held = (m,) if share is None else (m, share[2] - share[1])
+    require(X.dim() == 3 and X.shape[0] in held and X.shape[2] == d and X.dtype == x.dtype, "X",
+            f"{tuple(X.shape)} {X.dtype}", f"must be [{' or '.join(map(str, held))}, hc, {d}] {x.dtype}")
     table = expert_table(experts, experts)
     require(table.d == d, "x.shape[1]", d, f"must equal the experts' input size {table.d}")
     ab = check_act_block(act_block, d)
@@ -798,7 +799,6 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
-    share = reduce.share(m) if reduce is not None else None
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, split, share, reduce)
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
@@ -866,8 +866,9 @@ def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, has_shared: bool,
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
     [rows, parts, D] (beside a split shared expert's partial): each rank gets its share of the rows, sums
-    them in rank order where they arrive, adds its rows' shared expert, rounds; the rows are gathered and
-    every rank expands them all (mhc.fast_expand: the combine's arithmetic, the same bits). The routed sum
+    them in rank order where they arrive, adds its rows' shared expert, rounds and expands its rows' streams
+    where X holds those only (the caller holds them by rows), else the rows are gathered and every rank
+    expands them all (mhc.fast_expand: the combine's arithmetic, the same bits). The routed sum
     is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
     rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
     every rank's partials of every pair; the summed rows travel in X's dtype, not as the hc streams.
@@ -880,11 +881,13 @@ def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, has_shared: bool,
         sent[m:].zero_()  # the padding rows' sums are dropped
     summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
     n = hi - lo
-    part = torch.empty((n, X.shape[2]), dtype=X.dtype, device=X.device)
+    own = X.shape[0] == n < m
+    rows = slice(None) if own else slice(lo, hi)
+    part = torch.empty((n, *X.shape[1:]) if own else (n, d), dtype=X.dtype, device=X.device)
     if n:  # row i's pairs' sum at row parts i, a split shared expert's at parts i + 1; a whole one's rows as
         # the down kernel left them, after the sums
         local = summed if split or not has_shared else torch.cat((summed[:n], o_shared[lo:hi].float()))
-        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X[lo:hi], post[lo:hi],
-                 comb[lo:hi], part, has_shared, split, STORE_SUM, (1, parts) if split else None)
-    return fast_expand(reduce.gather_rows(part, m), X, post, comb)
+        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X[rows], post[rows],
+                 comb[rows], part, has_shared, split, COMBINED if own else STORE_SUM, (1, parts) if split else None)
+    return part if own else fast_expand(reduce.gather_rows(part, m), X, post, comb)
 

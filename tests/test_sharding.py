@@ -99,9 +99,10 @@ def sums_by_rows(world, seed: int) -> dict:
     ExpertReduce.share), again with the attention's summed whole, and again with every sum whole; how many
     sums went by rows, whether the first two give the same logits' bits and how far the third's are
     (relative to a row's largest); and whether the indexer's selection by block maxima (each rank its share
-    of the queries) gives the first one's bits."""
+    of the queries) gives the first one's bits, and the streams held whole (every rank expanding every row,
+    the sums' rows gathered) too."""
     from appliance.loader import load_model
-    from appliance.model import deepseek_v41
+    from appliance.model import deepseek_v41, rowsplit, step
     from appliance.model.rowsplit import ALL_ROWS
     from appliance.options import RunOptions
     from appliance.parallel import sharding
@@ -128,15 +129,22 @@ def sums_by_rows(world, seed: int) -> dict:
     deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = 0, counted
     maxima_equal = torch.equal(by_rows, logits())
     deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = gain, by_maxima
+    step.query_share = lambda comm, rows: ALL_ROWS  # the streams held whole, every rank expanding every row
+    streams_equal = torch.equal(by_rows, logits())
+    step.query_share = rowsplit.query_share
     del calls[n[0]:]
-    sharding.sum_by_rows = lambda comm, t, out_dtype: comm.sum(t, out_dtype=out_dtype)
-    attention_whole = logits()
+
+    def attention_whole(comm, t, out_dtype, gather=True):
+        return comm.sum(t, out_dtype=out_dtype)[ALL_ROWS if gather else rowsplit.query_share(comm, t.shape[0])]
+
+    sharding.sum_by_rows = attention_whole
+    attention_equal = torch.equal(by_rows, logits())
     n.append(len(calls) - n[0])
-    sharding.query_share = lambda comm, rows: ALL_ROWS  # every sum whole
+    sharding.query_share = step.query_share = lambda comm, rows: ALL_ROWS  # every sum whole
     whole = logits()
     n.append(len(calls) - sum(n))
     return {"calls": n, "layers": len(lm.model.layers), "maxima_equal": maxima_equal, "narrowed": any(narrowed),
-            "attention_equal": torch.equal(by_rows, attention_whole), "rows": int(by_rows.shape[0]),
+            "attention_equal": attention_equal, "streams_equal": streams_equal, "rows": int(by_rows.shape[0]),
             "moe_error": ((by_rows - whole).abs().amax(-1) / whole.abs().amax(-1)).max().item()}
 
 
@@ -152,5 +160,6 @@ def test_four_ranks_sum_a_long_calls_attention_outputs_and_experts_by_rows(tmp_p
                      seed=int(torch.randint(1 << 30, ()))):
         assert rank["calls"] == [2 * rank["layers"], rank["layers"], 0], rank
         assert rank["attention_equal"] and rank["rows"] == 23, rank
+        assert rank["streams_equal"], rank  # held by rows or whole: each row's mHC and Engram are its own
         assert rank["narrowed"] and rank["maxima_equal"], rank  # the indexer by block maxima: the same bits
         assert rank["moe_error"] <= 2.0**-16, rank

@@ -168,12 +168,14 @@ class PlainBlock:
                                 c.hc_sinkhorn_iters)
 
     def __call__(self, X: torch.Tensor, step) -> torch.Tensor:
+        """X [T, hc, D] -> the layer's output streams (split over ranks, a long call's share of the rows:
+        v41.StaggeredBlock)."""
         x, _, post, comb, mean = self.hc_attn.pre(X, None, self.attn_norm, self.captured)
         if self.captured:  # DSpark (0731) reads the stream entering this layer, averaged over the copies
             step.captures.append(mean)
-        X = self.attn.out.expand(self.attn(x, step), X, post, comb)
+        X = self.attn.out.expand(self.attn(step.gather(x), step), X, post, comb)
         x, _, post, comb, _ = self.hc_ffn.pre(X, None, self.ffn_norm)
-        X = self.ffn.expand(x, X, post, comb, step.tokens)
+        X = self.ffn.expand(step.gather(x), X, post, comb, step.tokens)
         return X
 
 
@@ -211,6 +213,7 @@ class V4Model:
     def __init__(self, cfg: V4Config, ckpt: Checkpoint, rt: Runtime):
         c = cfg
         self.cfg, self.rt = cfg, rt
+        self.row_comm = None  # split over ranks on the fast path: a long call's streams are held by rows (Step)
         self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
         self.head = Dense.load(rt, ckpt, "head.weight", c.vocab_size, c.dim)
         self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
@@ -236,19 +239,21 @@ class V4Model:
         e = self.embed[tokens].to(self.rt.dtype)
         return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def final(self, X: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hc_head.normed(X, self.norm), torch.float32)
+    def final(self, X: torch.Tensor, rows: slice, step) -> torch.Tensor:
+        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split)."""
+        if not step.split:
+            return self.head(self.hc_head.normed(X[rows], self.norm), torch.float32)
+        return self.head(step.gather(self.hc_head.normed(X, self.norm))[rows], torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
                 keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state."""
-        step = begin(state, tokens, start, index_keys, bound)
-        X = self.embed_tokens(tokens)
+        step = begin(state, tokens, start, index_keys, bound, self.row_comm)
+        X = self.embed_tokens(tokens[step.share])
         for layer in self.layers:
             X = layer(X, step)
-        rows = slice(-1, None) if logits == "last" else slice(None)
-        out = self.final(X[rows])
+        out = self.final(X, slice(-1, None) if logits == "last" else slice(None), step)
         finish(step)
-        hidden = torch.cat(step.captures, dim=-1) if step.captures else None
-        return Output(out, hidden, X if keep_streams else None)
+        hidden = step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
+        return Output(out, hidden, step.gather(X) if keep_streams else None)

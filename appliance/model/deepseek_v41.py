@@ -233,16 +233,18 @@ class StaggeredBlock:
 
     def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_rows=None):
         """X [T, hc, D] entering the layer (before Engram, whose looked-up rows are `engram_rows`), `pre` the
-        collapse weights the previous sub-block produced -> (X, pre for the next layer)."""
+        collapse weights the previous sub-block produced -> (X, pre for the next layer). A long call split
+        over ranks holds its share of the rows (`step.share`: the mHC sites and Engram work those only) and
+        gathers each sub-block's input; the sums over ranks return the share's rows."""
         if self.engram is not None:
             X = self.engram(X, engram_rows)
         # DSpark reads the stream entering a captured layer, averaged over the copies
         xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
         if self.captured:
             step.captures.append(mean)
-        X = self.attn.out.expand(self.attn(xa, step), X, a_post, a_comb)
+        X = self.attn.out.expand(self.attn(step.gather(xa), step), X, a_post, a_comb)
         xf, f_pre, f_post, f_comb, _ = self.hc_ffn.pre(X, a_pre, self.ffn_norm)
-        X = self.ffn.expand(xf, X, f_post, f_comb)
+        X = self.ffn.expand(step.gather(xf), X, f_post, f_comb)
         return X, f_pre
 
 
@@ -258,6 +260,7 @@ class V41Model:
     def __init__(self, cfg: V41Config, ckpt: Checkpoint, rt: Runtime, token_map: torch.Tensor | None):
         c = cfg
         self.cfg, self.rt = cfg, rt
+        self.row_comm = None  # split over ranks on the fast path: a long call's streams are held by rows (Step)
         self.embed = ckpt.tensor("embed.weight", (c.vocab_size, c.dim))
         self.head = Dense.load(rt, ckpt, "head.weight", c.vocab_size, c.dim)
         self.norm = RMSNorm.load(rt, ckpt, "norm.weight", c.dim, c.norm_eps)
@@ -306,7 +309,7 @@ class V41Model:
         if self.engram_hash is None:
             return {}
         layer_ids = self.cfg.engram.layer_ids
-        _, codes, scales = self.engram_hash.lookup(self.rt.ops, step.state.tokens, step.positions,
+        _, codes, scales = self.engram_hash.lookup(self.rt.ops, step.state.tokens, step.positions[step.share],
                                                    [self.layers[L].engram for L in layer_ids])
         return dict(zip(layer_ids, zip(codes, scales)))
 
@@ -315,19 +318,21 @@ class V41Model:
             X, pre = self.layers[L](X, pre, step, engram_rows.get(L))
         return X, pre
 
-    def final(self, X, pre, rows: slice = slice(None)) -> torch.Tensor:
-        n = self.norm
-        z = self.rt.ops.hc_pre(X[rows], pre[rows], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
-        return self.head(z.float(), torch.float32)
+    def final(self, X, pre, rows: slice = slice(None), step: Step | None = None) -> torch.Tensor:
+        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split)."""
+        n, split = self.norm, step is not None and step.split
+        mine = slice(None) if split else rows
+        z = self.rt.ops.hc_pre(X[mine], pre[mine], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
+        return self.head((step.gather(z)[rows] if split else z).float(), torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
                 keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state."""
-        step = begin(state, tokens, start, index_keys, bound)
-        X, pre = self.embed_tokens(tokens)
+        step = begin(state, tokens, start, index_keys, bound, self.row_comm)
+        X, pre = self.embed_tokens(tokens[step.share])
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
-        out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None))
+        out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step)
         finish(step)
-        hidden = torch.cat(step.captures, dim=-1) if step.captures else None
-        return Output(out, hidden, X if keep_streams else None)
+        hidden = step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
+        return Output(out, hidden, step.gather(X) if keep_streams else None)

@@ -43,6 +43,11 @@ class DraftBlock:
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
 
+    @staticmethod
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        """A block's rows are every rank's (a few: never split, model.Step.gather)."""
+        return t
+
 
 class DraftAttention(AttentionProjections):
     """A DSpark stage's attention. Its ring holds keys of committed positions; the block's queries attend

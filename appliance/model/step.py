@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .rowsplit import ALL_ROWS, gather_rows, query_share
 from .state import DecodeState
 
 
@@ -20,6 +21,18 @@ class Step:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
     candidates: torch.Tensor | None = None  # [T, B] int64 kept blocks (-1 unused), from the candidate source
     captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
+    # split over ranks (`comm`), a long call's residual streams are held by rows: this rank's `share` of the
+    # call's rows (rowsplit.query_share); the sub-blocks' inputs are gathered (`gather`)
+    comm: object = None
+    share: slice = field(default_factory=lambda: ALL_ROWS)
+
+    @property
+    def split(self) -> bool:
+        return self.share != ALL_ROWS
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every row of a result this rank made for its share of the call's rows (`t` itself where not split)."""
+        return gather_rows(self.comm, t, self.tokens.numel()) if self.split else t
 
     @property
     def decode_call(self) -> bool:
@@ -31,11 +44,13 @@ class Step:
         return isinstance(self.start, int)
 
 
-def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, bound: int | None = None) -> Step:
+def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, bound: int | None = None,
+          comm=None) -> Step:
     """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; `finish`
     advances the length after. Static (`start` a device scalar): no host value is read, so the call
     can be captured in a CUDA graph; the visible rows are bounded by `bound` (default: the capacity), a
-    promise that no position of the call exceeds it, which the caller keeps."""
+    promise that no position of the call exceeds it, which the caller keeps. `comm`: the ranks a long call's
+    streams are split over by rows (None: held whole)."""
     T = tokens.numel()
     if start is None:
         state.check_room(T)
@@ -48,7 +63,7 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, boun
         if not 0 <= bound < state.capacity:
             raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
     state.write_tokens(positions, tokens)
-    return Step(state, tokens, start, positions, index_keys, bound)
+    return Step(state, tokens, start, positions, index_keys, bound, comm=comm, share=query_share(comm, T))
 
 
 def finish(step: Step) -> None:

@@ -24,7 +24,10 @@ the reduce hooks that sum partial results over ranks.
 - head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
   all-gathered, so sampling sees the same logits as a single device.
 - embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
-  page cache of every rank's process).
+  page cache of every rank's process). A long call on the fast path holds its residual streams by rows
+  (appliance/model/step.py `Step.share`): each rank runs the mHC sites and Engram on its share of the rows,
+  where the sums by rows leave them, and gathers each sub-block's input (rows in X's dtype, as the sums'
+  rows were gathered before): a quarter of the streams' bytes a rank, the same link traffic.
 On the reference path reductions run in float64 and are rounded once, like the single-device reference:
 splitting does not change the function (up to the order of a float64 sum). On the fast path they run in
 float32, added in rank order (`Comm.sum`, appliance/parallel/collectives.py): the same bits on every rank
@@ -103,26 +106,27 @@ class RowParallel:
         self.act_block = linear.act_block
         self.partial, self.sum = partial_sum(linear.rt, comm)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, gather: bool = True) -> torch.Tensor:
+        """x [rows, in] -> the sum [rows, out]; a long call's this rank's share of the rows (`gather` False:
+        the caller holds its streams by rows, rowsplit.query_share)."""
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
         out_dtype = out_dtype or self.rt.dtype
-        rows = y.reshape(-1, y.shape[-1]).shape[0]
-        if self.partial == torch.float32 and query_share(self.comm, rows) != ALL_ROWS:
-            return sum_by_rows(self.comm, y.reshape(rows, -1), out_dtype).view(*y.shape[:-1], -1)
+        if self.partial == torch.float32 and query_share(self.comm, y.shape[0]) != ALL_ROWS:
+            return sum_by_rows(self.comm, y, out_dtype, gather)
         return self.sum(y, out_dtype=out_dtype)
 
 
-def sum_by_rows(comm: Comm, t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_by_rows(comm: Comm, t: torch.Tensor, out_dtype: torch.dtype, gather: bool = True) -> torch.Tensor:
     """t [rows, N]: this rank's float32 partials -> their rank-order sum over the ranks in `out_dtype`, as
     `comm.sum` gives it (the adds are elementwise), made by rows: each rank receives every rank's partials of
     its share of the rows (`Comm.sum_shares`: an all-to-all of 3/4 of t, not an all-gather of 3 t) and the
-    summed rows are gathered in `out_dtype` (rowsplit.gather_rows)."""
+    summed rows are gathered in `out_dtype` (rowsplit.gather_rows), or (`gather` False) returned as they are."""
     rows = t.shape[0]
     per = -(-rows // comm.world)
     padded = t if per * comm.world == rows else torch.cat((t, t.new_zeros(per * comm.world - rows, t.shape[1])))
     mine = query_share(comm, rows)
     summed = comm.sum_shares(padded.view(comm.world, per, -1), out_dtype)[:mine.stop - mine.start]
-    return gather_rows(comm, summed, rows)
+    return gather_rows(comm, summed, rows) if gather else summed
 
 
 def partial_sum(rt, comm: Comm):
@@ -256,6 +260,8 @@ def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
         shard_moe(layer.ffn, comm, experts)
     head = VocabParallel(model.head, comm)
     model.head = head
+    if model.rt.ops.path != "reference":  # the sums by rows: a long call's streams held by rows (model.Step)
+        model.row_comm = comm
     # the reference form reads the selected experts on the host; the fast path's fused kernels do not
     blockers = [EP_MOE_BLOCKER] if model.rt.ops.path == "reference" else []
     if drafter is None:
