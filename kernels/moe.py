@@ -68,7 +68,6 @@ from .linear import (
     staged_product,
     weight_product,
 )
-from .mhc import fast_expand
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -577,11 +576,10 @@ def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32; STORE_PAIRS
                     # expert's at rows SH0 + m SHS
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
-                    y_ptr,       # out [M, hc, D] in X's dtype; STORE_PAIRS: float32 rows YS apart; STORE_SUM: [M, D]
+                    y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
                     M, D, K, hc, SH0, SHS, YS, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
-                    STORE: tl.constexpr,  # COMBINED (the expand), STORE_PAIRS (a row's pairs' sum as is) or
-                    # STORE_SUM (pairs and shared expert, rounded to X's dtype: the expand left to mhc's kernel)
+                    PAIRS: tl.constexpr,  # store a row's pairs' sum as is (else the shared expert and the expand)
                     X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -589,40 +587,37 @@ def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32; STORE_PAIRS
     y = tl.zeros((BD,), dtype=tl.float32)
     for j in range(K):
         y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
-    if STORE == 1:  # STORE_PAIRS
+    if PAIRS:
         tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
         _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS, HAS_SHARED,
-                           S_ROUND, STORE, X_BF16, BHC, BD)
+                           S_ROUND, X_BF16, BHC, BD)
 
 
 @device_function
 def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS,
-                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, STORE: tl.constexpr, X_BF16: tl.constexpr,
-                       BHC: tl.constexpr, BD: tl.constexpr):
+                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
+                       BD: tl.constexpr):
     """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
-    stored (STORE_SUM) or expanded."""
+    expanded."""
     if HAS_SHARED:
         s = tl.load(o_ptr + (SH0 + m * SHS) * D + cols, mask=cmask, other=0.0)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
-    if STORE == 2:  # STORE_SUM
-        tl.store(y_ptr + m * D + cols, round_out(y, X_BF16), mask=cmask)
-    else:
-        y = round_out(y, X_BF16).to(tl.float32)
-        # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
-        k = tl.arange(0, BHC)
-        km = k < hc
-        post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
-        mixed = tl.zeros((BHC, BD), dtype=tl.float32)
-        for j in range(hc):
-            cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
-            xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
-            mixed += cj[:, None] * xj[None, :]
-        out = post[:, None] * y[None, :] + mixed
-        tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
-                 mask=km[:, None] & cmask[None, :])
+    y = round_out(y, X_BF16).to(tl.float32)
+    # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
+    k = tl.arange(0, BHC)
+    km = k < hc
+    post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
+    mixed = tl.zeros((BHC, BD), dtype=tl.float32)
+    for j in range(hc):
+        cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
+        xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        mixed += cj[:, None] * xj[None, :]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
+             mask=km[:, None] & cmask[None, :])
 
 
 def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
@@ -709,10 +704,10 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         require(tuple(bias.shape) == (e,), "bias.shape", tuple(bias.shape), f"must be {(e,)}")
     if hash_idx is not None:
         require(tuple(hash_idx.shape) == (m, top_k), "hash_idx.shape", tuple(hash_idx.shape), f"must be {(m, top_k)}")
-    share = reduce.share(m) if reduce is not None else None  # a long call's: X may hold the share's rows only
-    held = (m,) if share is None else (m, share[2] - share[1])
-    require(X.dim() == 3 and X.shape[0] in held and X.shape[2] == d and X.dtype == x.dtype, "X",
-            f"{tuple(X.shape)} {X.dtype}", f"must be [{' or '.join(map(str, held))}, hc, {d}] {x.dtype}")
+    share = reduce.share(m) if reduce is not None else None  # a long call's: X holds the share's rows
+    held = m if share is None else share[2] - share[1]
+    require(X.dim() == 3 and X.shape[0] == held and X.shape[2] == d and X.dtype == x.dtype, "X",
+            f"{tuple(X.shape)} {X.dtype}", f"must be [{held}, hc, {d}] {x.dtype}")
     table = expert_table(experts, experts)
     require(table.d == d, "x.shape[1]", d, f"must equal the experts' input size {table.d}")
     ab = check_act_block(act_block, d)
@@ -809,8 +804,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
-        return (_combined_by_shares(o, o_shared, sent, pos, X, post, comb, shared is not None, split, reduce,
-                                    share), weights, idx)
+        _combined_by_shares(o, o_shared, sent, pos, X, post, comb, out, shared is not None, split, reduce, share)
+        return out, weights, idx
     if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
         if split:
             o = reduce.sum(o)
@@ -835,18 +830,15 @@ def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, split: bool, sh
     return o, shared_rows, m * top_k, sent
 
 
-COMBINED, STORE_PAIRS, STORE_SUM = 0, 1, 2  # what _combine_kernel stores
-
-
-def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, store: int = COMBINED,
+def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool,
              shared_rows: tuple[int, int] | None = None) -> None:
     """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row (o's row first + m
-    step, `shared_rows`; after the pairs by default), the expand (STORE_SUM: the sum, rounded, into [M, D])."""
+    step, `shared_rows`; after the pairs by default), the expand."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     sh0, shs = shared_rows or (m * pos.shape[1], 1)
     _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, shs, d,
-                                             HAS_SHARED=has_shared, S_ROUND=split, STORE=store,
+                                             HAS_SHARED=has_shared, S_ROUND=split, PAIRS=False,
                                              X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
 
 
@@ -857,21 +849,20 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, 0, 0, out.stride(0),
-                                                 HAS_SHARED=False, S_ROUND=False, STORE=STORE_PAIRS, X_BF16=False,
+                                                 HAS_SHARED=False, S_ROUND=False, PAIRS=True, X_BF16=False,
                                                  BHC=1, BD=bd)
 
 
-def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, has_shared: bool, split: bool, reduce,
-                        share) -> torch.Tensor:
+def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, out, has_shared: bool, split: bool, reduce,
+                        share) -> None:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
     [rows, parts, D] (beside a split shared expert's partial): each rank gets its share of the rows, sums
-    them in rank order where they arrive, adds its rows' shared expert, rounds and expands its rows' streams
-    where X holds those only (the caller holds them by rows), else the rows are gathered and every rank
-    expands them all (mhc.fast_expand: the combine's arithmetic, the same bits). The routed sum
+    them in rank order where they arrive, adds its rows' shared expert, rounds and expands its rows' streams X
+    (the caller holds the streams by rows and gathers the next sub-block's input). The routed sum
     is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
     rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
-    every rank's partials of every pair; the summed rows travel in X's dtype, not as the hc streams.
+    every rank's partials of every pair.
     `share`: (rows a share is padded to, this rank's first row, its end); o_shared: the shared expert's rows
     (where split, `sent`'s second part: its partials are sent too)."""
     m, (per, lo, hi), d = pos.shape[0], share, o.shape[1]
@@ -881,13 +872,9 @@ def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, has_shared: bool,
         sent[m:].zero_()  # the padding rows' sums are dropped
     summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
     n = hi - lo
-    own = X.shape[0] == n < m
-    rows = slice(None) if own else slice(lo, hi)
-    part = torch.empty((n, *X.shape[1:]) if own else (n, d), dtype=X.dtype, device=X.device)
     if n:  # row i's pairs' sum at row parts i, a split shared expert's at parts i + 1; a whole one's rows as
         # the down kernel left them, after the sums
         local = summed if split or not has_shared else torch.cat((summed[:n], o_shared[lo:hi].float()))
-        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X[rows], post[rows],
-                 comb[rows], part, has_shared, split, COMBINED if own else STORE_SUM, (1, parts) if split else None)
-    return part if own else fast_expand(reduce.gather_rows(part, m), X, post, comb)
+        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X, post, comb, out,
+                 has_shared, split, (1, parts) if split else None)
 

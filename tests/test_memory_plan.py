@@ -110,14 +110,15 @@ def _holds_its_plan(rank: dict) -> None:
 
 @pytest.mark.slow
 def test_a_load_and_a_long_prefill_hold_what_the_plan_with_its_chunk_says_within_five_percent():
-    """One rank, a 256-token prompt in chunks of 128 (the last chunk's indexer scores the widest)."""
-    _holds_its_plan(prefill_footprint(None, 256, 128, random.randrange(1 << 30)))
+    """One rank, a 128-token prompt in chunks of 64 (the last chunk's indexer scores the widest)."""
+    _holds_its_plan(prefill_footprint(None, 128, 64, random.randrange(1 << 30)))
 
 
 @pytest.mark.slow
 def test_four_cpu_ranks_each_hold_their_plan_through_a_long_prefill(tmp_path):
-    """Four gloo ranks in lockstep, a 128-token prompt in chunks of 64: each rank's load and prefill against
-    its own plan (a quarter of the experts' and heads' weights, its share of the indexer's queries)."""
-    for rank in call("tests.test_memory_plan:prefill_footprint", tmp_path, world=4, timeout=600, context=128,
-                     chunk=64, seed=random.randrange(1 << 30)):
+    """Four gloo ranks in lockstep, a 96-token prompt in chunks of 48: each rank's load and prefill against
+    its own plan (a quarter of the experts' and heads' weights, its share of the indexer's queries and of
+    the residual streams' rows)."""
+    for rank in call("tests.test_memory_plan:prefill_footprint", tmp_path, world=4, timeout=600, context=96,
+                     chunk=48, seed=random.randrange(1 << 30)):
         _holds_its_plan(rank)

@@ -94,72 +94,67 @@ def test_a_long_calls_rows_are_shared_out_once_each_and_gathered_back_in_order()
 
 def sums_by_rows(world, seed: int) -> dict:
     """Every rank of four: a 23-token forward on the fast path (shares of 6 rows, the last one short and
-    padded; plain numerics: no activation quantization, whose boundaries a reordered sum can cross) with the
-    long call's sums by rows (the attention's output, parallel/sharding.py `sum_by_rows`; the MoE's,
-    ExpertReduce.share), again with the attention's summed whole, and again with every sum whole; how many
-    sums went by rows, whether the first two give the same logits' bits and how far the third's are
-    (relative to a row's largest); and whether the indexer's selection by block maxima (each rank its share
-    of the queries) gives the first one's bits, and the streams held whole (every rank expanding every row,
-    the sums' rows gathered) too."""
+    padded; plain numerics: no activation quantization, whose boundaries a reordered sum can cross), its
+    streams held by rows (model.Step.share): the attention's output product whole for a rank's rows
+    (sharding.RowParallel.exchange), the MoE's sums by rows (ExpertReduce.share); again with every sum whole
+    and the streams whole. How many all-to-alls went, and of them sums; how far the logits are (relative to a
+    row's largest); whether the indexer's selection by block maxima (each rank its share of the queries) gives
+    the same bits; whether the exchange gives this rank's rows of every column, bit for bit."""
     from appliance.loader import load_model
-    from appliance.model import deepseek_v41, rowsplit, step
-    from appliance.model.rowsplit import ALL_ROWS
+    from appliance.model import deepseek_v41, step
+    from appliance.model.rowsplit import ALL_ROWS, query_share
     from appliance.options import RunOptions
     from appliance.parallel import sharding
 
     lm = load_model(RunOptions(devices="cpu:4", path="fast", numerics="plain"), notice=None, world=world)
-    ids = torch.randint(0, lm.cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(seed))
-    calls = []
-    sum_shares = sharding.Comm.sum_shares
-    sharding.Comm.sum_shares = lambda self, t, *a: calls.append(t.shape) or sum_shares(self, t, *a)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, lm.cfg.vocab_size, (23,), generator=gen)
+    calls = {"exchange": 0, "sum_shares": 0}
+    for name in calls:
+        method = getattr(sharding.Comm, name)
+        setattr(sharding.Comm, name, lambda self, *a, _m=method, _n=name: calls.update({_n: calls[_n] + 1})
+                or _m(self, *a))
 
     def logits():
         return lm.model.forward(ids, lm.model.new_state(64)).logits.float()
 
     by_rows = logits()
-    n = [len(calls)]
+    counted = dict(calls)
     # the indexer's selection by block maxima taken wherever it can be (the tiny model's keys are few)
     narrowed, by_maxima, gain = [], deepseek_v41.blocks_by_maxima, deepseek_v41.MAXIMA_GAIN
 
-    def counted(*args):
+    def maxima(*args):
         out = by_maxima(*args)
         narrowed.append(out is not None)
         return out
 
-    deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = 0, counted
+    deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = 0, maxima
     maxima_equal = torch.equal(by_rows, logits())
     deepseek_v41.MAXIMA_GAIN, deepseek_v41.blocks_by_maxima = gain, by_maxima
-    step.query_share = lambda comm, rows: ALL_ROWS  # the streams held whole, every rank expanding every row
-    streams_equal = torch.equal(by_rows, logits())
-    step.query_share = rowsplit.query_share
-    del calls[n[0]:]
-
-    def attention_whole(comm, t, out_dtype, gather=True):
-        return comm.sum(t, out_dtype=out_dtype)[ALL_ROWS if gather else rowsplit.query_share(comm, t.shape[0])]
-
-    sharding.sum_by_rows = attention_whole
-    attention_equal = torch.equal(by_rows, logits())
-    n.append(len(calls) - n[0])
+    wo_b = lm.model.layers[0].attn.out.wo_b
+    u = torch.randn(23, world.size * wo_b.weight.shape[1], generator=gen).to(torch.bfloat16)
+    cols = u.shape[1] // world.size
+    exchanged = wo_b.exchange(u[:, world.rank * cols:(world.rank + 1) * cols])
+    exchange_exact = torch.equal(exchanged, u[query_share(wo_b.comm, 23)])
     sharding.query_share = step.query_share = lambda comm, rows: ALL_ROWS  # every sum whole
     whole = logits()
-    n.append(len(calls) - sum(n))
-    return {"calls": n, "layers": len(lm.model.layers), "maxima_equal": maxima_equal, "narrowed": any(narrowed),
-            "attention_equal": attention_equal, "streams_equal": streams_equal, "rows": int(by_rows.shape[0]),
-            "moe_error": ((by_rows - whole).abs().amax(-1) / whole.abs().amax(-1)).max().item()}
+    return {"calls": counted, "layers": len(lm.model.layers), "maxima_equal": maxima_equal,
+            "narrowed": any(narrowed), "exchange_exact": exchange_exact, "rows": int(by_rows.shape[0]),
+            "error": ((by_rows - whole).abs().amax(-1) / whole.abs().amax(-1)).max().item()}
 
 
 def test_four_ranks_sum_a_long_calls_attention_outputs_and_experts_by_rows(tmp_path):
-    """A prefill chunk's attention output and MoE: each rank receives every rank's partials of its share of
-    the rows only (an all-to-all), sums them in rank order and gathers the summed rows. The attention's: the
-    same bits as summing every row on every rank (the rank-order adds are elementwise). The MoE's: each rank
-    sums a row's pairs first (its experts' outputs), so the routed sum is associated by rank: within float32
-    rounding of the whole sums (2^-16 of a row's largest logit, as tests/test_distributed.py's four ranks)."""
+    """A prefill chunk held by rows: the attention's output product is one device's for a rank's rows (each
+    rank sends each other its share's rows of its o-LoRA columns, an all-to-all in bfloat16); the MoE's sum,
+    each rank receiving every rank's sums of its share of the rows only (an all-to-all), is associated by
+    rank: within float32 rounding of the whole sums (2^-16 of a row's largest logit, as
+    tests/test_distributed.py's four ranks)."""
     from .ranks import call
 
     for rank in call("tests.test_sharding:sums_by_rows", tmp_path, world=4, timeout=600,
                      seed=int(torch.randint(1 << 30, ()))):
-        assert rank["calls"] == [2 * rank["layers"], rank["layers"], 0], rank
-        assert rank["attention_equal"] and rank["rows"] == 23, rank
-        assert rank["streams_equal"], rank  # held by rows or whole: each row's mHC and Engram are its own
+        layers = rank["layers"]
+        assert rank["calls"] == {"exchange": 2 * layers, "sum_shares": layers}, rank
+        assert rank["exchange_exact"] and rank["rows"] == 23, rank
         assert rank["narrowed"] and rank["maxima_equal"], rank  # the indexer by block maxima: the same bits
-        assert rank["moe_error"] <= 2.0**-16, rank
+        assert rank["error"] <= 2.0**-16, rank

@@ -22,6 +22,7 @@ class MTP:
     def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, plain_rope):
         c = cfg
         self.cfg, self.rt, self.embed, self.head = cfg, rt, embed, head
+        self.row_comm = None  # split over ranks on the fast path: a long call's streams held by rows (Step)
         L = c.n_layers  # the head's block is layer n_layers
         blk, ab = c.weight_block, c.act_block
         self.e_proj = Linear.load(rt, ckpt, "mtp.0.e_proj.weight", c.dim, c.dim, blk, ab)
@@ -53,9 +54,10 @@ class MTP:
         return (e.unsqueeze(1).to(self.rt.wide) + h.to(self.rt.wide)).to(self.rt.dtype)
 
     def _forward(self, state, streams, tokens, start) -> torch.Tensor:
-        """`start` a host int: eager (must equal the state's length); a device scalar: static."""
-        step = begin(state, tokens, None if isinstance(start, int) else start, "own")
-        Y = self.block(self._inputs(streams, tokens), step)
+        """`start` a host int: eager (must equal the state's length); a device scalar: static. Split over
+        ranks, a long call's result holds this rank's share of the rows (model.Step.share)."""
+        step = begin(state, tokens, None if isinstance(start, int) else start, "own", comm=self.row_comm)
+        Y = self.block(self._inputs(streams[step.share], tokens[step.share]), step)
         finish(step)
         return Y
 

@@ -1,7 +1,7 @@
 """A call's rows shared out over the ranks and gathered back: for work every rank could do whole but each
-does for a share of the rows (the indexer of a prefill chunk), where a row's result does not depend on the
-other rows. `comm` is the shard's (appliance/parallel/sharding.py `Comm`: rank, world, all_gather), set on
-the module by the split; None on one device.
+does for a share of the rows (the indexer of a prefill chunk, its residual streams: model.Step.share), where
+a row's result does not depend on the other rows. `comm` is the shard's (appliance/parallel/sharding.py
+`Comm`: rank, world, all_gather), set on the module by the split; None on one device.
 
 A call of at most SPLIT_ROWS rows is not split: a decode step's (a verify block is at most 6 rows) would
 pay a collective for rows every rank scores in the time the collective takes. Every rank sees the same row

@@ -3,7 +3,8 @@ model code runs unchanged on each rank; what changes is which slices of the weig
 the reduce hooks that sum partial results over ranks.
 
 - attention: query heads (`wq_b` rows), their sinks and output groups (`wo_a`) are split; `wo_b` takes
-  the rank's columns and its partial sum is all-reduced. The shared KV head (`wkv`, compressors, index
+  the rank's columns and its partial sum is all-reduced (a long call's rows: `RowParallel.exchange`, the
+  product whole for the rank's share of the rows). The shared KV head (`wkv`, compressors, index
   keys), `wq_a` and the norms are replicated: every head reads the same KV, and they are small.
 - indexer: replicated (its query heads `wq_b` and their weights `weights_proj` on every rank, ~8 MB a
   layer): every rank scores every head and selects the same rows as one device would. A decode step
@@ -26,8 +27,8 @@ the reduce hooks that sum partial results over ranks.
 - embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
   page cache of every rank's process). A long call on the fast path holds its residual streams by rows
   (appliance/model/step.py `Step.share`): each rank runs the mHC sites and Engram on its share of the rows,
-  where the sums by rows leave them, and gathers each sub-block's input (rows in X's dtype, as the sums'
-  rows were gathered before): a quarter of the streams' bytes a rank, the same link traffic.
+  where its sub-blocks' outputs arrive (the attention's product for its rows, the MoE's sums by rows), and
+  gathers each sub-block's input in X's dtype: a quarter of the streams' bytes a rank.
 On the reference path reductions run in float64 and are rounded once, like the single-device reference:
 splitting does not change the function (up to the order of a float64 sum). On the fast path they run in
 float32, added in rank order (`Comm.sum`, appliance/parallel/collectives.py): the same bits on every rank
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from appliance.errors import ApplianceError
 from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
-from appliance.model.rowsplit import ALL_ROWS, gather_rows, query_share
+from appliance.model.rowsplit import ALL_ROWS, query_share
 from appliance.parallel.collectives import all_gather
 from kernels import rank_sum
 
@@ -75,15 +76,20 @@ class Comm:
             return parts.view(self.world * t.shape[0], *t.shape[1:])
         return torch.cat(list(parts), dim=dim)
 
-    def sum_shares(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
-        rank's partial of this rank's share, stored as `out_dtype` (the bits of `sum` on those elements: the
-        adds are elementwise): one all-to-all, then the adds in one launch."""
+    def exchange(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` [world, ...]: this rank's part for each rank -> [world, ...] every rank's part for this one, in
+        rank order (one all-to-all)."""
         if self.check is not None:
             self.check("all_to_all", t)
         received = torch.empty_like(t)
         dist.all_to_all_single(received, t.contiguous(), group=self.group)
-        return rank_sum.fast(list(received), out_dtype)
+        return received
+
+    def sum_shares(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
+        rank's partial of this rank's share, stored as `out_dtype` (the bits of `sum` on those elements: the
+        adds are elementwise): one all-to-all, then the adds in one launch."""
+        return rank_sum.fast(list(self.exchange(t)), out_dtype)
 
     def span(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n items split evenly."""
@@ -96,8 +102,9 @@ class Comm:
 class RowParallel:
     """A linear layer holding the input columns of this rank: local product unrounded, summed over ranks
     (float64 on the reference path, float32 in rank order on the fast path), rounded once. A long call on the
-    fast path (more rows than rowsplit.SPLIT_ROWS: a prefill chunk) sums by rows (`sum_by_rows`): the same
-    bits, a third of the link traffic."""
+    fast path (more rows than rowsplit.SPLIT_ROWS: a prefill chunk) holds its streams by rows (model.Step)
+    and takes the product whole for its share of the rows instead (`exchange`, `whole`): one device's bits,
+    a fifth of the sum's link traffic."""
 
     def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
         self.rt = linear.rt
@@ -105,28 +112,25 @@ class RowParallel:
         self.weight = linear.weight.cols(start, end)
         self.act_block = linear.act_block
         self.partial, self.sum = partial_sum(linear.rt, comm)
+        # every input column, for a long call's rows: the fast path's only (placed on the device with the rest)
+        self.whole = linear.weight if self.partial == torch.float32 else None
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, gather: bool = True) -> torch.Tensor:
-        """x [rows, in] -> the sum [rows, out]; a long call's this rank's share of the rows (`gather` False:
-        the caller holds its streams by rows, rowsplit.query_share)."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
-        out_dtype = out_dtype or self.rt.dtype
-        if self.partial == torch.float32 and query_share(self.comm, y.shape[0]) != ALL_ROWS:
-            return sum_by_rows(self.comm, y, out_dtype, gather)
-        return self.sum(y, out_dtype=out_dtype)
+        return self.sum(y, out_dtype=out_dtype or self.rt.dtype)
 
-
-def sum_by_rows(comm: Comm, t: torch.Tensor, out_dtype: torch.dtype, gather: bool = True) -> torch.Tensor:
-    """t [rows, N]: this rank's float32 partials -> their rank-order sum over the ranks in `out_dtype`, as
-    `comm.sum` gives it (the adds are elementwise), made by rows: each rank receives every rank's partials of
-    its share of the rows (`Comm.sum_shares`: an all-to-all of 3/4 of t, not an all-gather of 3 t) and the
-    summed rows are gathered in `out_dtype` (rowsplit.gather_rows), or (`gather` False) returned as they are."""
-    rows = t.shape[0]
-    per = -(-rows // comm.world)
-    padded = t if per * comm.world == rows else torch.cat((t, t.new_zeros(per * comm.world - rows, t.shape[1])))
-    mine = query_share(comm, rows)
-    summed = comm.sum_shares(padded.view(comm.world, per, -1), out_dtype)[:mine.stop - mine.start]
-    return gather_rows(comm, summed, rows) if gather else summed
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, this rank's input columns] of a long call -> [this rank's share of the rows, every input
+        column] (rowsplit.query_share): each rank sends each other its share's rows of its columns, in x's
+        dtype (an all-to-all of 3/4 of x: for the attention's output 2,048 bfloat16 columns a row, not 5,120
+        float32 partials)."""
+        rows, world = x.shape[0], self.comm.world
+        per = -(-rows // world)
+        mine = query_share(self.comm, rows)
+        if per * world != rows:
+            x = torch.cat((x, x.new_zeros(per * world - rows, x.shape[1])))
+        got = self.comm.exchange(x.view(world, per, -1))[:, :mine.stop - mine.start]  # [ranks, rows, columns]
+        return got.transpose(0, 1).reshape(mine.stop - mine.start, -1)
 
 
 def partial_sum(rt, comm: Comm):
@@ -193,7 +197,7 @@ class ExpertReduce:
 
     A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank sums each row's
     pairs it computed, receives every rank's sums of its share of the rows (`sum_shares`, an all-to-all),
-    combines those rows and the combined rows are gathered (`gather_rows`): a quarter of one [rows, D]
+    combines and expands those rows into the streams it holds (model.Step.share): a quarter of one [rows, D]
     received, not every rank's partials of every pair (kernels/moe.py `_combined_by_shares`)."""
 
     def __init__(self, comm, sum, reference, shared_split: bool):
@@ -214,8 +218,6 @@ class ExpertReduce:
     def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.sum_shares(t)
 
-    def gather_rows(self, part: torch.Tensor, rows: int) -> torch.Tensor:
-        return gather_rows(self.comm, part, rows)
 
 
 def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
@@ -260,8 +262,9 @@ def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
         shard_moe(layer.ffn, comm, experts)
     head = VocabParallel(model.head, comm)
     model.head = head
-    if model.rt.ops.path != "reference":  # the sums by rows: a long call's streams held by rows (model.Step)
-        model.row_comm = comm
+    for m in (model, drafter):  # the fast path's long calls hold their streams by rows (model.Step)
+        if hasattr(m, "row_comm") and model.rt.ops.path != "reference":
+            m.row_comm = comm
     # the reference form reads the selected experts on the host; the fast path's fused kernels do not
     blockers = [EP_MOE_BLOCKER] if model.rt.ops.path == "reference" else []
     if drafter is None:
