@@ -489,13 +489,13 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
 
 
 @device_function
-def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, o_stride, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
+def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): outputs per
-    pair (values of x's dtype) at o's row pair - row0 (rows o_stride apart); in the checkpoint's formats
+    pair (values of x's dtype) at o's row pair - row0 (rows D apart); in the checkpoint's formats
     through the group's scratch or the launch's staged rows of h, as `_up_group`."""
     a2 = tl.load(base + 4)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -527,7 +527,7 @@ def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, o_stride, qc, qs, q_cols, p, e
                 o = bf16_rne(o * bf16_rne(pw).to(tl.float32)[None, :]).to(tl.float32)
             else:
                 o = o * pw[None, :]
-        tl.store(o_ptr + (prs[None, :] - row0).to(tl.int64) * o_stride + offs_n[:, None], o,
+        tl.store(o_ptr + (prs[None, :] - row0).to(tl.int64) * D + offs_n[:, None], o,
                  mask=n_mask[:, None] & pm[None, :])
 
 
@@ -542,7 +542,7 @@ def _shared_codes(qc_ptr, qs_ptr, KQ, first, ACT_BLOCK: tl.constexpr):
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out [P, D] float32 or (a long call) x's dtype: each pair's expert output (its values)
-                 os_ptr, OS_ROW, OS_STRIDE,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
+                 os_ptr, OS_ROW,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
                  qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
@@ -560,13 +560,13 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                 slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
                 qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
             if e < E:
-                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, D, qc, qs, q_cols, p, end, I, IW, D, swn, ssn,
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, qc, qs, q_cols, p, end, I, IW, D, swn, ssn,
                             FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED,
                             BM, BN, BK)
             elif HAS_SHARED:
                 if PRESTAGED:
                     qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
-                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, OS_STRIDE, qc, qs, q_cols, p, end, I_S, IW, D,
+                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, I_S, IW, D,
                             s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
                             X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
 
@@ -687,9 +687,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     its expert (zeros on the others), so its sum is exact and every rank then adds each row's experts in
     the same order as one rank would: the routed part equals one rank's bit for bit. A long call
     (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
-    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's. A shared expert split
-    over ranks leaves its partial unrounded; the fixed-order sum of the partials is rounded in the combine
-    (within float32 rounding of one rank's: the partials' order differs from one K loop)."""
+    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's; it takes a split
+    shared expert whole for its rows (`_own_shared`). A decode step's split shared expert leaves its partial
+    unrounded, the fixed-order sum rounded in the combine (within float32 rounding of one rank's)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
@@ -720,6 +720,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
             check_act_block(ab, st.i)
     dev = device_of(x, gate.data, table.table, X, post, comb)
     split = reduce is not None and st is not None and reduce.shared_split  # its partial: unrounded, summed
+    has_shared, own = shared is not None, split and share is not None  # own: a long call's rows take it whole
+    shared, st, split = (None, None, False) if own else (shared, st, split)  # (`_own_shared`): no split
     if x.stride(-1) != 1:
         x = x.contiguous()
     X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
@@ -753,7 +755,27 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     if not pairs_in_kernel:
         *pair, pos = _pairs_on_host_order(idx, weights, e, shared is not None)
     # (2, 3) the experts
-    pe, pr, pw, first, end = pair
+    o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
+    _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split)
+    if share is not None:  # a long call: each rank sums and combines its share of the rows
+        rows = (_own_shared(x, e, share, reduce.whole_shared, ab, limit, weight_before_w2) if own else
+                o_shared[share[1]:share[2]] if has_shared else None)
+        _combined_by_shares(o, rows, sent, pos, X, post, comb, out, has_shared, reduce, share)
+        return out, weights, idx
+    if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
+        if split:
+            o = reduce.sum(o)
+        else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
+            o[:m * top_k] = reduce.sum(o[:m * top_k])
+    # (4) the sum in expert order, the shared expert, the expand
+    _combine(o, pos, X, post, comb, out, shared is not None, split)
+    return out, weights, idx
+
+
+def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split) -> None:
+    """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
+    sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row."""
+    (d, dev), (pe, pr, pw, first, end) = (x.shape[1], x.device), pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
     align = min(table.align, st.align if st is not None else 16)
@@ -779,7 +801,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
     common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, NATIVE=native, W_ALIGN=align, X_BF16=xb,
-                  HAS_SHARED=shared is not None, PRESTAGED=prestaged, BM=bm, BK=bk2,
+                  HAS_SHARED=st is not None, PRESTAGED=prestaged, BM=bm, BK=bk2,
                   # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
                   num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
                   num_stages=2 if native == NATIVE_E4M3 else 3)
@@ -787,47 +809,46 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     h = (torch.zeros if prestaged and i != i_s else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
-    q_up = (_staged_once(x, m, (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
+    q_up = (_staged_once(x, x.shape[0], (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
             _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
     _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
         *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
-    o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, split, share, reduce)
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, o_shared.stride(0), *q_down, n_pairs,
+        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *q_down, n_pairs,
         per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
-    if share is not None:  # a long call: each rank sums and combines its share of the rows
-        _combined_by_shares(o, o_shared, sent, pos, X, post, comb, out, shared is not None, split, reduce, share)
-        return out, weights, idx
-    if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
-        if split:
-            o = reduce.sum(o)
-        else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
-            o[:m * top_k] = reduce.sum(o[:m * top_k])
-    # (4) the sum in expert order, the shared expert, the expand
-    _combine(o, pos, X, post, comb, out, shared is not None, split)
-    return out, weights, idx
 
 
-def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, split: bool, share, reduce):
+def _own_shared(x, e, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
+    """The shared expert, whole, of a long call's share of the rows (not a split's partial of every row):
+    [rows, D] in x's dtype, one device's. Its pairs: one group (expert id e, after the routed), rows lo.."""
+    (lo, hi), dev = share[1:], x.device
+    rows = torch.empty((hi - lo, x.shape[1]), dtype=x.dtype, device=dev)
+    if hi > lo:
+        table, z = expert_table([whole], whole), torch.zeros(hi - lo, dtype=torch.int64, device=dev)
+        pairs = (z + e, torch.arange(lo, hi, device=dev), z.float(), z, z + hi - lo)
+        _experts(x, e, table, table, pairs, hi - lo, ab, limit, weight_before_w2, rows, rows, 0, False)
+    return rows
+
+
+def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, share, reduce):
     """(o, the shared expert's rows, the pair of their first, what a long call sends): a decode step's pairs
-    float32 (summed over ranks so), the shared rows after them; a long call's in x's dtype (their values'), the
-    shared rows apart (where split, its float32 partials where they are sent: `_combined_by_shares`)."""
+    float32 (summed over ranks so), the shared rows after them; a long call's in x's dtype (their values'), a
+    whole shared expert's rows apart, and the float32 rows of each row's pairs' sum it sends."""
     m, d = x.shape
     if share is None:
         o = torch.empty((m * (top_k + has_shared), d), dtype=torch.float32, device=x.device)
         return o, o, 0, None
     o = torch.empty((m * top_k, d), dtype=x.dtype, device=x.device)
-    sent = torch.empty((reduce.world * share[0], 1 + split, d), dtype=torch.float32, device=x.device)
-    shared_rows = sent[:m, 1] if split else torch.empty((m, d), dtype=x.dtype, device=x.device)
-    return o, shared_rows, m * top_k, sent
+    sent = torch.empty((reduce.world * share[0], d), dtype=torch.float32, device=x.device)
+    return o, torch.empty((m, d), dtype=x.dtype, device=x.device) if has_shared else o, m * top_k, sent
 
 
 def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool,
@@ -853,28 +874,25 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
                                                  BHC=1, BD=bd)
 
 
-def _combined_by_shares(o, o_shared, sent, pos, X, post, comb, out, has_shared: bool, split: bool, reduce,
-                        share) -> None:
+def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, has_shared: bool, reduce, share) -> None:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
-    [rows, parts, D] (beside a split shared expert's partial): each rank gets its share of the rows, sums
+    [rows, D]: each rank gets its share of the rows, sums
     them in rank order where they arrive, adds its rows' shared expert, rounds and expands its rows' streams X
     (the caller holds the streams by rows and gathers the next sub-block's input). The routed sum
     is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
     rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
     every rank's partials of every pair.
-    `share`: (rows a share is padded to, this rank's first row, its end); o_shared: the shared expert's rows
-    (where split, `sent`'s second part: its partials are sent too)."""
+    `share`: (rows a share is padded to, this rank's first row, its end); shared_rows: the share's rows of the
+    shared expert (whole: `_own_shared` where the decode steps split it)."""
     m, (per, lo, hi), d = pos.shape[0], share, o.shape[1]
-    world, parts = reduce.world, 2 if split else 1
-    _pairs_sum(o, pos, sent[:m, 0])
+    world = reduce.world
+    _pairs_sum(o, pos, sent[:m])
     if m < world * per:
         sent[m:].zero_()  # the padding rows' sums are dropped
-    summed = reduce.sum_shares(sent.view(world, per * parts, d))  # [per * parts, D]: this rank's rows
+    summed = reduce.sum_shares(sent.view(world, per, d))  # [per, D]: this rank's rows
     n = hi - lo
-    if n:  # row i's pairs' sum at row parts i, a split shared expert's at parts i + 1; a whole one's rows as
-        # the down kernel left them, after the sums
-        local = summed if split or not has_shared else torch.cat((summed[:n], o_shared[lo:hi].float()))
-        _combine(local, torch.arange(0, parts * n, parts, device=o.device).view(n, 1), X, post, comb, out,
-                 has_shared, split, (1, parts) if split else None)
+    if n:  # row i's pairs' sum at row i; a whole shared expert's rows after the sums
+        local = torch.cat((summed[:n], shared_rows.float())) if has_shared else summed
+        _combine(local, torch.arange(n, device=o.device).view(n, 1), X, post, comb, out, has_shared, False)
 

@@ -353,14 +353,17 @@ def drive_split_specializations(failures: list):
     # torch and the same combine kernel)
     split = types.SimpleNamespace(sum=four, shared_split=True, share=lambda rows: None)
     # a long call's (a prefill chunk's) sums by rows: its pairs kept in x's dtype, the shared partials apart
+    # (a rank holds its share's streams)
+    whole = (bench.fp8_weight(s.inter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, s.inter, (s.block,) * 2),
+             bench.fp8_weight(s.inter, s.dim, (s.block,) * 2))  # the shared expert whole, for the share's rows
     shares = types.SimpleNamespace(sum=four, shared_split=True, world=4, share=lambda rows: (rows // 4, 0, rows // 4),
-                                   sum_shares=lambda t: t.sum(0), gather_rows=lambda part, rows: part.repeat(4, 1))
+                                   sum_shares=lambda t: t.sum(0), whole_shared=whole)
     try:
         with kt.long_calls():
             m = 256
             moe.fast_ffn(torch.randn(m, s.dim).bfloat16(), gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5,
-                         1e-20, None, experts, shared, s.block, 10.0, True, torch.randn(m, 4, s.dim).bfloat16(),
-                         torch.rand(m, 4), torch.rand(m, 4, 4), reduce=shares)
+                         1e-20, None, experts, shared, s.block, 10.0, True, torch.randn(m // 4, 4, s.dim).bfloat16(),
+                         torch.rand(m // 4, 4), torch.rand(m // 4, 4, 4), reduce=shares)
     except Exception:
         failures.append({"case": "a long call's sums by rows", "error": traceback.format_exc()[-2000:]})
     for dt in (torch.bfloat16, torch.float32):

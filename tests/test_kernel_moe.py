@@ -160,11 +160,12 @@ def test_a_long_call_stages_its_rows_once_and_its_chunks_give_the_same_bits(nati
 
 class OneRank:
     """parallel/sharding.py ExpertReduce's interface on a single rank: `long`, a call's share is all its
-    rows (a prefill chunk's sums by rows), else None (a decode step's sum, whole)."""
+    rows (a prefill chunk's sums by rows), else None (a decode step's sum, whole); `whole_shared`, the shared
+    expert a long call takes whole for its rows where a decode step's is split (on one rank: itself)."""
     world = 1
 
-    def __init__(self, shared_split: bool, long: bool):
-        self.shared_split, self.long = shared_split, long
+    def __init__(self, shared_split: bool, long: bool, whole_shared=None):
+        self.shared_split, self.long, self.whole_shared = shared_split, long, whole_shared
 
     def share(self, rows):
         return (rows, 0, rows) if self.long else None
@@ -175,15 +176,13 @@ class OneRank:
     def sum_shares(self, t):
         return t[0].clone()
 
-    def gather_rows(self, part, rows):
-        return part
-
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_a_long_calls_pairs_kept_in_the_activations_dtype_give_a_decode_steps_bits(monkeypatch, dt):
     """A long call sums each row's pairs on its rank (kernels/moe.py `_combined_by_shares`): their outputs are
-    stored in x's dtype (bfloat16 values: lossless), a split shared expert's float32 partials apart; on one
-    rank its streams are the decode step's whole combine's, bit for bit, the shared expert whole or split."""
+    stored in x's dtype (bfloat16 values: lossless), the shared expert's rows apart (where a decode step's is
+    split, taken whole); on one rank its streams are the decode step's whole combine's, bit for bit, the
+    shared expert whole or split."""
     s = seed()
     args = ffn_args(12, 96, 64, 7, 2, "fp4", dt, False, True, 10.0)
     stored = []
@@ -192,7 +191,7 @@ def test_a_long_calls_pairs_kept_in_the_activations_dtype_give_a_decode_steps_bi
     for split in (False, True):
         ctx = f"(seed {s}, {dt}, shared split: {split})"
         step = run(moe.fast_ffn, *args, reduce=OneRank(split, long=False))[0]
-        long = run(moe.fast_ffn, *args, reduce=OneRank(split, long=True))[0]
+        long = run(moe.fast_ffn, *args, reduce=OneRank(split, long=True, whole_shared=args[9]))[0]
         assert_equal("streams of a long call", step, long, ctx)
     assert stored == [dt, dt], stored
 

@@ -166,8 +166,9 @@ def test_the_server_and_the_front_objects_never_import_torch():
 # Kernels get more: a Triton kernel and its launcher carry long argument lists. Raising a budget is a decision
 # made here, with its reason; the request loop has its own, tighter one below. Kernels 5,500 -> 5,550: the
 # indexer's block maxima (a prefill chunk's scores never stored whole), a mode of the scores kernel and its
-# reference.
-PACKAGE_LINES = {"appliance": 13_600, "kernels": 5_550, "server": 4_600, "graphs": 200}
+# reference. 5,550 -> 5,560: a long call's rows take a split shared expert whole (kernels/moe.py
+# `_own_shared`: its partials no longer cross the links), the experts' launches one function for both.
+PACKAGE_LINES = {"appliance": 13_600, "kernels": 5_560, "server": 4_600, "graphs": 200}
 MODULE_LINES = {"kernels": 900, "appliance": 600, "server": 600, "graphs": 200}
 FUNCTION_LINES = {"kernels": 140, "appliance": 90, "server": 90, "graphs": 90}
 

@@ -311,11 +311,6 @@ class DeclaredReads:
                 self.routed[rec.block] += int(n * sum(w.nbytes for w in held[0])) if held else 0
                 _expert_reads(rec.launches[first:], held[0] if held else (), n, shared or (),
                               (len(experts), top_k, x.shape[0]), len(held) < len(experts))
-                if reduce is not None and reduce.share(x.shape[0]) is not None and reduce.shared_split:
-                    # the pairs' sums are written into the sent rows (the down launch wrote there first), not read
-                    sums = next(la for la in rec.launches[first:] if la.name.endswith("_combine_kernel"))
-                    rows = x.numel() * 4
-                    sums.bytes_read, sums.bytes_written = sums.bytes_read - rows, sums.bytes_written + rows
                 # each held routed expert's rows are its pairs, padded to whole tiles; the shared expert takes
                 # every row
                 long = act_block is not None and act_block >= 32  # in the checkpoint's formats: can run long

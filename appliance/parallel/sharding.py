@@ -21,7 +21,8 @@ the reduce hooks that sum partial results over ranks.
   split whole instead (rank r holds experts [r E/n, (r+1) E/n) and computes the slots that chose them).
   The shared expert's intermediate is split too: replicating it would read its 35 MB on every rank and
   every layer, splitting it costs nothing extra because its partial sum travels in the same all-reduce as
-  the routed slots. The router is replicated (selection must be identical everywhere).
+  the routed slots (a long call takes it whole for the rank's share of the rows: ExpertReduce). The router
+  is replicated (selection must be identical everywhere).
 - head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
   all-gathered, so sampling sees the same logits as a single device.
 - embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
@@ -106,14 +107,14 @@ class RowParallel:
     and takes the product whole for its share of the rows instead (`exchange`, `whole`): one device's bits,
     a fifth of the sum's link traffic."""
 
-    def __init__(self, linear: Linear, comm: Comm, start: int, end: int):
+    def __init__(self, linear: Linear, comm: Comm, start: int, end: int, long_calls: bool = True):
         self.rt = linear.rt
         self.comm = comm
         self.weight = linear.weight.cols(start, end)
         self.act_block = linear.act_block
         self.partial, self.sum = partial_sum(linear.rt, comm)
-        # every input column, for a long call's rows: the fast path's only (placed on the device with the rest)
-        self.whole = linear.weight if self.partial == torch.float32 else None
+        # every input column, for a long call's rows (`long_calls`: a module that takes them), on the fast path
+        self.whole = linear.weight if self.partial == torch.float32 and long_calls else None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
@@ -164,14 +165,15 @@ def _linear_rows(lin: Linear, start: int, end: int) -> None:
     lin.weight = lin.weight.rows(start, end)
 
 
-def shard_attention(attn, comm: Comm) -> None:
-    """Split an attention module's query heads and output groups over the ranks (its indexer stays whole)."""
+def shard_attention(attn, comm: Comm, long_calls: bool = True) -> None:
+    """Split an attention module's query heads and output groups over the ranks (its indexer stays whole);
+    `long_calls`: it takes long calls (not a DSpark stage's), whose output product is whole for a rank's rows."""
     c = attn.cfg
     h0, h1 = comm.span(attn.heads)
     _linear_rows(attn.wq_b, h0 * c.head_dim, h1 * c.head_dim)
     attn.sink = attn.sink[h0:h1]
     attn.heads = h1 - h0
-    shard_output(attn.out, comm)
+    shard_output(attn.out, comm, long_calls)
     if hasattr(attn, "index_comm"):  # V4.1's: a long call's queries shared out (appliance/model/rowsplit.py)
         attn.index_comm = comm
 
@@ -180,14 +182,14 @@ def _dense_rows(d: Dense, start: int, end: int) -> Dense:
     return Dense(d.rt, d.weight.rows(start, end))
 
 
-def shard_output(out: GroupedOutput, comm: Comm) -> None:
+def shard_output(out: GroupedOutput, comm: Comm, long_calls: bool = True) -> None:
     g0, g1 = comm.span(out.groups)
     rank_width = out.wo_a.shape[0] // out.groups  # o-LoRA rank per group
     out.wo_a = out.wo_a.rows(g0 * rank_width, g1 * rank_width)
     if out.rt.ops.path == "reference":
         out.wo_a.grouped64(g1 - g0)
     out.groups = g1 - g0
-    out.wo_b = RowParallel(out.wo_b, comm, g0 * rank_width, g1 * rank_width)
+    out.wo_b = RowParallel(out.wo_b, comm, g0 * rank_width, g1 * rank_width, long_calls)
 
 
 class ExpertReduce:
@@ -198,10 +200,13 @@ class ExpertReduce:
     A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank sums each row's
     pairs it computed, receives every rank's sums of its share of the rows (`sum_shares`, an all-to-all),
     combines and expands those rows into the streams it holds (model.Step.share): a quarter of one [rows, D]
-    received, not every rank's partials of every pair (kernels/moe.py `_combined_by_shares`)."""
+    received, not every rank's partials of every pair (kernels/moe.py `_combined_by_shares`). A split shared
+    expert is taken whole for those rows (`whole_shared`, the fast path's: every rank holds it, 35 MB a
+    layer of V4.1-Flash), so no partial of it travels."""
 
-    def __init__(self, comm, sum, reference, shared_split: bool):
+    def __init__(self, comm, sum, reference, shared_split: bool, whole_shared=None):
         self.comm, self.sum, self.reference, self.shared_split = comm, sum, reference, shared_split
+        self.whole_shared = whole_shared
         self.world = comm.world
 
     def __call__(self, outputs: torch.Tensor, shared64: torch.Tensor | None):
@@ -220,9 +225,10 @@ class ExpertReduce:
 
 
 
-def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
+def shard_moe(moe: MoE, comm: Comm, experts: str = "auto", long_calls: bool = True) -> None:
     """`experts` (RunOptions.experts): split every expert by its intermediate, or hold whole experts; auto:
-    split where the slices keep the scale blocks whole."""
+    split where the slices keep the scale blocks whole. `long_calls`: the MoE takes long calls (not a DSpark
+    stage's), whose rows take a split shared expert whole (ExpertReduce.whole_shared)."""
     split = _splits_intermediate(moe.experts[0], comm)
     if experts == "split" and not split:
         w1 = moe.experts[0][0]
@@ -235,9 +241,12 @@ def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
     else:
         e0, e1 = comm.span(len(moe.experts))
         moe.experts = [w if e0 <= e < e1 else None for e, w in enumerate(moe.experts)]
+    whole_shared = None
     if moe.shared is not None and _splits(moe.shared[0], comm):
         w1, w2, w3 = moe.shared
         i0, i1 = comm.span(w1.shape[0])
+        if long_calls and moe.rt.ops.path != "reference":  # a long call's rows take it whole
+            whole_shared = moe.shared
         moe.shared = (w1.rows(i0, i1), w2.cols(i0, i1), w3.rows(i0, i1))
         shared_split = True
     else:  # replicated: every rank computes the whole shared expert, nothing to sum
@@ -250,7 +259,7 @@ def shard_moe(moe: MoE, comm: Comm, experts: str = "auto") -> None:
         packed = comm.all_reduce(packed)
         return packed[:, :-1].to(outputs.dtype), packed[:, -1]  # float64 slices of split experts stay unrounded
 
-    moe.reduce = ExpertReduce(comm, comm.sum, reference, shared_split)
+    moe.reduce = ExpertReduce(comm, comm.sum, reference, shared_split, whole_shared)
 
 
 def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
@@ -270,9 +279,10 @@ def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
     if drafter is None:
         return blockers
     drafter.head = head  # the drafter shares the backbone's head
+    long_calls = hasattr(drafter, "row_comm")  # MTP's commit is one; DSpark's blocks are a few rows
     for block in getattr(drafter, "stages", None) or [drafter.block]:
-        shard_attention(block.attn, comm)
-        shard_moe(block.ffn, comm, experts)
+        shard_attention(block.attn, comm, long_calls)
+        shard_moe(block.ffn, comm, experts, long_calls)
     if hasattr(drafter, "markov_head"):
         drafter.markov_head = VocabParallel(drafter.markov_head, comm)
     return blockers + ["the drafter's expert-parallel MoE runs the same reference form"] if blockers else []
