@@ -758,7 +758,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
     _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
-        rows = (_own_shared(x, e, share, reduce.whole_shared, ab, limit, weight_before_w2) if own else
+        rows = (_own_shared(x, e, table, share, reduce.whole_shared, ab, limit, weight_before_w2) if own else
                 o_shared[share[1]:share[2]] if has_shared else None)
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, has_shared, reduce, share)
         return out, weights, idx
@@ -826,15 +826,17 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
 
 
-def _own_shared(x, e, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
+def _own_shared(x, e, table, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
     """The shared expert, whole, of a long call's share of the rows (not a split's partial of every row):
-    [rows, D] in x's dtype, one device's. Its pairs: one group (expert id e, after the routed), rows lo.."""
+    [rows, D] in x's dtype, one device's. Its pairs: one group (expert id e, after the routed `table`'s,
+    which sets the launches' routed constexprs as the call's own launches), rows lo.."""
     (lo, hi), dev = share[1:], x.device
     rows = torch.empty((hi - lo, x.shape[1]), dtype=x.dtype, device=dev)
     if hi > lo:
-        table, z = expert_table([whole], whole), torch.zeros(hi - lo, dtype=torch.int64, device=dev)
+        z = torch.zeros(hi - lo, dtype=torch.int64, device=dev)
         pairs = (z + e, torch.arange(lo, hi, device=dev), z.float(), z, z + hi - lo)
-        _experts(x, e, table, table, pairs, hi - lo, ab, limit, weight_before_w2, rows, rows, 0, False)
+        _experts(x, e, table, expert_table([whole], whole), pairs, hi - lo, ab, limit, weight_before_w2, rows, rows,
+                 0, False)
     return rows
 
 
