@@ -32,8 +32,8 @@ class RunOptions:
     draft: str = "none"  # speculative drafting, one of DRAFTS (auto: the checkpoint's own drafter)
     draft_tokens: int = 3  # drafts per cycle
     # prefill chunk: cancel and progress act between chunks. The most rows one forward takes: on 4 x B300 an
-    # 8192-token chunk is modeled at 0.10-0.12 s, 855K in 11.5 s against 12.9 s in chunks of 4096 (an expert's
-    # 128 pairs about fill one tile) and its scratch, 3.7 GB a rank at 855K, fits an H200 (BENCHMARKS.md)
+    # 8192-token chunk is modeled at 0.07-0.10 s, 855K in 8.9 s against 10.4 s in chunks of 4096 (an expert's
+    # 128 pairs about fill one tile) and its scratch, 1.9 GB a rank at 855K, fits an H200 (BENCHMARKS.md)
     chunk: int = MAX_CHUNK
     context: int | None = None  # context limit in tokens; None: the model's, capped by memory
     graphs: bool = True  # on CUDA, replay the decode cycle as captured CUDA graphs
