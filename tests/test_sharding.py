@@ -158,3 +158,49 @@ def test_four_ranks_sum_a_long_calls_attention_outputs_and_experts_by_rows(tmp_p
         assert rank["exchange_exact"] and rank["rows"] == 23, rank
         assert rank["narrowed"] and rank["maxima_equal"], rank  # the indexer by block maxima: the same bits
         assert rank["error"] <= 2.0**-16, rank
+
+
+def v4_by_rows(world, model_dir: str, seed: int) -> dict:
+    """Every rank of four: V4's backbone and its MTP head on the fast path (plain numerics), a 23-token long
+    call held by rows (the V4 block's sub-blocks gathered, the hash-routed layers' MoE, the final collapse's
+    logits and the streams gathered) and the MTP head's commit of those streams (a long call of its own),
+    then the same with every sum and the streams whole: how far the logits and the head's ring are."""
+    from appliance.loader import load_model
+    from appliance.model import step
+    from appliance.model.rowsplit import ALL_ROWS
+    from appliance.options import RunOptions
+    from appliance.parallel import sharding
+
+    lm = load_model(RunOptions(model_dir=model_dir, devices="cpu:4", path="fast", numerics="plain", draft="auto"),
+                    notice=None, world=world)
+    ids = torch.randint(0, lm.cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(seed))
+
+    def forward():
+        out = lm.model.forward(ids, lm.model.new_state(64), keep_streams=True)
+        head = lm.drafter.new_state(64)
+        lm.drafter.commit(head, out.streams, torch.cat((ids[1:], ids[:1])), 0)
+        return out.logits.float(), torch.cat([r.data.float().flatten() for r in head.rings.values()])
+
+    exchanges = []
+    exchange = sharding.Comm.exchange
+    sharding.Comm.exchange = lambda self, t: exchanges.append(t.dtype) or exchange(self, t)
+    by_rows = forward()
+    sharding.query_share = step.query_share = lambda comm, rows: ALL_ROWS
+    whole = forward()
+
+    def error(a, b):
+        return ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
+
+    return {"kind": lm.drafter.kind, "logits": error(by_rows[0], whole[0]), "ring": error(by_rows[1], whole[1]),
+            "blocks": len(lm.model.layers) + 1, "exchanges": len(exchanges)}
+
+
+def test_four_ranks_hold_a_v4_long_calls_streams_by_rows_and_its_mtp_head_commits_them(tiny_dirs, tmp_path):
+    """V4's blocks and MTP head split over four ranks take a long call by rows as V4.1's do: its logits and
+    the head's ring rows within float32 rounding of every sum whole (2^-16 of the largest, as above)."""
+    from .ranks import call
+
+    for rank in call("tests.test_sharding:v4_by_rows", tmp_path, world=4, timeout=600,
+                     model_dir=str(tiny_dirs["deepseek_v4"]), seed=int(torch.randint(1 << 30, ()))):
+        assert rank["kind"] == "mtp" and rank["exchanges"] == 2 * rank["blocks"], rank  # wo_b's and the MoE's
+        assert rank["logits"] <= 2.0**-16 and rank["ring"] <= 2.0**-16, rank
