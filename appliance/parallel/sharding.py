@@ -131,7 +131,7 @@ class RowParallel:
         if per * world != rows:
             x = torch.cat((x, x.new_zeros(per * world - rows, x.shape[1])))
         got = self.comm.exchange(x.view(world, per, -1))[:, :mine.stop - mine.start]  # [ranks, rows, columns]
-        return got.transpose(0, 1).reshape(mine.stop - mine.start, -1)
+        return got.transpose(0, 1).reshape(mine.stop - mine.start, world * x.shape[1])  # (a last share may be empty)
 
 
 def partial_sum(rt, comm: Comm):
