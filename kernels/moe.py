@@ -687,7 +687,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     its expert (zeros on the others), so its sum is exact and every rank then adds each row's experts in
     the same order as one rank would: the routed part equals one rank's bit for bit. A long call
     (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
-    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's; it takes a split
+    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's; it takes the
     shared expert whole for its rows (`_own_shared`). A decode step's split shared expert leaves its partial
     unrounded, the fixed-order sum rounded in the combine (within float32 rounding of one rank's)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
@@ -720,8 +720,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
             check_act_block(ab, st.i)
     dev = device_of(x, gate.data, table.table, X, post, comb)
     split = reduce is not None and st is not None and reduce.shared_split  # its partial: unrounded, summed
-    has_shared, own = shared is not None, split and share is not None  # own: a long call's rows take it whole
-    shared, st, split = (None, None, False) if own else (shared, st, split)  # (`_own_shared`): no split
+    own = shared is not None and share is not None  # a long call's rows take it whole (`_own_shared`)
+    whole = (reduce.whole_shared if split else shared) if own else None
+    shared, st, split = (None, None, False) if own else (shared, st, split)
     if x.stride(-1) != 1:
         x = x.contiguous()
     X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
@@ -758,9 +759,8 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
     _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
-        rows = (_own_shared(x, e, table, share, reduce.whole_shared, ab, limit, weight_before_w2) if own else
-                o_shared[share[1]:share[2]] if has_shared else None)
-        _combined_by_shares(o, rows, sent, pos, X, post, comb, out, has_shared, reduce, share)
+        rows = _own_shared(x, e, table, share, whole, ab, limit, weight_before_w2) if own else None
+        _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
     if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
         if split:
@@ -842,15 +842,15 @@ def _own_shared(x, e, table, share, whole, ab, limit, weight_before_w2) -> torch
 
 def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, share, reduce):
     """(o, the shared expert's rows, the pair of their first, what a long call sends): a decode step's pairs
-    float32 (summed over ranks so), the shared rows after them; a long call's in x's dtype (their values'), a
-    whole shared expert's rows apart, and the float32 rows of each row's pairs' sum it sends."""
+    float32 (summed over ranks so), the shared rows after them; a long call's in x's dtype (their values'; its
+    shared expert apart: `_own_shared`), and the float32 rows of each row's pairs' sum it sends."""
     m, d = x.shape
     if share is None:
         o = torch.empty((m * (top_k + has_shared), d), dtype=torch.float32, device=x.device)
         return o, o, 0, None
     o = torch.empty((m * top_k, d), dtype=x.dtype, device=x.device)
     sent = torch.empty((reduce.world * share[0], d), dtype=torch.float32, device=x.device)
-    return o, torch.empty((m, d), dtype=x.dtype, device=x.device) if has_shared else o, m * top_k, sent
+    return o, o, m * top_k, sent
 
 
 def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool,
@@ -876,17 +876,16 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
                                                  BHC=1, BD=bd)
 
 
-def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, has_shared: bool, reduce, share) -> None:
+def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, share) -> None:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
-    share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, laid out
-    [rows, D]: each rank gets its share of the rows, sums
-    them in rank order where they arrive, adds its rows' shared expert, rounds and expands its rows' streams X
-    (the caller holds the streams by rows and gathers the next sub-block's input). The routed sum
-    is associated by rank, as the official code's all-reduce of each rank's experts' sum: within float32
-    rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of one share's [rows, D], not
-    every rank's partials of every pair.
-    `share`: (rows a share is padded to, this rank's first row, its end); shared_rows: the share's rows of the
-    shared expert (whole: `_own_shared` where the decode steps split it)."""
+    share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, [rows, D]:
+    each rank gets its share of the rows, sums them in rank order where they arrive, adds its rows' shared
+    expert, rounds and expands its rows' streams X (the caller holds the streams by rows and gathers the next
+    sub-block's input). The routed sum is associated by rank, as the official code's all-reduce of each rank's
+    experts' sum: within float32 rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of
+    one share's [rows, D], not every rank's partials of every pair. `share`: (rows a share is padded to, this
+    rank's first row, its end); shared_rows: the share's rows of the shared expert, whole (`_own_shared`; None
+    without one)."""
     m, (per, lo, hi), d = pos.shape[0], share, o.shape[1]
     world = reduce.world
     _pairs_sum(o, pos, sent[:m])
@@ -895,6 +894,7 @@ def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, has_share
     summed = reduce.sum_shares(sent.view(world, per, d))  # [per, D]: this rank's rows
     n = hi - lo
     if n:  # row i's pairs' sum at row i; a whole shared expert's rows after the sums
-        local = torch.cat((summed[:n], shared_rows.float())) if has_shared else summed
-        _combine(local, torch.arange(n, device=o.device).view(n, 1), X, post, comb, out, has_shared, False)
+        local = summed if shared_rows is None else torch.cat((summed[:n], shared_rows.float()))
+        _combine(local, torch.arange(n, device=o.device).view(n, 1), X, post, comb, out, shared_rows is not None,
+                 False)
 
