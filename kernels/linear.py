@@ -59,6 +59,7 @@ import torch
 from ._triton import (
     INTERPRET,
     LONG_ROWS,
+    NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_value,
     counters,
@@ -569,16 +570,17 @@ def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list
 
 
 def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native: int = 0,
-         may_be_long: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
+         may_be_long: bool = False, packed_bf16: bool = False) -> tuple[int, int, int, list[tuple[int, int]]]:
     """Block sizes (BM, BN, BK) of a launch and each segment's split-K (k_per_split, splits), from the
     segments' (outputs, act_block, outputs per group), K, the device and the call's kind (`product_rows`:
     a long call's programs take LONG_ROWS where the launch `may_be_long`; no launch of a long call splits K:
     its row blocks fill the device, the float32 partials would be written and read back) only: never from
     the number of rows, so a row's summation order does not depend on how many rows are computed together
-    (from registers a long call's programs take 64 outputs a tile). `native`: every segment multiplies in
-    the checkpoint's formats (`native_kind`), 128 columns deep, 128 outputs a tile (the block-scaled MMA's
-    M side) or 256 on the e4m3 MMA (four of its 64: the rows' quantization and the FP4 scaling, paid once a
-    tile, spread over twice the weights)."""
+    (from registers a long call's programs take 64 outputs a tile, 64 columns deep; a plain product of FP8/FP4
+    weights and bfloat16 rows, `packed_bf16`, 128 and 128 where the block-scaled MMA is). `native`: every
+    segment multiplies in the checkpoint's formats (`native_kind`), 128 columns deep (a long call's on the
+    block-scaled MMA 256), 128 outputs a tile (the block-scaled MMA's M side) or 256 on the e4m3 MMA (four of
+    its 64: the rows' quantization and the FP4 scaling, paid once a tile, spread over twice the weights)."""
     bm = product_rows(native, may_be_long)
     ab = max(a for _, a, _ in segments)
     n_max = max(n for n, _, _ in segments)
@@ -591,6 +593,11 @@ def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native
             bn = 128 if is_long(bm) else 256
         else:
             bn = 128 if native or (n_max > 4096 and bm != LONG_ROWS) else 64
+        if is_long(bm) and native_products(dev) == NATIVE_BLOCK_SCALED and (native or packed_bf16):
+            # the accumulator in tensor memory leaves the registers to larger tiles: 0.8x (checkpoint's formats)
+            # and 0.66x (from registers) the main loop's issue a weight element (the compile check; sm_90's
+            # spill from registers, as do other weights and rows from registers here)
+            bn, bk = 128, max(256 if native else 128, ab)
     for n, _, ng in segments:
         if ng < n:  # grouped: a tile never straddles two groups
             bn = max(16, min(bn, ng & -ng))
@@ -743,7 +750,8 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
     # bfloat16 values and every product plain, without the expand (rows quantized in the loop, or the
     # expand's epilogue, beside 128 rows spill: the compile check)
     plain = not any(ab for _, ab, _ in shapes) and expand is None
-    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact and plain)
+    packed_bf16 = x.dtype == torch.bfloat16 and all(p.weight.format in ("fp8", "fp4") for p in products)
+    bm, bn, bk, splits = plan(shapes, k, dev, native, one_staging if native else exact and plain, packed_bf16)
     prestaged = bool(native) and is_long(bm)
     row_blocks = triton.cdiv(m, bm)
     args, rt, cx, end, used = [], [], {}, 0, 0
@@ -786,8 +794,26 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
 
 def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tensor, float] | None = None
                ) -> list[torch.Tensor]:
-    """The kernel for `reference_multi`: every product in one launch."""
-    return launch(x, products, norm, None)
+    """The kernel for `reference_multi`: every product in one launch; in a long call, products in the
+    checkpoint's formats beside plain ones (`native_split`) in two, each a long call's (one launch of them all
+    would quantize the rows in its loop, 16 rows a program: the issue of 8 passes where one does)."""
+    native = native_split(x, products)
+    if not native:
+        return launch(x, products, norm, None)
+    outs = {part: iter(launch(x, [p for p, n in zip(products, native) if n is part], norm, None))
+            for part in (True, False)}  # the native products' launch first
+    return [next(outs[n]) for n in native]
+
+
+def native_split(x: torch.Tensor, products: list[Product]) -> list[bool]:
+    """In a long call, which of a launch's products can multiply in the checkpoint's formats (FP8/FP4 weights,
+    rows quantized: `native_kind` where the device and alignment allow), where some can and some cannot
+    (`fast_multi` launches them apart); [] otherwise: one launch. By the products alone, not the device: a
+    count on the meta device launches as the GPU does."""
+    if not in_long_calls() or len(products) < 2:
+        return []
+    native = [p.weight.format in ("fp8", "fp4") and (p.act_block or 0) >= 32 for p in products]
+    return native if any(native) and not all(native) else []
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,

@@ -1,8 +1,5 @@
-"""Mixture of experts for a few rows: router and expert combination.
+"""Mixture of experts for a few rows: the experts and their combination (the router: kernels/router.py).
 
-route: logits = x . W_gate (float32 from a float64 product; the gate is a dense PackedWeight [E, D]);
-    scores = sqrt(softplus) | sigmoid | softmax;
-    indices = top-k of (scores + bias) (or the hash table's row), weights = scores[idx] / (sum + eps) * scale.
 experts: per row and selected expert e (SwiGLU with clamps):
     g = w1_e(x), u = w3_e(x)  (activation-quantized GEMMs, rounded to the activation dtype)
     h = silu(min(g, limit)) * clamp(u, -limit, limit)        (float32)
@@ -11,20 +8,15 @@ experts: per row and selected expert e (SwiGLU with clamps):
 Each selected expert's weights are read once, however many rows chose it.
 
 Kernels, float32 only (no float64 instruction):
-- `fast_route`: the router product by the linear kernel (float32 accumulation, float32 logits), then one
-  program per row: score function in float32, top-k by repeated argmax over the experts not yet taken
-  (ties to the lower expert id; a NaN score ranks lowest, so a row of NaNs still yields k distinct ids in
-  range), weights normalized in float32. Tolerance: logits within the linear kernel's bound; weights within
-  2^-20 relative (float32 softplus/sqrt/sigmoid/softmax: a few ulps); indices equal unless two biased
-  scores are within that.
-- `fast`: pairs (row, expert) sorted by expert on the device (no host sync); one program per expert group
-  and block of outputs reads that expert's weights once for all its rows, in their stored format (gate and
-  up fused with SwiGLU, then down), weights found through a device table of expert pointers; then the
-  rows' expert outputs are added in increasing expert id in float32, plus the shared expert, as the
-  reference does. GEMMs are the linear kernel's (tensor-core dots of exact bfloat16 values, float32
-  accumulation, 16 rows per program whatever the number of rows: batch invariant; in a long call in the
-  checkpoint's formats an expert's pairs LONG_ROWS (e4m3 MMA: E4M3_LONG_ROWS) at a time, x's and h's rows
-  staged once for the launch).
+- `fast_ffn`: the routing (`router.fast`: pairs (row, expert) sorted by expert on the device, no host
+  sync); one program per expert group and block of outputs reads that expert's weights once for all its
+  rows, in their stored format (gate and up fused with SwiGLU, then down), weights found through a device
+  table of expert pointers; then the rows' expert outputs are added in increasing expert id in float32,
+  plus the shared expert, as the reference does. GEMMs are the linear kernel's (tensor-core dots of exact
+  bfloat16 values, float32 accumulation, 16 rows per program whatever the number of rows: batch
+  invariant; in a long call in the checkpoint's formats an expert's pairs LONG_ROWS (e4m3 MMA:
+  E4M3_LONG_ROWS) at a time, x's and h's rows staged once for the launch, the shared expert in launches
+  of its own).
   Tolerance: each GEMM
   within the linear kernel's bound (K 2^-23 of the sum of magnitudes), which can move a rounding of g, u
   or h to x's dtype by one ulp, and through the FP8 quantization of h one e4m3 step of an element: checked
@@ -32,18 +24,18 @@ Kernels, float32 only (no float64 instruction):
 Experts that are None (not held by this shard) contribute zero in the kernels.
 """
 
+import types
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import linear
+from . import linear, router
 from ._triton import (
     INTERPRET,
     NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_rne,
-    counters,
     device_function,
     device_of,
     is_long,
@@ -54,50 +46,17 @@ from ._triton import (
     require_dtype,
     round_out,
     tl,
-    tmax,
-    tmin,
     triton,
-    tsum,
 )
 from .linear import (
     PackedWeight,
     check_act_block,
     check_weight,
     kernel_args,
-    product_tile,
     staged_product,
     weight_product,
 )
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
-
-
-def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
-          route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None = None):
-    """x [M, D]; gate [E, D] (dense) -> (weights float32 [M, k], indices int64 [M, k])."""
-    return select(linear.reference(x, gate, None, torch.float32), bias, top_k, score_func, route_scale, norm_eps,
-                  hash_idx)
-
-
-def select(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str, route_scale: float,
-           norm_eps: float, hash_idx: torch.Tensor | None = None):
-    """Router logits float32 [M, E] -> (weights float32 [M, k], indices int64 [M, k])."""
-    # the nonlinearity in float64, rounded once: torch's float32 softplus/sigmoid on the CPU take a vector or a
-    # scalar path by where an element falls in the tensor, which differ in the last bit (a row's scores would
-    # depend on the batch)
-    if score_func == "sqrtsoftplus":
-        s = F.softplus(logits.double()).float().sqrt()
-    elif score_func == "sigmoid":
-        s = torch.sigmoid(logits.double()).float()
-    else:
-        s = torch.softmax(logits.double(), dim=-1).float()
-    if hash_idx is not None:
-        idx = hash_idx
-    else:
-        biased = s if bias is None else s + bias.float()
-        idx = biased.topk(top_k, dim=-1).indices
-    w = s.gather(-1, idx)
-    w = w / (w.sum(-1, keepdim=True) + norm_eps) * route_scale
-    return w, idx
 
 
 def _swiglu(x, w1, w3, act_block, limit, dtype):
@@ -170,7 +129,7 @@ def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None
     the residual streams X [M, hc, D] -> (X', weights, indices)."""
     from .mhc import expand
 
-    w, idx = route(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx)
+    w, idx = router.route(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx)
     y = reference(x, w, idx, experts, shared, act_block, limit, weight_before_w2, reduce)
     return expand(y, X, post, comb), w, idx
 
@@ -181,163 +140,6 @@ def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None
 # up of every expert group (its leader pair walks the group's rows, 16 at a time), the shared expert one more
 # group; (3) down, likewise; (4) each row's experts added in increasing id, plus the shared expert, rounded,
 # and the mHC expand. Each selected expert's weights are read once, however many rows chose it.
-
-_SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-
-
-@device_function
-def _log1p(y):
-    """log(1 + y) for y >= 0, accurate for small y (the log of the rounded 1 + y, corrected)."""
-    u = 1.0 + y
-    return tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
-
-
-@device_function
-def _route_row(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, row, E, route_scale, norm_eps, SCORE: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """The routing of one row from its logits: scores (float32), top-k by repeated argmax over the experts not
-    yet taken (ties to the lower id; a NaN ranks lowest, so a row of NaNs still yields k distinct ids in
-    range), weights normalized; stored as the row's K ids and weights. One row at a time: a [BE] vector of
-    each kind stays in registers (a block of rows at once, [BM, 512] of several kinds, spills)."""
-    cols = tl.arange(0, BE)
-    cmask = cols < E
-    r64 = row + tl.zeros((), dtype=tl.int64)  # (an int under the interpreter)
-    lg = tl.load(l_ptr + r64 * E + cols, mask=cmask, other=0.0)
-    if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold 20
-        s = tl.sqrt_rn(tl.where(lg > 20.0, lg, _log1p(tl.exp(tl.minimum(lg, 20.0)))))
-    elif SCORE == 1:
-        s = 1.0 / (1.0 + tl.exp(-lg))
-    else:
-        ex = tl.where(cmask, tl.exp(lg - tmax(tl.where(cmask, lg, float("-inf")), axis=0)), 0.0)
-        s = ex / tsum(ex, axis=0)
-    slots = tl.arange(0, BK)
-    smask = slots < K
-    idx = tl.zeros((BK,), dtype=tl.int64)
-    w = tl.zeros((BK,), dtype=tl.float32)
-    if HASH:
-        idx = tl.load(hash_ptr + r64 * K + slots, mask=smask, other=0)
-        for j in tl.static_range(K):
-            e = tsum(tl.where(slots == j, idx, 0), axis=0)
-            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0), axis=0), w)
-    else:
-        b = s
-        if HAS_BIAS:
-            b = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)
-        b = tl.where(b == b, b, float("-inf"))  # a NaN ranks lowest
-        free = cmask  # experts not taken: at least K, so each pick is real
-        for j in tl.static_range(K):
-            best = tmax(tl.where(free, b, float("-inf")), axis=0)
-            e = tmin(tl.where(free & (b == best), cols, BE), axis=0)
-            idx = tl.where(slots == j, e.to(tl.int64), idx)
-            w = tl.where(slots == j, tsum(tl.where(cols == e, s, 0.0), axis=0), w)
-            free = free & (cols != e)
-    w = w / (tsum(w, axis=0) + norm_eps) * route_scale
-    tl.store(w_ptr + r64 * K + slots, w, mask=smask)
-    tl.store(i_ptr + r64 * K + slots, idx, mask=smask)
-
-
-@device_function
-def _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """The M K (row, expert) pairs of rows [0, M) (their routing as stored) sorted by (expert, row): expert,
-    row, weight, the first and one past the last pair of the expert's group, per sorted pair; pos [M, K]:
-    each row's pairs in increasing expert id. The shared expert follows as one group (expert E) of the M
-    rows in order. Each pair's rank counts the pairs before it, one other pair per step (comparing all
-    pairs at once is a [BM BK, BM BK] tile)."""
-    p = tl.arange(0, BM * BK)
-    r = p // BK
-    j = p % BK
-    valid = (r < M) & (j < K)
-    e = tl.load(i_ptr + r * K + j, mask=valid, other=0)
-    wf = tl.load(w_ptr + r * K + j, mask=valid, other=0.0)
-    key = e * M + r
-    rank = tl.zeros((BM * BK,), dtype=tl.int64)
-    first = tl.zeros((BM * BK,), dtype=tl.int64)
-    end = tl.zeros((BM * BK,), dtype=tl.int64)
-    in_row = tl.zeros((BM * BK,), dtype=tl.int64)
-    for rq in range(0, M):
-        for jq in tl.static_range(K):
-            eq = tl.load(i_ptr + rq * K + jq)
-            rank += (eq * M + rq < key).to(tl.int64)
-            first += (eq < e).to(tl.int64)
-            end += (eq <= e).to(tl.int64)
-            in_row += ((eq < e) & (rq == r)).to(tl.int64)
-    tl.store(pe_ptr + rank, e, mask=valid)
-    tl.store(pr_ptr + rank, r.to(tl.int64), mask=valid)
-    tl.store(pw_ptr + rank, wf, mask=valid)
-    tl.store(pf_ptr + rank, first, mask=valid)
-    tl.store(pend_ptr + rank, end, mask=valid)
-    tl.store(pos_ptr + r * K + in_row, rank, mask=valid)
-    if HAS_SHARED:
-        rows = tl.arange(0, BM)
-        sm = rows < M
-        n = M * K
-        tl.store(pe_ptr + n + rows, tl.full((BM,), E, dtype=tl.int64), mask=sm)
-        tl.store(pr_ptr + n + rows, rows.to(tl.int64), mask=sm)
-        tl.store(pw_ptr + n + rows, tl.zeros((BM,), dtype=tl.float32), mask=sm)
-        tl.store(pf_ptr + n + rows, tl.full((BM,), n, dtype=tl.int64), mask=sm)
-        tl.store(pend_ptr + n + rows, tl.full((BM,), n + M, dtype=tl.int64), mask=sm)
-
-
-@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
-def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
-                   g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
-                   part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
-                   l_ptr,      # float32 [M, E] logits out
-                   cnt_ptr,    # int32 counters: [tiles * blocks] per tile, then [blocks] per row block
-                   bias_ptr, hash_ptr,
-                   w_ptr, i_ptr,  # out float32 / int64 [M, K] routing
-                   pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,  # out: the sorted pairs (PAIRS)
-                   M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
-                   FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-                   SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
-                   PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    tiles = tl.num_programs(0) // SPLIT
-    blocks = tl.num_programs(1)
-    tile = pid // SPLIT
-    split = pid % SPLIT
-    rows = pid_m * BM + tl.arange(0, BM)
-    rmask = rows < M
-    offs_n = tile * BN + tl.arange(0, BN)
-    n_mask = offs_n < E
-    k_lo = split * k_per_split
-    k_end = tl.minimum(D, k_lo + k_per_split)
-    acc = product_tile(x_ptr, g_ptr, g_ptr, rows, rmask, offs_n, n_mask, k_lo, k_end, stride_x, stride_g, 0, 0.0,
-                       g_ptr, g_ptr, g_ptr, 0, 0, False, False, FMT, 1, 1, 0, X_PARTS, DOT_BF16, False, False, BM, BN,
-                       BK)
-    mask = n_mask[:, None] & rmask[None, :]
-    out = l_ptr + rows[None, :].to(tl.int64) * E + offs_n[:, None]
-    done = True
-    if SPLIT == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.store(part_ptr + (split * M + rows[None, :]).to(tl.int64) * E + offs_n[:, None], acc, mask=mask)
-        tl.debug_barrier()
-        counter = cnt_ptr + tile * blocks + pid_m
-        done = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
-        if done:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(SPLIT):  # split order
-                acc += tl.load(part_ptr + (s * M + rows[None, :]).to(tl.int64) * E + offs_n[:, None], mask=mask,
-                               other=0.0)
-            tl.store(out, acc, mask=mask)
-            tl.atomic_xchg(counter, 0)
-    if done:  # this tile's logits are stored; the block's last tile routes its rows
-        tl.debug_barrier()
-        counter = cnt_ptr + tiles * blocks + pid_m
-        if tl.atomic_add(counter, 1, sem="acq_rel") == tiles - 1:
-            for row in range(pid_m * BM, tl.minimum(M, pid_m * BM + BM)):
-                _route_row(l_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, row, E, route_scale, norm_eps, SCORE, HAS_BIAS,
-                           HASH, K, BE, BKK)
-            if PAIRS:
-                tl.debug_barrier()  # the block's routing is stored: every thread reads it back
-                _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, K, BM, BKK,
-                            HAS_SHARED)
-            tl.atomic_xchg(counter, 0)
-
 
 _W_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.int8,
              torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}
@@ -393,6 +195,17 @@ def expert_table(experts, key) -> ExpertTable:
 
 
 @device_function
+def _weight_rows(base, J: tl.constexpr, offs_n, stride_wn, stride_sn, WDT: tl.constexpr, W_ALIGN: tl.constexpr,
+                 BO: tl.constexpr):
+    """Rows offs_n of an expert group's gate (J = 0) or up (J = 1) weight and of its scales, from the group's
+    table row (in the checkpoint's formats made where each product begins: the up's held across the gate's K
+    loop spill at 256-deep K tiles)."""
+    w = tl.multiple_of(tl.load(base + 2 * J).to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
+    s = tl.load(base + 2 * J + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+    return w, s
+
+
+@device_function
 def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x, stride_wn, stride_sn,
               limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
               X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
@@ -405,10 +218,9 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
     a1 = tl.load(base)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = offs_n < I
-    w1_rows = tl.multiple_of(a1.to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
-    s1_rows = tl.load(base + 1).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
-    w3_rows = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
-    s3_rows = tl.load(base + 3).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
+    if not (NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0):  # from registers: made once for every block of pairs
+        w1_rows, s1_rows = _weight_rows(base, 0, offs_n, stride_wn, stride_sn, WDT, W_ALIGN, BO)
+        w3_rows, s3_rows = _weight_rows(base, 1, offs_n, stride_wn, stride_sn, WDT, W_ALIGN, BO)
     for r0 in range(p, end, BM):  # BM pairs at a time, whatever the group's size
         prs = r0 + tl.arange(0, BM)
         pm = prs < end
@@ -422,8 +234,10 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
                 else:
                     stage_rows(x_ptr, rows, pm, D, stride_x, qc, qs, q_cols, FMT, NATIVE, ACT_BLOCK, BM, BK)
                     qrows = tl.arange(0, BM).to(tl.int64)
+                w1_rows, s1_rows = _weight_rows(base, 0, offs_n, stride_wn, stride_sn, WDT, W_ALIGN, BO)
                 acc_g = staged_product(w1_rows, s1_rows, n_mask, qc, qs, qrows, D, q_cols, acc_g, FMT, BI, ACT_BLOCK,
                                        NATIVE, BM, BN, BK)
+                w3_rows, s3_rows = _weight_rows(base, 1, offs_n, stride_wn, stride_sn, WDT, W_ALIGN, BO)
                 acc_u = staged_product(w3_rows, s3_rows, n_mask, qc, qs, qrows, D, q_cols, acc_u, FMT, BI, ACT_BLOCK,
                                        NATIVE, BM, BN, BK)
             else:  # gate, then up: one weight tile live at a time (both at once spill at a 128-deep K tile)
@@ -620,30 +434,6 @@ def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmas
              mask=km[:, None] & cmask[None, :])
 
 
-def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
-    """The sorted pairs of `_sort_pairs` made with torch (a prefill chunk of several row blocks: no one
-    program sees every row)."""
-    m, k = idx.shape
-    dev = idx.device
-    flat_e = idx.reshape(-1)
-    rows = torch.arange(m, device=dev).repeat_interleave(k)
-    order = torch.argsort(flat_e * m + rows, stable=True)
-    e, r, pw = flat_e[order], rows[order], weights.reshape(-1)[order]
-    first = torch.searchsorted(e, e)
-    end = torch.searchsorted(e, e, right=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=dev)
-    pos = inv.view(m, k).gather(1, idx.argsort(dim=-1, stable=True)).contiguous()
-    if shared:
-        n = m * k
-        e = torch.cat((e, torch.full((m,), n_experts, dtype=torch.int64, device=dev)))
-        r = torch.cat((r, torch.arange(m, device=dev)))
-        pw = torch.cat((pw, torch.zeros(m, device=dev)))
-        first = torch.cat((first, torch.full((m,), n, dtype=torch.int64, device=dev)))
-        end = torch.cat((end, torch.full((m,), n + m, dtype=torch.int64, device=dev)))
-    return e.contiguous(), r.contiguous(), pw.contiguous(), first.contiguous(), end.contiguous(), pos
-
-
 def pairs_per_program(n_pairs: int) -> int:
     """Pairs each program of the expert kernels walks (their group leaders work, the others return): one on a
     device, a program per pair; all of them under the interpreter, which pays per program."""
@@ -696,7 +486,7 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     require(gate.format == "dense", "gate.format", gate.format, "must be dense")
     e, gd = gate.shape
     require(gd == d, "gate.shape", gate.shape, f"must be [E, {d}]")
-    require(score_func in _SCORES, "score_func", score_func, f"must be one of {', '.join(_SCORES)}")
+    require(score_func in router.SCORES, "score_func", score_func, f"must be one of {', '.join(router.SCORES)}")
     require(1 <= top_k <= min(e, 64), "top_k", top_k, f"must be in 1..{min(e, 64)}")
     require(e <= 4096, "experts", e, "must be <= 4096")
     require(len(experts) == e, "experts", len(experts), f"must be one per gate row ({e})")
@@ -719,6 +509,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         if ab:
             check_act_block(ab, st.i)
     dev = device_of(x, gate.data, table.table, X, post, comb)
+    native = _native(dev, ab, min(table.align, st.align)) if st is not None and reduce is None else 0
+    if native and is_long(product_rows(native, True)):  # a long call's experts' launches, one device's
+        reduce, share = _ALONE, _ALONE.share(m)
     split = reduce is not None and st is not None and reduce.shared_split  # its partial: unrounded, summed
     own = shared is not None and share is not None  # a long call's rows take it whole (`_own_shared`)
     whole = (reduce.whole_shared if split else shared) if own else None
@@ -731,35 +524,15 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     if m == 0:
         return out, weights, idx
-    # (1) router and routing
-    bm, bn, bk, ((kps, splits),) = linear.plan([(e, 0, e)], d, dev)
-    tiles = triton.cdiv(e, bn)
-    blocks = triton.cdiv(m, bm)
+    # (1) router and routing, the pairs sorted by expert
     n_pairs = m * top_k + (m if shared is not None else 0)
-    pairs_in_kernel = blocks == 1
-    pair = [torch.empty(n_pairs, dtype=dt, device=dev) for dt in (torch.int64, torch.int64, torch.float32,
-                                                                     torch.int64, torch.int64)]
-    pos = torch.empty((m, top_k), dtype=torch.int64, device=dev)
-    logits = torch.empty((m, e), dtype=torch.float32, device=dev)
-    part = torch.empty((splits, m, e), dtype=torch.float32, device=dev) if splits > 1 else logits
-    cnt = counters(dev, tiles * blocks + blocks)
-    gdata = gate.data
-    exact = gate.bf16_exact
-    _router_kernel[(tiles * splits, blocks)](
-        x, gdata, part, logits, cnt, bias.float().contiguous() if bias is not None else logits,
-        hash_idx.to(torch.int64).contiguous() if hash_idx is not None else idx, weights, idx, *pair, pos,
-        m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps),
-        FMT=0, X_PARTS=3 if exact and x.dtype == torch.float32 else 1, DOT_BF16=exact and not INTERPRET,
-        SPLIT=splits, SCORE=_SCORES[score_func], HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k,
-        PAIRS=pairs_in_kernel, HAS_SHARED=shared is not None, BM=bm, BN=bn, BK=bk, BE=pow2(e),
-        BKK=pow2(top_k))
-    if not pairs_in_kernel:
-        *pair, pos = _pairs_on_host_order(idx, weights, e, shared is not None)
+    pair, pos = router.fast(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, weights, idx,
+                            shared is not None)
     # (2, 3) the experts
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
     _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
-        rows = _own_shared(x, e, table, share, whole, ab, limit, weight_before_w2) if own else None
+        rows = _own_shared(x, share, whole, ab, limit, weight_before_w2) if own else None
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
     if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
@@ -772,6 +545,19 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     return out, weights, idx
 
 
+def _native(dev: torch.device, ab: int, align: int) -> int:
+    """How the experts' products multiply (_triton.native_products): FP8/FP4 weights (aligned: whole-vector
+    loads; the interpreter has no vectors) with quantized rows in their own formats, else 0."""
+    return native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
+
+
+# A long call on one device (fast_ffn's reduce), as a world of one whose share is every row: its shared expert
+# takes launches of its own (`_own_shared`) as on each rank of a split, so no long call's gate-and-up holds an
+# expert's and the shared expert's weights both (that launch spills at 256-deep K tiles on sm_103).
+_ALONE = types.SimpleNamespace(world=1, shared_split=False, share=lambda rows: (rows, 0, rows),
+                               sum_shares=lambda t: t[0])
+
+
 def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split) -> None:
     """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
     sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row."""
@@ -779,16 +565,17 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
     align = min(table.align, st.align if st is not None else 16)
-    # FP8/FP4 weights (aligned: whole-vector loads; the interpreter has no vectors) with quantized rows
-    # multiply in their own formats (_triton.native_products)
-    native = native_products(dev) if ab >= 32 and (align == 16 or INTERPRET) else 0
+    native = _native(dev, ab, align)
     bm = product_rows(native, bool(native))
     prestaged = is_long(bm)  # a long call: x and h staged once (rows.stage_launch), every expert reads them
+    # a long call's on the block-scaled MMA 256 deep: 0.6x the main loop's issue a weight element of 128 (the
+    # compile check; 2 pipeline stages, 3 spill)
+    long_block_scaled = prestaged and native == NATIVE_BLOCK_SCALED
     if INTERPRET:
         bk2 = max(min(pow2(max(d, iw)), 256), ab, 32)
         bn_up, bn_down = min(pow2(iw), 128), min(pow2(d), 128)
     else:
-        bk2 = max(128 if native else 64, ab)
+        bk2 = max((256 if long_block_scaled else 128) if native else 64, ab)
         if native:  # 128 outputs a tile, the block-scaled MMA's M side; 256 on the e4m3 MMA (as linear.plan),
             # there over 8 warps and 2 pipeline stages (4 warps, or 3 stages, spill)
             bn_up = bn_down = 256 if native == NATIVE_E4M3 and not prestaged else 128
@@ -804,7 +591,7 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
                   HAS_SHARED=st is not None, PRESTAGED=prestaged, BM=bm, BK=bk2,
                   # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
                   num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
-                  num_stages=2 if native == NATIVE_E4M3 else 3)
+                  num_stages=2 if native == NATIVE_E4M3 or long_block_scaled else 3)
     # staged whole (PRESTAGED), h's columns past a narrower group's I must read as zeros (none where I = I_S)
     h = (torch.zeros if prestaged and i != i_s else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
@@ -826,16 +613,16 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
 
 
-def _own_shared(x, e, table, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
+def _own_shared(x, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
     """The shared expert, whole, of a long call's share of the rows (not a split's partial of every row):
-    [rows, D] in x's dtype, one device's. Its pairs: one group (expert id e, after the routed `table`'s,
-    which sets the launches' routed constexprs as the call's own launches), rows lo.."""
+    [rows, D] in x's dtype, one device's. Its launches are the routed experts' with its own table as their
+    one expert (its formats their constexprs): its pairs one group, rows lo.., each weighing 1 (exact)."""
     (lo, hi), dev = share[1:], x.device
     rows = torch.empty((hi - lo, x.shape[1]), dtype=x.dtype, device=dev)
     if hi > lo:
         z = torch.zeros(hi - lo, dtype=torch.int64, device=dev)
-        pairs = (z + e, torch.arange(lo, hi, device=dev), z.float(), z, z + hi - lo)
-        _experts(x, e, table, expert_table([whole], whole), pairs, hi - lo, ab, limit, weight_before_w2, rows, rows,
+        pairs = (z, torch.arange(lo, hi, device=dev), torch.ones(hi - lo, device=dev), z, z + hi - lo)
+        _experts(x, 1, expert_table([whole], whole), None, pairs, hi - lo, ab, limit, weight_before_w2, rows, rows,
                  0, False)
     return rows
 

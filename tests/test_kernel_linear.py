@@ -231,11 +231,12 @@ def test_no_launch_of_a_long_call_splits_k():
 
 
 @pytest.mark.parametrize("case", ["grouped plain fp8", "mixed formats"])
-def test_a_long_calls_plain_products_from_registers_take_programs_of_long_rows(monkeypatch, case):
+def test_a_long_calls_plain_products_from_registers_take_programs_of_long_rows(native, monkeypatch, case):
     """Inside long_calls the plain products whose weights are dequantized to bfloat16 values in registers (a
-    plain FP8 product of bfloat16 rows, V4.1's wo_a) take programs of LONG_ROWS rows too; a launch that
-    quantizes rows in its loop (FP8 beside dense products) keeps 16 (beside 128 rows it spills): within the
-    stated bound, and a prompt's rows give the same bits whatever its chunks."""
+    plain FP8 product of bfloat16 rows, V4.1's wo_a) take programs of LONG_ROWS rows too; products in the
+    checkpoint's formats beside plain ones (FP8 beside dense products) are two launches, each a long call's
+    (one launch would quantize the rows in its loop, 16 rows a program): within the stated bound, and a
+    prompt's rows give the same bits whatever its chunks."""
     tiles = []
     plan = linear.plan
     monkeypatch.setattr(linear, "plan", lambda *a, **k: (lambda r: (tiles.append(r[0]), r)[1])(plan(*a, **k)))
@@ -251,8 +252,13 @@ def test_a_long_calls_plain_products_from_registers_take_programs_of_long_rows(m
     with kernels._triton.long_calls():
         got = assert_chunks_equal("products", lambda sl: torch.cat(
             [y.float() for y in run(linear.fast_multi, x[sl], products)], -1), rows, (3, 131), ctx)
-    want_rows = kernels._triton.LONG_ROWS if case == "grouped plain fp8" else kernels._triton.MMA_ROWS
-    assert tiles and set(tiles) == {want_rows}, f"programs of {set(tiles)} rows {ctx}"
+    want_rows = {kernels._triton.LONG_ROWS}
+    if case == "mixed formats":  # the FP8 products' launch multiplies in their formats
+        with kernels._triton.long_calls():
+            want_rows.add(kernels._triton.product_rows(kernels._triton.native_products(DEVICE), True))
+    assert tiles and set(tiles) == want_rows, f"programs of {set(tiles)} rows {ctx}"
+    calls = 4  # the whole and its three chunks
+    assert len(tiles) == calls * (1 if case == "grouped plain fp8" else 2), f"{len(tiles)} launches {ctx}"
     want = linear.reference_multi(x, products)
     start = 0
     for i, (p, w) in enumerate(zip(products, want)):

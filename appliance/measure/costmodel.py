@@ -23,7 +23,8 @@ Assumptions (each constant below names its source):
 - Tensor FLOPs, as count.py declares them: the weight products' 2 x rows x weight elements, the rows padded
   to the MMA's 16 (a decode step's products are 16 rows however many it uses; a routed expert's rows are its
   share of the pairs), at the dense tensor-core peak of the path the kernels take: FP8 on every architecture
-  here (the block-scaled MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both);
+  here (the block-scaled MMA on sm_100/103, the e4m3 MMA on sm_90; FP4 weights multiply as e4m3 on both),
+  bfloat16 where the weights are dequantized in registers (a plain product: `Launch.path` "registers");
   the attention's (4 x queries x heads x head dim x rows it attends) and the indexer's scores (2 x queries x
   index heads x visible key rows x index dim) at the bfloat16 peak. Their main loops issue one pass per 16
   rows (8 on the e4m3 MMA of sm_89/90 in the checkpoint's formats; in a prefill chunk's long calls 128, or
@@ -108,19 +109,20 @@ ISSUE_PER_ELEMENT = {
 ISSUE_PER_ELEMENT[100] = ISSUE_PER_ELEMENT[103]
 # ... in a long call's programs (a prefill chunk: LONG_ROWS rows a pass, the rows staged once by a launch of
 # their own, so the main loop is all; the compile check's `... long` rows), per weight element and pass: of
-# 128 rows on the block-scaled MMA, of 32 on the e4m3 MMA (kernels/_triton.py `product_rows`)
+# 128 rows on the block-scaled MMA (256 columns deep), of 32 on the e4m3 MMA (kernels/_triton.py
+# `product_rows`); a long call's shared expert takes launches of its own, its FP8 loop measured apart
 ISSUE_PER_ELEMENT_LONG = {
-    90: {("linear", "fp8"): 4.70, ("linear", "fp4"): 6.00, ("moe", "fp4"): 7.61, ("moe", "fp8"): 7.61,
+    90: {("linear", "fp8"): 4.70, ("linear", "fp4"): 6.00, ("moe", "fp4"): 7.62, ("moe", "fp8"): 5.84,
          ("engram", "fp8"): 4.59},
-    103: {("linear", "fp8"): 2.13, ("linear", "fp4"): 2.17, ("moe", "fp4"): 3.39, ("moe", "fp8"): 3.39,
-          ("engram", "fp8"): 2.00},
+    103: {("linear", "fp8"): 1.68, ("linear", "fp4"): 1.82, ("moe", "fp4"): 1.95, ("moe", "fp8"): 1.95,
+          ("engram", "fp8"): 1.61},
 }
 ISSUE_PER_ELEMENT_LONG[100] = ISSUE_PER_ELEMENT_LONG[103]
 # ... of a launch whose products take the weights dequantized to bfloat16 values in registers (a plain FP8
 # product of bfloat16 rows: wo_a; a launch mixing formats), short and long (the compile check's `plain` rows;
 # where a format is not measured there, the native loop's figure stands in)
 ISSUE_PER_ELEMENT_REGISTERS = {90: {("linear", "fp8"): 7.44}, 103: {("linear", "fp8"): 6.16}}
-ISSUE_PER_ELEMENT_REGISTERS_LONG = {90: {("linear", "fp8"): 8.41}, 103: {("linear", "fp8"): 7.31}}
+ISSUE_PER_ELEMENT_REGISTERS_LONG = {90: {("linear", "fp8"): 8.41}, 103: {("linear", "fp8"): 4.83}}
 for _table in (ISSUE_PER_ELEMENT_REGISTERS, ISSUE_PER_ELEMENT_REGISTERS_LONG):
     _table[100] = _table[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
@@ -203,9 +205,10 @@ def launch_terms(la: dict, gpu: GPU, routed_scale: float = 1.0, long: bool = Fal
     products = 2 * tile * passes * sum(weights.values()) if family else 0.0
     attention = la["flops"].get("attention", 0)
     tensor = 0.0
-    if gpu.tensor_flops:  # products on the FP8 path on every architecture here (module docstring), the
-        # attention's and the indexer's dots on bfloat16
-        tensor = products / gpu.tensor_flops["fp8"] + (attention / gpu.tensor_flops["bf16"] if attention else 0.0)
+    if gpu.tensor_flops:  # products in the checkpoint's formats on the FP8 path on every architecture here,
+        # from registers on bfloat16 (module docstring), the attention's and the indexer's dots on bfloat16
+        rate = gpu.tensor_flops["bf16" if la["path"] == "registers" else "fp8"]
+        tensor = products / rate + (attention / gpu.tensor_flops["bf16"] if attention else 0.0)
     return {"bytes": hbm / (gpu.hbm_bytes_per_s * COPY_FRACTION),
             "issue": issue / gpu.issue_per_s if gpu.issue_per_s else 0.0,
             "tensor": tensor,

@@ -207,8 +207,9 @@ class DeclaredReads:
         """A weight product's tensor-core FLOPs: each launch's quantized weight elements times its rows,
         padded to the MMA's (`rows_of` the first argument: x [..., K] or the Engram streams [T, hc, D]), and
         how it multiplies: `kind_of(x, *args)` gives its path (Launch.path), whether it can run as a long
-        call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves. What
-        a product writes is its outputs: the float32 partials of a split-K are left out (no launch of a long
+        call's (then also `products_long`: padded to LONG_ROWS) and the bytes its rows' staging then moves (a
+        list of those with the products each launch computes where one call launches several). What a product
+        writes is its outputs: the float32 partials of a split-K are left out (no launch of a long
         call takes one; a GPU's, of a decode step's 16 rows, are read back from L2 by the tile's last
         program, and the count's under the interpreter are its own)."""
         rec = self.rec
@@ -218,20 +219,21 @@ class DeclaredReads:
             out = op(x, *args, **kwargs)
             if rec.recording:
                 rows = rows_of(x)
-                path, long, staged = kind_of(x, *args)
-                written = sum(nbytes(t) for t in tensor_args((out,)))
-                for la in rec.launches[first:]:
-                    if la.weights:
-                        la.path, la.bytes_written = path, written
-                        la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
-                        if path == "native":  # the e4m3 MMA's programs of 8 (sm_89/90)
-                            la.flops["products_e4m3"] = 2 * _mma_rows(rows, E4M3_MMA_ROWS) * sum(la.weights.values())
-                        if long:
-                            la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
-                            la.staged_bytes = staged
-                        if long and path == "native":
-                            la.flops["products_long_e4m3"] = 2 * _mma_rows(rows, E4M3_LONG_ROWS) * sum(
-                                la.weights.values())
+                launches = [la for la in rec.launches[first:] if la.weights]
+                kinds = kind_of(x, *args)
+                kinds = [(*kinds, None)] * len(launches) if isinstance(kinds, tuple) else kinds
+                for la, (path, long, staged, ix) in zip(launches, kinds, strict=True):
+                    outs = (out,) if ix is None else [out[i] for i in ix]
+                    la.path, la.bytes_written = path, sum(nbytes(t) for t in tensor_args(outs))
+                    la.flops["products"] = 2 * _mma_rows(rows) * sum(la.weights.values())
+                    if path == "native":  # the e4m3 MMA's programs of 8 (sm_89/90)
+                        la.flops["products_e4m3"] = 2 * _mma_rows(rows, E4M3_MMA_ROWS) * sum(la.weights.values())
+                    if long:
+                        la.flops["products_long"] = 2 * _mma_rows(rows, LONG_ROWS) * sum(la.weights.values())
+                        la.staged_bytes = staged
+                    if long and path == "native":
+                        la.flops["products_long_e4m3"] = 2 * _mma_rows(rows, E4M3_LONG_ROWS) * sum(
+                            la.weights.values())
             return out
 
         return call

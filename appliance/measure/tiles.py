@@ -5,6 +5,8 @@ products compute, its pairs padded to whole tiles."""
 
 import torch
 
+from kernels.linear import native_split
+
 
 def expected_tile_rows(n_experts: int, top_k: int, rows: int, tile: int) -> float:
     """The rows a selected expert's products compute under uniform routing, in expectation: its pairs (each
@@ -50,10 +52,22 @@ def expand_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
     return path, long and path == "native", staged
 
 
-def products_kind(x, products, *rest, **kw) -> tuple[str, bool, int]:
-    """A launch of several products (linear_multi): in the checkpoint's formats where every product is (long
-    where their rows are staged alike: one format and activation block); else from registers (long where
-    every product is plain on bfloat16 values)."""
+def products_kind(x, products, *rest, **kw) -> list[tuple[str, bool, int, list[int]]]:
+    """The launches of several products (linear_multi) that the count sees weights in (FP8/FP4; one of dense
+    weights only, it does not), each (path, can run long, its staging's bytes, the products it computes): one,
+    or in a long call two where products in the checkpoint's formats are beside plain ones
+    (kernels/linear.py `native_split`), those first."""
+    split = native_split(x, products)
+    parts = [[i for i, n in enumerate(split) if n is part] for part in (True, False)] if split else [
+        list(range(len(products)))]
+    return [(*_launch_kind(x, [products[i] for i in ix]), ix) for ix in parts
+            if any(products[i].weight.format in ("fp8", "fp4") for i in ix)]
+
+
+def _launch_kind(x, products) -> tuple[str, bool, int]:
+    """One launch of products: in the checkpoint's formats where every product is (long where their rows are
+    staged alike: one format and activation block); else from registers (long where every product is plain on
+    bfloat16 values)."""
     if all(product_is_native(p.weight, p.act_block) for p in products):
         alike = len({(p.weight.format, p.act_block) for p in products}) == 1
         return "native", alike, rows_staging(x) if alike else 0
