@@ -24,6 +24,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -161,6 +162,26 @@ def device_function(fn):
     Python function (it runs on the same patched triton.language): the interpreter re-patches the language
     on every call of a jit function (about 0.3 ms), which made nested helpers the main cost of CPU runs."""
     return fn if INTERPRET else triton.jit(fn)
+
+
+def pdl(dev: torch.device) -> dict:
+    """A launch's options for programmatic dependent launch (Triton's `launch_pdl`, the kernels' PDL constexpr):
+    on sm_90 and later; not under the interpreter, which has no grids to overlap (its kernels run with PDL
+    off: the same code without the two instructions). KERNELS_NO_PDL=1 turns it off (the device check's
+    comparison)."""
+    on = not INTERPRET and capability(dev) >= 90 and os.environ.get("KERNELS_NO_PDL", "0") != "1"
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@device_function
+def dependent_launch(PDL: tl.constexpr):
+    """Every kernel's first statement. With PDL the kernel was launched before the one ahead of it in the
+    stream finished (`pdl`): wait until that one has completed and its writes are visible, then let the next
+    kernel launch (it waits likewise before touching memory). A kernel's launch and ramp overlap its
+    predecessor's tail; no load or store comes before the wait (the compile check reads it in the PTX)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def ready() -> str | None:

@@ -32,8 +32,10 @@ from . import rope as rope_op
 from ._triton import (
     INTERPRET,
     bf16_rne,
+    dependent_launch,
     device_function,
     device_of,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -170,7 +172,8 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
             scale,      # float32
             BY_POSITION: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, P_ROUND: tl.constexpr,
             QK_BF16: tl.constexpr, PV_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BH: tl.constexpr,
-            BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+            BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     m = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
@@ -285,7 +288,7 @@ def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, rope, s
         HALF=rope[0].shape[1] if rope is not None else 1, P_ROUND=_P_ROUND[p_dtype],
         QK_BF16=qk_bf16 and not INTERPRET,
         PV_BF16=p_dtype == torch.bfloat16 and win.dtype == comp.dtype == torch.bfloat16 and not INTERPRET,
-        OUT_BF16=q.dtype == torch.bfloat16, BH=bh, BN=bn, BD=bd, BDV=bdv)
+        OUT_BF16=q.dtype == torch.bfloat16, BH=bh, BN=bn, BD=bd, BDV=bdv, **pdl(q.device))
     return o
 
 

@@ -25,8 +25,10 @@ from . import rmsnorm
 from . import rope as rope_op
 from ._triton import (
     INTERPRET,
+    dependent_launch,
     device_function,
     device_of,
+    pdl,
     pow2,
     pow2_ceil,
     require,
@@ -143,7 +145,8 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
             T, H, hd, S, nh, dI, eps, iw_scale, q_blocks,
             WRITE: tl.constexpr, QUANT: tl.constexpr, INDEX: tl.constexpr, OUT_BF16: tl.constexpr,
             HALF: tl.constexpr, BHD: tl.constexpr, BQH: tl.constexpr, BIH: tl.constexpr, BDI: tl.constexpr,
-            BNH: tl.constexpr):
+            BNH: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -234,5 +237,5 @@ def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple
                         iw if index else k, wo if index else k, t, h, hd, ring.shape[0], nh, di, float(eps),
                         float(iw_scale), q_blocks, WRITE=write, QUANT=quant, INDEX=index,
                         OUT_BF16=q.dtype == torch.bfloat16, HALF=half, BHD=pow2(hd), BQH=bqh, BIH=bih,
-                        BDI=pow2(di), BNH=pow2(nh))
+                        BDI=pow2(di), BNH=pow2(nh), **pdl(q.device))
     return q, k, qo, wo

@@ -24,9 +24,11 @@ import torch
 from . import linear, rmsnorm
 from . import rope as rope_op
 from ._triton import (
+    dependent_launch,
     device_function,
     device_of,
     e4m3_rne,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -104,7 +106,9 @@ def _kernel(kappa_ptr, zeta_ptr,  # float32 [T, w] projections of this call (zet
             idx_ptr,              # out int64 [T] the row each position wrote
             T, w, S, ratio, dI, trash, eps,
             GATE: tl.constexpr, WRITE: tl.constexpr, QUANT: tl.constexpr, OUT_BF16: tl.constexpr,
-            HALF: tl.constexpr, BW: tl.constexpr, BM: tl.constexpr, BDI: tl.constexpr, BC: tl.constexpr):
+            HALF: tl.constexpr, BW: tl.constexpr, BM: tl.constexpr, BDI: tl.constexpr, BC: tl.constexpr,
+            PDL: tl.constexpr):
+    dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     start = tl.load(pos_ptr)
@@ -207,5 +211,5 @@ def fast(kappa: torch.Tensor, zeta: torch.Tensor | None, positions: torch.Tensor
         _kernel[(t,)](kappa, kappa if zeta is None else zeta, positions, ring, norm, wk.data, k_norm, *rope, lat,
                       kv_rows, key_rows, index, t, w, ring.shape[0], ratio, di, kv_rows.shape[0] - 1, float(eps),
                       GATE=zeta is not None, WRITE=write, QUANT=quant, OUT_BF16=dtype == torch.bfloat16, HALF=half,
-                      BW=pow2(w, 16), BM=pow2(ratio), BDI=pow2(di, 32), BC=min(pow2(w, 16), 64))
+                      BW=pow2(w, 16), BM=pow2(ratio), BDI=pow2(di, 32), BC=min(pow2(w, 16), 64), **pdl(kappa.device))
     return index

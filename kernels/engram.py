@@ -22,8 +22,10 @@ from . import linear
 from ._triton import (
     INTERPRET,
     counters,
+    dependent_launch,
     device_of,
     is_long,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -81,7 +83,9 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
                   T, K, hc, D, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
                   DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, OUT_BF16: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr,
+                  PDL: tl.constexpr):
+    dependent_launch(PDL)
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
     N = (hc + 1) * D
@@ -195,7 +199,7 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
         codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, qc, qs, t, k, hc, d, swn, ssn,
         float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, NATIVE=native,
         PRESTAGED=prestaged, OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
-        BHC=pow2(hc))
+        BHC=pow2(hc), **pdl(codes.device))
     return out
 
 
@@ -261,7 +265,8 @@ def _lookup_kernel(tok_ptr,    # int64 token history
                    rs_ptr,     # out uint8 [L, T, COLS, HD / 32]
                    T, V, pad, COLS, n_heads, HD,
                    L: tl.constexpr, NG: tl.constexpr, BNG: tl.constexpr, BCOLS: tl.constexpr, BHD: tl.constexpr,
-                   BHS: tl.constexpr):
+                   BHS: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t)
     i = tl.arange(0, BNG)
@@ -331,5 +336,6 @@ def fast_lookup(tokens: torch.Tensor, positions: torch.Tensor, token_map: torch.
                              offsets.contiguous(), tuple(x.view(torch.uint8) for x in tables),
                              tuple(x.view(torch.uint8) for x in scales), ids, codes.view(torch.uint8),
                              row_scales.view(torch.uint8), t, token_map.numel(), int(pad), cols, n_heads, hd,
-                             L=layers, NG=ng, BNG=pow2(ng), BCOLS=pow2(cols), BHD=pow2(hd), BHS=pow2(hd // 32))
+                             L=layers, NG=ng, BNG=pow2(ng), BCOLS=pow2(cols), BHD=pow2(hd), BHS=pow2(hd // 32),
+                             **pdl(tokens.device))
     return ids, codes, row_scales

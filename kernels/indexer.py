@@ -35,8 +35,10 @@ from ._triton import (
     INTERPRET,
     as_int64,
     bf16_value,
+    dependent_launch,
     device_function,
     device_of,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -159,7 +161,8 @@ def _scores_kernel(q_ptr,   # q [M, nh, dI] (float32 / bfloat16), contiguous
                    M, N, S, NH, DI, stride_k, NI, block, rows_per_prog, ratio,
                    RD: tl.constexpr, INSIDE: tl.constexpr, MAXB: tl.constexpr,
                    DOT_BF16: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                   BDC: tl.constexpr):
+                   BDC: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # output columns: keys, or slots of the candidate blocks
     heads = tl.arange(0, BH)
     hmask = heads < NH
@@ -251,7 +254,7 @@ def fast_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions:
     _scores_kernel[(triton.cdiv(cols, bn), triton.cdiv(m, rows))](
         q, w, keys, pos, blocks, out, m, n, out.shape[1], nh, di, keys.stride(0), blocks.shape[-1], block, rows,
         ratio, RD=_ROUND[round_dtype], INSIDE=within, MAXB=maxima, DOT_BF16=bf16 and not INTERPRET, BN=bn,
-        BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32))
+        BH=pow2(nh, 16 if not INTERPRET else 1), BD=bd, BDC=bd if INTERPRET else min(bd, 32), **pdl(q.device))
     return out
 
 
@@ -339,7 +342,8 @@ def _select_kernel(s_ptr,     # float32 scores [M, N], contiguous
                    made_ptr,  # out int64 [M, KB] (SOURCE): the kept candidate blocks, ascending, -1 unused
                    out_ptr,   # out int64 [M, k]
                    N, k, ratio, block, KB, NB, NI,
-                   SOURCE: tl.constexpr, INSIDE: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr):
+                   SOURCE: tl.constexpr, INSIDE: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     m = tl.program_id(0).to(tl.int64)
     if SOURCE:  # the candidate blocks: the top KB of the NB block maxima
         nv = (tl.load(pos_ptr + m) + 1) // ratio
@@ -380,5 +384,5 @@ def fast_select(scores: torch.Tensor, k: int, positions: torch.Tensor | None = N
     bn = min(pow2(max(n, nb)), 1024 if INTERPRET else 128)  # [BN, 16] digit counts in registers
     _select_kernel[(m,)](scores, blocks, positions if source else out, made if source else out, out, n, k, ratio,
                          max(block, 1), kb, nb, blocks.shape[1], SOURCE=source, INSIDE=inside is not None, BN=bn,
-                         BL=pow2(max(block, 1)))
+                         BL=pow2(max(block, 1)), **pdl(scores.device))
     return out, made

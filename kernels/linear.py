@@ -63,6 +63,7 @@ from ._triton import (
     NATIVE_E4M3,
     bf16_value,
     counters,
+    dependent_launch,
     device_function,
     device_of,
     e2m1_high_as_e4m3,
@@ -71,6 +72,7 @@ from ._triton import (
     in_long_calls,
     is_long,
     native_products,
+    pdl,
     pow2,
     product_rows,
     require,
@@ -524,7 +526,8 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             FMT3: tl.constexpr, BO3: tl.constexpr, BI3: tl.constexpr, ACT3: tl.constexpr,
             XP3: tl.constexpr, SPLIT3: tl.constexpr, OUT3: tl.constexpr,
             FMT4: tl.constexpr, BO4: tl.constexpr, BI4: tl.constexpr, ACT4: tl.constexpr,
-            XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr):
+            XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
     qc, qs = qc_ptr, qs_ptr  # PRESTAGED: every row's codes, which `stage_launch` wrote
@@ -788,7 +791,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
                                PRESTAGED=prestaged,
                                K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
                                BM=bm, BN=bn, BK=bk,
-                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx)
+                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx, **pdl(x2.device))
     return shaped
 
 

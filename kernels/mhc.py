@@ -29,8 +29,10 @@ from ._triton import (
     INTERPRET,
     as_int64,
     counters,
+    dependent_launch,
     device_function,
     device_of,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -99,7 +101,8 @@ def _project_kernel(x_ptr,     # streams X viewed [M, n] (n = hc*D; float32 / bf
                     fn_ptr,    # float32 [J, n] projection, contiguous
                     part_ptr,  # float32 [S, M, J + 1]: per chunk, the J partial dots and the sum of squares
                     M, n, J, stride_x, chunk,  # chunk: inputs per program (a multiple of BC)
-                    BJ: tl.constexpr, BC: tl.constexpr):
+                    BJ: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     pid_s = tl.program_id(0)
     js = tl.arange(0, BJ)
     jmask = js < J
@@ -134,7 +137,8 @@ def _coeffs_kernel(part_ptr,   # float32 [S, M, J + 1] from _project_kernel
                    comb_ptr,   # float32 [M, hc, hc] out (coeffs only)
                    M, n, hc, iters,
                    norm_eps, hc_eps,  # float32
-                   SPLITS: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr):
+                   SPLITS: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rows < M, M, n, hc, iters,
                  norm_eps, hc_eps, SPLITS, HEAD, BM, BHC)
@@ -169,12 +173,13 @@ def _coeffs(X, fn, base, scale, norm_eps, hc_eps, iters, head):
         chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
     splits = triton.cdiv(n, chunk)
     part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev)
-    _project_kernel[(splits,)](x2, fn, part, m, n, j, x2.stride(0), chunk, BJ=bj, BC=bc)
+    _project_kernel[(splits,)](x2, fn, part, m, n, j, x2.stride(0), chunk, BJ=bj, BC=bc, **pdl(x2.device))
     # one row per program on the GPU; the interpreter's reductions are numpy's, per element along one axis,
     # so several rows per program give each row the same sums there
     bm2 = min(pow2(m), 64) if INTERPRET else 1
     _coeffs_kernel[(triton.cdiv(m, bm2),)](part, base, scale, pre, post, comb, m, n, hc, iters, float(norm_eps),
-                                           float(hc_eps), SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc))
+                                           float(hc_eps), SPLITS=splits, HEAD=head, BM=bm2, BHC=pow2(hc),
+                                           **pdl(part.device))
     return pre, post, comb
 
 
@@ -195,7 +200,8 @@ def fast_head_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 def _collapse_kernel(x_ptr,    # X [M, hc, D] (float32 / bfloat16), contiguous
                      pre_ptr,  # float32 [M, hc]
                      y_ptr,    # out [M, D] in X's dtype
-                     M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                     M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -222,7 +228,8 @@ def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         bd = min(pow2(d), 8192 if INTERPRET else 1024)
         bm = max(1, min(pow2(m), 16384 // bd)) if INTERPRET else 1
         _collapse_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](X, pre, y, m, hc, d,
-                                                                   OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BD=bd)
+                                                                   OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BD=bd,
+                                                                   **pdl(X.device))
     return y
 
 
@@ -232,7 +239,9 @@ def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), conti
                    post_ptr,  # float32 [M, hc]
                    comb_ptr,  # float32 [M, hc, hc]
                    out_ptr,   # out [M, hc, D] in X's dtype
-                   M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
+                   M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
+                   PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -271,7 +280,7 @@ def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
         bm = max(1, min(pow2(m), 16384 // (bd * pow2(hc)))) if INTERPRET else 1
         _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](y, X, post, comb, out, m, hc, d,
                                                                  OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
-                                                                 BHC=pow2(hc), BD=bd)
+                                                                 BHC=pow2(hc), BD=bd, **pdl(y.device))
     return out
 
 
@@ -380,7 +389,9 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
                 OUT_BF16: tl.constexpr,
-                BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
+                BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
+                PDL: tl.constexpr):
+    dependent_launch(PDL)
     pid_s = tl.program_id(0)
     pid_b = tl.program_id(1)
     S = tl.num_programs(0)
@@ -511,5 +522,5 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
         mean if capture else y, m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
         COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
-        BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd)
+        BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean

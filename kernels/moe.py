@@ -36,10 +36,12 @@ from ._triton import (
     NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_rne,
+    dependent_launch,
     device_function,
     device_of,
     is_long,
     native_products,
+    pdl,
     pow2,
     product_rows,
     require,
@@ -281,7 +283,8 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                     W_ALIGN: tl.constexpr,
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
@@ -364,7 +367,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                  W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
-                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
@@ -394,7 +398,8 @@ def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32; STORE_PAIRS
                     M, D, K, hc, SH0, SHS, YS, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
                     PAIRS: tl.constexpr,  # store a row's pairs' sum as is (else the shared expert and the expand)
-                    X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr):
+                    X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
@@ -602,7 +607,7 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
         *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
         S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
-        HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common)
+        HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common, **pdl(x.device))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
@@ -610,7 +615,7 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
-        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common)
+        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common, **pdl(h.device))
 
 
 def _own_shared(x, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:
@@ -649,7 +654,7 @@ def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool,
     sh0, shs = shared_rows or (m * pos.shape[1], 1)
     _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, shs, d,
                                              HAS_SHARED=has_shared, S_ROUND=split, PAIRS=False,
-                                             X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd)
+                                             X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd, **pdl(o.device))
 
 
 def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
@@ -660,7 +665,7 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, 0, 0, out.stride(0),
                                                  HAS_SHARED=False, S_ROUND=False, PAIRS=True, X_BF16=False,
-                                                 BHC=1, BD=bd)
+                                                 BHC=1, BD=bd, **pdl(o.device))
 
 
 def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, share) -> None:

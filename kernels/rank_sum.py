@@ -10,7 +10,7 @@ peers' buffers in symmetric memory (one tensor each, on as many devices) are rea
 
 import torch
 
-from ._triton import INTERPRET, bf16_value, require, require_dtype, round_out, tl, triton
+from ._triton import INTERPRET, bf16_value, dependent_launch, pdl, require, require_dtype, round_out, tl, triton
 
 MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs; each count compiles its own)
 BLOCK = 4096 if INTERPRET else 1024  # elements per program (the interpreter's cost is per program)
@@ -31,7 +31,9 @@ def reference(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
 @triton.jit
 def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
             out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
-            n, WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+            n, WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+            PDL: tl.constexpr):
+    dependent_launch(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     acc = tl.load(parts[0] + offs, mask=m)
@@ -64,5 +66,5 @@ def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
     n = out.numel()
     if n:
         _kernel[(triton.cdiv(n, BLOCK),)](tuple(parts), out, n, WORLD=world, ROUND_BF16=round_to == torch.bfloat16,
-                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=BLOCK)
+                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=BLOCK, **pdl(out.device))
     return out

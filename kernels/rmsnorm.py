@@ -12,7 +12,9 @@ import torch
 
 from ._triton import (
     INTERPRET,
+    dependent_launch,
     device_of,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -37,7 +39,8 @@ def _kernel(x_ptr,    # input [R, D] (float32 / bfloat16), row stride stride_x
             y_ptr,    # output [R, D] in x's dtype, contiguous
             R, D, stride_x,
             eps,      # float32
-            OUT_BF16: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+            OUT_BF16: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     xrow = x_ptr + rows.to(tl.int64) * stride_x
@@ -77,5 +80,5 @@ def fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         else:
             bd, br = min(pow2(d), 8192), 1
         _kernel[(triton.cdiv(r, br),)](x2, weight, y, r, d, x2.stride(0), float(eps),
-                                       OUT_BF16=x.dtype == torch.bfloat16, BR=br, BD=bd)
+                                       OUT_BF16=x.dtype == torch.bfloat16, BR=br, BD=bd, **pdl(x2.device))
     return y.view(x.shape)

@@ -10,7 +10,19 @@ pair's magnitude (a bfloat16 value at a rounding boundary can move by one bfloat
 
 import torch
 
-from ._triton import INTERPRET, device_of, pow2, require, require_dtype, require_rows, round_out, tl, triton
+from ._triton import (
+    INTERPRET,
+    dependent_launch,
+    device_of,
+    pdl,
+    pow2,
+    require,
+    require_dtype,
+    require_rows,
+    round_out,
+    tl,
+    triton,
+)
 
 
 def table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +55,8 @@ def _kernel(x_ptr,    # input [R, d] (float32 / bfloat16), row stride stride_x
             L1, L2,      # x's leading dims are [L0, L1, L2] (padded with 1s), R = L0 * L1 * L2
             c0, c1, c2,  # cos/sin strides along those dims (0 where broadcast)
             stride_x, SIGN: tl.constexpr, OUT_BF16: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-            BH: tl.constexpr):
+            BH: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     nope = d - 2 * half
@@ -102,5 +115,5 @@ def fast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
         br = min(pow2(r), 64) if INTERPRET else max(1, min(pow2(r), 4096 // pow2(d)))
         _kernel[(triton.cdiv(r, br),)](x2, cb, sb, y, r, d, half, dims[1], dims[2], *strides, x2.stride(0),
                                        SIGN=-1.0 if inverse else 1.0, OUT_BF16=x.dtype == torch.bfloat16,
-                                       BR=br, BD=bd, BH=bh)
+                                       BR=br, BD=bd, BH=bh, **pdl(x2.device))
     return y.view(x.shape)

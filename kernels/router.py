@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import linear
-from ._triton import INTERPRET, counters, device_function, pow2, tl, tmax, tmin, triton, tsum
+from ._triton import INTERPRET, counters, dependent_launch, device_function, pdl, pow2, tl, tmax, tmin, triton, tsum
 from .linear import PackedWeight, product_tile
 
 
@@ -160,7 +160,8 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
                    FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
                    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
                    PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr):
+                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
     tiles = tl.num_programs(0) // SPLIT
@@ -260,7 +261,7 @@ def fast(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: 
         m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps),
         FMT=0, X_PARTS=3 if exact and x.dtype == torch.float32 else 1, DOT_BF16=exact and not INTERPRET,
         SPLIT=splits, SCORE=SCORES[score_func], HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k,
-        PAIRS=pairs_in_kernel, HAS_SHARED=shared, BM=bm, BN=bn, BK=bk, BE=pow2(e), BKK=pow2(top_k))
+        PAIRS=pairs_in_kernel, HAS_SHARED=shared, BM=bm, BN=bn, BK=bk, BE=pow2(e), BKK=pow2(top_k), **pdl(x.device))
     if not pairs_in_kernel:
         *pair, pos = _pairs_on_host_order(idx, weights, e, shared)
     return pair, pos

@@ -9,9 +9,11 @@ import torch
 
 from ._triton import (
     MMA_ROWS,
+    dependent_launch,
     device_function,
     e4m3_codes,
     e8m0_f32,
+    pdl,
     pow2,
     pow2_ceil,
     pow2_inverse,
@@ -155,7 +157,8 @@ def row_tile(x_base, rows, row_mask, k0, k_end, stride_xm, r, nw_ptr, NORM: tl.c
 @triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
 def _stage_kernel(x_ptr, nw_ptr, qc_ptr, qs_ptr, M, K, KQ, stride_xm, norm_eps, NORM: tl.constexpr,
                   FP8_ROWS: tl.constexpr, X_BF16: tl.constexpr, FMT: tl.constexpr, NATIVE: tl.constexpr,
-                  ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr):
+                  ACT_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BKN: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     first = tl.program_id(0).to(tl.int64) * BM
     rows = first + tl.arange(0, BM)
     r = tl.zeros((BM,), dtype=tl.float32)
@@ -182,5 +185,5 @@ def stage_launch(x2: torch.Tensor, nw: torch.Tensor, eps: float, norm: bool, fmt
     _stage_kernel[(triton.cdiv(rows, MMA_ROWS),)](
         x2, nw if fp8_scales is None else fp8_scales, qc, qs, m, w, kq, x2.stride(0), float(eps), NORM=norm,
         FP8_ROWS=fp8_scales is not None, X_BF16=x2.dtype == torch.bfloat16, FMT=fmt, NATIVE=native,
-        ACT_BLOCK=act_block, BM=MMA_ROWS, BK=bk, BKN=min(pow2(w), 1024))
+        ACT_BLOCK=act_block, BM=MMA_ROWS, BK=bk, BKN=min(pow2(w), 1024), **pdl(x2.device))
     return qc, qs, kq

@@ -36,8 +36,10 @@ import torch
 from ._triton import (
     INTERPRET,
     counters,
+    dependent_launch,
     device_function,
     device_of,
+    pdl,
     pow2,
     require,
     require_dtype,
@@ -151,7 +153,8 @@ def _key(v):
 def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
                          p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
                          params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
-                         V, stride_l, BV: tl.constexpr):
+                         V, stride_l, BV: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     temperature = tl.maximum(tl.load(params_ptr), 1e-5)
     top_p = tl.load(params_ptr + 1)
@@ -228,7 +231,7 @@ def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tenso
     p = torch.empty((r, v), dtype=torch.float32, device=dev)
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        _distribution_kernel[(r,)](logits, p, params, v, logits.stride(0), BV=bv)
+        _distribution_kernel[(r,)](logits, p, params, v, logits.stride(0), BV=bv, **pdl(logits.device))
     return p
 
 
@@ -273,7 +276,8 @@ def _race_kernel(p_ptr,       # [R, V] probabilities (RACE) or values to take th
                  params_ptr,  # float32 [3]: temperature first (GREEDY: 0 selects the greedy token)
                  cnt_ptr,     # int32 counter of finished programs (zero between launches)
                  out_ptr,     # out int64 [R]
-                 V, stride_p, stride_g, RACE: tl.constexpr, GREEDY: tl.constexpr, BV: tl.constexpr):
+                 V, stride_p, stride_g, RACE: tl.constexpr, GREEDY: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     if RACE:
         seed = tl.load(key_ptr + tl.arange(0, 1))
@@ -312,7 +316,8 @@ def _race(p: torch.Tensor, logits: torch.Tensor | None, params: torch.Tensor | N
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
         g = p if logits is None else logits
         _race_kernel[(r,)](p, g, p if key is None else key, p if params is None else params, counters(p.device, 1),
-                           out, v, p.stride(0), g.stride(0), RACE=key is not None, GREEDY=logits is not None, BV=bv)
+                           out, v, p.stride(0), g.stride(0), RACE=key is not None, GREEDY=logits is not None, BV=bv,
+                           **pdl(p.device))
     return out
 
 

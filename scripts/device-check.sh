@@ -72,7 +72,8 @@ dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 doc = {"torch": torch.__version__, "triton": triton.__version__, "device": str(dev),
        "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
        "copy_bandwidth_GBps": (bench.copy_bandwidth(dev) or 0) / 1e9,
-       "launch_us_in_graph": bench.measure_launch_latency(dev)}
+       "launch_us_in_graph": bench.measure_launch_latency(dev),
+       "dependent_launch_us_in_graph": bench.measure_dependent_launch(dev)}
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(doc))
 PYEOF
@@ -139,8 +140,11 @@ def load(name):
 doc = load("device.json")
 if doc:
     lat = doc["launch_us_in_graph"]
+    dep = doc.get("dependent_launch_us_in_graph")
     print(f"{doc['name']}: torch {doc['torch']}, triton {doc['triton']}, copy {doc['copy_bandwidth_GBps']:.0f} GB/s"
-          + (f", {lat:.2f} us per launch in a graph" if lat else ""))
+          + (f", {lat:.2f} us per launch in a graph" if lat else "")
+          + (f"; a Triton kernel {dep['pdl']:.2f} us with dependent launch, {dep['no_pdl']:.2f} without" if dep
+             else ""))
 doc = load("bench-kernels.json")
 for r in (doc or {}).get("results", []):
     f = r.get("fraction")

@@ -23,6 +23,9 @@
    instruction in any kernel's PTX (an `.f64` opcode: a B300 runs float64 at 1/60 of its float32 rate), and
    ptxas' register and spill counts for every specialization (`ptxas -v` on the PTX, with the flags Triton
    uses), none of which may spill.
+   Every kernel launched with programmatic dependent launch (its PDL constexpr, `kernels._triton.pdl`: every
+   launch on these targets) waits for the kernel ahead of it (`griddepcontrol.wait`) before its first
+   instruction that reads or writes global memory, in the PTX's order, and lets the next one launch.
 4. What the weight products issue (tests/sass.py): for every specialization of a kernel that streams FP8 or
    FP4 weights (WEIGHT_LOOPS), the lane-instructions its main loop issues per weight element and the MMA
    kinds it uses, per target; the worst of each kernel, format, numerics and target is reported (`issue`),
@@ -65,6 +68,7 @@ from triton.runtime import jit  # noqa: E402
 from kernels._triton import is_long  # noqa: E402
 from kernels.rows import STAGE_TILES  # noqa: E402
 from tests import sass  # noqa: E402
+from tests.ptx import pdl_order  # noqa: E402
 
 SHARED_LIMIT = 227 * 1024  # per block, opt-in maximum on sm_90 and sm_100/103
 
@@ -227,6 +231,11 @@ class Compiler:
         if f64:
             self.failures.append({"kernel": name, "arch": arch, "error": f"{f64} float64 instructions in the PTX "
                                   f"{where}: the fast path accumulates in float32"})
+        order = "launched without programmatic dependent launch" if not constexprs.get("PDL") else (
+            pdl_order(ptx) if getattr(k.metadata, "launch_pdl", False) else "PDL without Triton's launch_pdl")
+        r["pdl"] = r.get("pdl", 0) + (order is None)
+        if order is not None:
+            self.failures.append({"kernel": name, "arch": arch, "error": f"{order} {where}"})
         if spill > KNOWN_SPILLS.get(name, 0):
             self.failures.append({"kernel": name, "arch": arch, "error": f"ptxas spills {spill} bytes ({regs} "
                                   f"registers) {where}: choose smaller blocks"})

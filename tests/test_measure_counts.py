@@ -239,7 +239,8 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
             host_bytes=0, flops=None, staged_bytes=0, path="", bytes_written=0) -> dict:
-    return {"name": name, "block": "layer 0", "bytes_read": bytes_read, "bytes_written": bytes_written,
+    return {"kind": "triton" if name.startswith("kernels.") else "torch", "name": name, "block": "layer 0",
+            "bytes_read": bytes_read, "bytes_written": bytes_written,
             "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
             "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {},
@@ -267,7 +268,10 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     assert t["bytes"] == pytest.approx((copy["bytes_read"] + copy["bytes_written"]) / copy_bw)
     assert t["issue"] == pytest.approx(8e6 * per / 1e12)  # the MoE launch is bound by issue, not its 4 MB
     assert t["host_link"] == pytest.approx(cm.HOST_READ_LATENCY_S + 20e3 / gpu.host_link_bytes_per_s)
-    assert t["launches"] == pytest.approx(3 * cm.LAUNCH_S)
+    # the copy a torch operation, the MoE launch and the lookup Triton kernels launched dependent (sm_103)
+    assert t["launches"] == pytest.approx(cm.LAUNCH_S + 2 * cm.LAUNCH_PDL_S)
+    assert cm.cycle_time(count, dataclasses.replace(gpu, arch=0), world=1)["terms_s"]["launches"] == pytest.approx(
+        3 * cm.LAUNCH_S)  # a GPU without dependent launch
     assert t["collectives"] == 0 and t["imbalance"] == 0
     assert {k["kernel"]: k["bound"] for k in one["kernels"]} == {
         "copy_": "bytes", "kernels.moe._gate_up_kernel": "issue", "kernels.engram._lookup_kernel": "host_link"}
@@ -278,7 +282,8 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     assert four["terms_s"]["collectives"] == pytest.approx(10 * (cm.ALLREDUCE_LATENCY_S + 1e6 * 2 * 3 / 4 / 1e11))
     p = cm.predict(count, gpu, world=4, tokens_per_cycle=3.5)
     assert p["counted"]["tokens_per_s"] == pytest.approx(3.5 / p["counted"]["cycle_s"])
-    assert p["ideal_bytes_and_launch_budget"]["terms_s"]["launches"] == pytest.approx(16 * cm.LAUNCH_S)
+    # the budget's 16 a layer are Triton kernels
+    assert p["ideal_bytes_and_launch_budget"]["terms_s"]["launches"] == pytest.approx(16 * cm.LAUNCH_PDL_S)
 
 
 def test_the_busiest_rank_holds_more_than_the_mean_under_uniform_routing_and_as_measured():
@@ -453,10 +458,11 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
         padded32 / 32 * elements * cm.ISSUE_PER_ELEMENT_LONG[90][("linear", "fp8")] / 1e12)
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
-    assert prefill["terms_s"]["launches"] == pytest.approx(3 * cm.LAUNCH_S)
+    fixed = [cm.launch_s(la, gpu) for la in count(True)["launches"]]
+    assert prefill["terms_s"]["launches"] == pytest.approx(sum(fixed) + cm.launch_s({"kind": "triton"}, gpu))
     staging = next(k for k in prefill["kernels"] if k["kernel"] == "kernels.rows._stage_kernel")
     assert staging["bytes"] == staged
-    assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.LAUNCH_S)
+    assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.launch_s({"kind": "triton"}, gpu))
 
 
 def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(released_config):

@@ -9,6 +9,7 @@
 Medians and p90 over steps; every number comes with the context depth it was taken at.
 """
 
+import os
 import statistics
 import time
 
@@ -182,6 +183,43 @@ def measure_launch_latency(device: torch.device, launches: int = 2000) -> float 
             graph.replay()
         times.append(t.ms)
     return statistics.median(times) * 1e3 / launches
+
+
+def measure_dependent_launch(device: torch.device, launches: int = 2000) -> dict | None:
+    """Microseconds per kernel of a chain of `launches` small dependent Triton kernels (the RMSNorm of a row,
+    each normalizing the last one's output) captured in one CUDA graph and replayed: launched with
+    programmatic dependent launch (`pdl`, the kernels' default on sm_90 and later) and without
+    (KERNELS_NO_PDL=1): costmodel.LAUNCH_PDL_S against LAUNCH_S. None without CUDA."""
+    if device.type != "cuda":
+        return None
+    from kernels import rmsnorm
+
+    x, w = torch.randn(1, 1024, device=device), torch.ones(1024, device=device)
+    per = {}
+    for key, off in (("pdl", "0"), ("no_pdl", "1")):
+        os.environ["KERNELS_NO_PDL"] = off
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    rmsnorm.fast(x, w, 1e-6)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = x
+                for _ in range(launches):
+                    y = rmsnorm.fast(y, w, 1e-6)
+            graph.replay()
+            times = []
+            for _ in range(5):
+                with DeviceTimer(device) as t:
+                    graph.replay()
+                times.append(t.ms)
+            per[key] = statistics.median(times) * 1e3 / launches
+        finally:
+            os.environ.pop("KERNELS_NO_PDL", None)
+    return per
 
 
 def measure_prefill(session, tokens: int) -> dict:

@@ -7,10 +7,12 @@ Assumptions (each constant below names its source):
 - The cycle is one captured CUDA graph per rank; its kernels run back to back on one stream, nothing
   overlaps (no kernel hides another's latency, collectives are not overlapped with compute). A launch costs
   the largest of what bounds it plus a fixed cost (`LAUNCH_S`: the gap from one kernel's end to the next
-  one's full occupancy, its ramp and tail):
+  one's full occupancy, its ramp and tail; `LAUNCH_PDL_S` for the project's Triton kernels on sm_90 and
+  later, which launch dependent on the one ahead and overlap its tail):
       launch = max(bytes / (HBM x COPY_FRACTION), issued instructions / issue rate,
-                   tensor FLOPs / tensor peak, host-link reads) + LAUNCH_S
-  The bandwidth term is the copy bandwidth: a kernel's ramp and tail are in LAUNCH_S, not a second fraction.
+                   tensor FLOPs / tensor peak, host-link reads) + launch_s
+  The bandwidth term is the copy bandwidth: a kernel's ramp and tail are in its fixed cost, not a second
+  fraction.
 - Bytes are what the launch reads and writes, counted (not the ideal; recorder.py says what it counts of
   the writes), both at the copy bandwidth. The bytes a launch reads from host memory (the Engram rows the
   lookup copies, ~12.7 KB per token on V4.1-Flash) go over the host link: one round trip
@@ -88,6 +90,12 @@ COPY_FRACTION = 0.90
 # Per kernel inside a captured graph: the lower end of issue 13's estimate (10-25 ms of launch latency for
 # ~4,560 launches: 2.2-5.5 us each), rounded down; `scripts/device-check.sh` measures it (`launch_us`).
 LAUNCH_S = 2.0e-6
+# ... for a Triton kernel launched with programmatic dependent launch (kernels/_triton.py `pdl`: every kernel
+# of theirs on sm_90 and later): its launch and ramp overlap the tail of the kernel ahead of it. Published
+# measurements put a graph's kernel boundary at 1.3-3 us without it and well under 1 us with it (issue 32's
+# survey, 2026-12): 1 us taken, the top of that; `scripts/device-check.sh` measures both
+# (`dependent_launch_us_in_graph`). Torch's own operations keep LAUNCH_S.
+LAUNCH_PDL_S = 1.0e-6
 # The device's reads of host memory (zero-copy loads of registered pages) on an HGX board: PCIe Gen5 x16 to
 # the host, 64 GB/s per direction raw, taken as 50 GB/s after protocol overhead (a pinned host-to-device copy
 # reaches about that); a round trip of about 1.5 us per dependent load. Both are assumptions until
@@ -247,26 +255,35 @@ def busier_rank_s(la: dict, gpu: GPU, world: int, routing: list | None, shares: 
             - max(launch_terms(la, gpu, long=long).values()))
 
 
+def launch_s(la: dict, gpu: GPU) -> float:
+    """A counted launch's fixed cost: LAUNCH_PDL_S for a Triton kernel on a GPU that launches them dependent
+    (sm_90 and later), LAUNCH_S otherwise."""
+    return LAUNCH_PDL_S if la["kind"] == "triton" and gpu.arch >= 90 else LAUNCH_S
+
+
 def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -> dict:
-    """One cycle (seconds) from a count (count.count_cycle): every launch at what bounds it plus LAUNCH_S,
+    """One cycle (seconds) from a count (count.count_cycle): every launch at what bounds it plus its fixed cost
+    (`launch_s`),
     the busiest rank's extra expert reads (`imbalance`), the collectives. Terms: each launch's time goes to
     its bound (bytes, issue, tensor, host_link), its fixed cost to `launches`. A prefill chunk's count
     (`long_calls`) prices the products that `runs_long` as a long call's, each with the launch staging its
-    rows (kernels.rows._stage_kernel: its bytes and LAUNCH_S)."""
+    rows (kernels.rows._stage_kernel: its bytes and a Triton launch's fixed cost)."""
     long = count.get("long_calls", False)
     terms = dict.fromkeys(("bytes", "issue", "tensor", "host_link"), 0.0)
     kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "written": 0, "weights": 0, "s": 0.0,
                                                      "by_bound": defaultdict(float), "issue_priced": False})
-    imbalance, shares, stagings = 0.0, {}, 0
+    imbalance, shares, stagings, fixed = 0.0, {}, 0, 0.0
+    triton_fixed = launch_s({"kind": "triton"}, gpu)
     for la in count["launches"]:
         t = launch_terms(la, gpu, long=long)
         if runs_long(la, gpu, long) and la["staged_bytes"]:
             stagings += 1
+            fixed += triton_fixed
             staging = kernels["kernels.rows._stage_kernel"]
             staging["launches"] += 1
             staging["bytes"] += la["staged_bytes"]
             s = la["staged_bytes"] / (gpu.hbm_bytes_per_s * COPY_FRACTION)
-            staging["s"] += s + LAUNCH_S
+            staging["s"] += s + triton_fixed
             staging["by_bound"]["bytes"] += s
             terms["bytes"] += s
         bound = max(t, key=t.get)
@@ -276,12 +293,13 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["bytes"] += la["bytes_read"]
         k["written"] += la["bytes_written"]
         k["weights"] += sum(la["weights"].values())
-        k["s"] += t[bound] + LAUNCH_S
+        fixed += launch_s(la, gpu)
+        k["s"] += t[bound] + launch_s(la, gpu)
         k["by_bound"][bound] += t[bound]
         k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
         if la["whole_experts"] and world > 1:
             imbalance += busier_rank_s(la, gpu, world, routing, shares, long)
-    terms["launches"] = (len(count["launches"]) + stagings) * LAUNCH_S
+    terms["launches"] = fixed
     terms["imbalance"] = imbalance
     terms["collectives"] = sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
                                for c in count["collectives"]["payloads"])
@@ -324,21 +342,21 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
                 experts["split_intermediate_row_sums"] += collective_s("allgather_", rows * dim * 4, world, gpu)
         elif la["name"] == "kernels.engram._layer_kernel":
             engram["replicated"] += max(t.values())
-            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + LAUNCH_S
+            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la, gpu)
                                         + collective_s("allgather_", count["width"] * (hc + 1) * dim // world * 4,
                                                        world, gpu))
     return {"routed_experts": dict(experts, cheaper=min(experts, key=experts.get)),
             "engram_wkv": dict(engram, cheaper=min(engram, key=engram.get)) if engram["replicated"] else None}
 
 
-def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, launches: int) -> dict:
-    """A reference cycle as if every kernel were bound by its bytes: `nbytes` at the copy bandwidth,
-    `launches` fixed costs, the counted host-link reads and collectives."""
+def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, fixed: float) -> dict:
+    """A reference cycle as if every kernel were bound by its bytes: `nbytes` at the copy bandwidth, `fixed`
+    seconds of launches' fixed costs, the counted host-link reads and collectives."""
     host = count["host_link"]
     terms = {"bytes": (nbytes - host["bytes_per_cycle"]) / (gpu.hbm_bytes_per_s * COPY_FRACTION),
              "host_link": host["launches_per_cycle"] * HOST_READ_LATENCY_S
              + host["bytes_per_cycle"] / gpu.host_link_bytes_per_s,
-             "launches": launches * LAUNCH_S,
+             "launches": fixed,
              "collectives": sum(c["count"] * collective_s(c["op"], c["bytes"], world, gpu)
                                 for c in count["collectives"]["payloads"])}
     total = sum(terms.values())
@@ -348,6 +366,7 @@ def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, launches
 def constants(gpu: GPU) -> dict:
     return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION,
             "copy_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION, "launch_s": LAUNCH_S,
+            "triton_launch_s": launch_s({"kind": "triton"}, gpu),
             "allreduce_latency_s": ALLREDUCE_LATENCY_S, "host_read_latency_s": HOST_READ_LATENCY_S,
             "host_link": HOST_LINK, "issue_per_element": {f"{k} {f}": v for (k, f), v in
                                                           ISSUE_PER_ELEMENT.get(gpu.arch, {}).items()}}
@@ -416,11 +435,13 @@ def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float, routing:
     the ideal bytes, and at the ideal bytes with the launch budget of DESIGN.md (16 per layer plain, 20 per
     layer for a verify, 16 per draft stage; the launches outside layers and stages as counted)."""
     counted = cycle_time(count, gpu, world, routing)
-    at_ideal = bytes_bound_cycle(count, gpu, world, count["bytes_per_step"]["ideal"], len(count["launches"]))
+    ideal = count["bytes_per_step"]["ideal"]
+    at_ideal = bytes_bound_cycle(count, gpu, world, ideal, counted["terms_s"]["launches"])
     layers = len(count["launches_by_layer"])
     budget = 16 if count["width"] == 1 else 20
-    launches = budget * layers + 16 * count.get("draft_stage_calls", 0) + count["launches_outside_layers"]
-    at_budget = bytes_bound_cycle(count, gpu, world, count["bytes_per_step"]["ideal"], launches)
+    outside = sum(launch_s(la, gpu) for la in count["launches"] if la["block"] == "outside")
+    kernels = budget * layers + 16 * count.get("draft_stage_calls", 0)  # Triton kernels, the budget's
+    at_budget = bytes_bound_cycle(count, gpu, world, ideal, kernels * launch_s({"kind": "triton"}, gpu) + outside)
     out = {}
     for name, c in (("counted", counted), ("ideal_bytes", at_ideal), ("ideal_bytes_and_launch_budget", at_budget)):
         out[name] = dict(c, tokens_per_cycle=tokens_per_cycle, tokens_per_s=tokens_per_cycle / c["cycle_s"],
