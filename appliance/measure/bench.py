@@ -160,22 +160,21 @@ def memory_against_plan(lm, options, allocated: int, world: int) -> dict:
             "largest_copies": plan.details["largest_copies"]}
 
 
-def measure_launch_latency(device: torch.device, launches: int = 2000) -> float | None:
-    """Microseconds per kernel of a chain of `launches` small dependent kernels captured in one CUDA graph
-    and replayed (the per-launch term of the cost model, costmodel.LAUNCH_S); None without CUDA."""
-    if device.type != "cuda":
-        return None
-    x = torch.zeros(1024, device=device)
+def graph_chain_us(device: torch.device, step, launches: int = 2000) -> float:
+    """Microseconds per launch of `launches` calls of `step(x) -> x` (one small kernel each, each reading the
+    last one's output) captured in one CUDA graph and replayed: the median of five replays after warm-up."""
+    x = torch.randn(1, 1024, device=device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            x.add_(1.0)
+            step(x)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        y = x
         for _ in range(launches):
-            x.add_(1.0)
+            y = step(y)
     graph.replay()
     times = []
     for _ in range(5):
@@ -185,38 +184,27 @@ def measure_launch_latency(device: torch.device, launches: int = 2000) -> float 
     return statistics.median(times) * 1e3 / launches
 
 
-def measure_dependent_launch(device: torch.device, launches: int = 2000) -> dict | None:
-    """Microseconds per kernel of a chain of `launches` small dependent Triton kernels (the RMSNorm of a row,
-    each normalizing the last one's output) captured in one CUDA graph and replayed: launched with
-    programmatic dependent launch (`pdl`, the kernels' default on sm_90 and later) and without
-    (KERNELS_NO_PDL=1): costmodel.LAUNCH_PDL_S against LAUNCH_S. None without CUDA."""
+def measure_launch_latency(device: torch.device) -> float | None:
+    """Microseconds per kernel of a chain of small dependent torch kernels in a graph (`graph_chain_us`: the
+    per-launch term of the cost model, costmodel.LAUNCH_S); None without CUDA."""
+    return graph_chain_us(device, lambda x: x.add_(1.0)) if device.type == "cuda" else None
+
+
+def measure_dependent_launch(device: torch.device) -> dict | None:
+    """Microseconds per kernel of a chain of small dependent Triton kernels in a graph (`graph_chain_us`: the
+    RMSNorm of a row, each normalizing the last one's output), launched with programmatic dependent launch
+    (`pdl`, the kernels' default on sm_90 and later) and without (KERNELS_NO_PDL=1): costmodel.LAUNCH_PDL_S
+    against LAUNCH_S. None without CUDA."""
     if device.type != "cuda":
         return None
     from kernels import rmsnorm
 
-    x, w = torch.randn(1, 1024, device=device), torch.ones(1024, device=device)
+    w = torch.ones(1024, device=device)
     per = {}
     for key, off in (("pdl", "0"), ("no_pdl", "1")):
         os.environ["KERNELS_NO_PDL"] = off
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    rmsnorm.fast(x, w, 1e-6)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y = x
-                for _ in range(launches):
-                    y = rmsnorm.fast(y, w, 1e-6)
-            graph.replay()
-            times = []
-            for _ in range(5):
-                with DeviceTimer(device) as t:
-                    graph.replay()
-                times.append(t.ms)
-            per[key] = statistics.median(times) * 1e3 / launches
+            per[key] = graph_chain_us(device, lambda x: rmsnorm.fast(x, w, 1e-6))
         finally:
             os.environ.pop("KERNELS_NO_PDL", None)
     return per
