@@ -43,7 +43,9 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   where the products fuse the norm), which every program reads (PRESTAGED). Every chunk of a prompt takes
   these programs whatever its size, so a prompt's rows do not depend on its chunks (bit for bit); a long
   call's row is not promised equal to the same row in a short one (a wider MMA; see `_triton.LONG_ROWS`).
-  No launch of a long call splits K (its row blocks fill the device), whatever its programs' rows.
+  No launch of a long call splits K (its row blocks fill the device), whatever its programs' rows; on the
+  block-scaled MMA its K tiles are 256 columns (`plan`), and a launch of products in the checkpoint's formats
+  beside plain ones is two (`native_split`).
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
