@@ -390,12 +390,12 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32; STORE_PAIRS: or x's dtype); the shared
-                    # expert's at rows SH0 + m SHS
+def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32, or x's dtype)
+                    s_ptr,       # the shared expert's rows (any float dtype): row m's at row SH0 + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
-                    M, D, K, hc, SH0, SHS, YS, HAS_SHARED: tl.constexpr,
+                    M, D, K, hc, SH0, YS, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
                     PAIRS: tl.constexpr,  # store a row's pairs' sum as is (else the shared expert and the expand)
                     X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
@@ -409,18 +409,18 @@ def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32; STORE_PAIRS
     if PAIRS:
         tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
-        _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS, HAS_SHARED,
+        _shared_and_expand(s_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, HAS_SHARED,
                            S_ROUND, X_BF16, BHC, BD)
 
 
 @device_function
-def _shared_and_expand(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, SHS,
+def _shared_and_expand(s_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0,
                        HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
                        BD: tl.constexpr):
     """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
     expanded."""
     if HAS_SHARED:
-        s = tl.load(o_ptr + (SH0 + m * SHS) * D + cols, mask=cmask, other=0.0)
+        s = tl.load(s_ptr + (SH0 + m) * D + cols, mask=cmask, other=0.0).to(tl.float32)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
@@ -645,14 +645,14 @@ def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, share, reduce):
     return o, o, m * top_k, sent
 
 
-def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool,
-             shared_rows: tuple[int, int] | None = None) -> None:
-    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row (o's row first + m
-    step, `shared_rows`; after the pairs by default), the expand."""
+def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, shared: torch.Tensor | None = None
+             ) -> None:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row (row m of `shared`
+    [M, D], any float dtype; by default o's row M K + m, after the pairs), the expand."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
-    sh0, shs = shared_rows or (m * pos.shape[1], 1)
-    _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, shs, d,
+    s, sh0 = (o, m * pos.shape[1]) if shared is None else (shared, 0)
+    _combine_kernel[(m, triton.cdiv(d, bd))](o, s, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, d,
                                              HAS_SHARED=has_shared, S_ROUND=split, PAIRS=False,
                                              X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd, **pdl(o.device))
 
@@ -663,7 +663,7 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     d = o.shape[1]
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
-        _combine_kernel[(m, triton.cdiv(d, bd))](o, pos, o, o, o, out, m, d, k, 1, 0, 0, out.stride(0),
+        _combine_kernel[(m, triton.cdiv(d, bd))](o, o, pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),
                                                  HAS_SHARED=False, S_ROUND=False, PAIRS=True, X_BF16=False,
                                                  BHC=1, BD=bd, **pdl(o.device))
 
@@ -685,8 +685,7 @@ def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, s
         sent[m:].zero_()  # the padding rows' sums are dropped
     summed = reduce.sum_shares(sent.view(world, per, d))  # [per, D]: this rank's rows
     n = hi - lo
-    if n:  # row i's pairs' sum at row i; a whole shared expert's rows after the sums
-        local = summed if shared_rows is None else torch.cat((summed[:n], shared_rows.float()))
-        _combine(local, torch.arange(n, device=o.device).view(n, 1), X, post, comb, out, shared_rows is not None,
-                 False)
+    if n:  # row i's pairs' sum at row i, its shared expert's row i of shared_rows (in x's dtype)
+        _combine(summed[:n], torch.arange(n, device=o.device).view(n, 1), X, post, comb, out,
+                 shared_rows is not None, False, shared_rows)
 
