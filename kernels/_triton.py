@@ -164,12 +164,26 @@ def device_function(fn):
     return fn if INTERPRET else triton.jit(fn)
 
 
+# Whether the kernels launch dependent on the one ahead (`pdl`): KERNELS_NO_PDL=1 at start turns it off,
+# `dependent_launches(False)` for a while (the device check's comparison)
+_DEPENDENT = contextvars.ContextVar("dependent_launches", default=os.environ.get("KERNELS_NO_PDL", "0") != "1")
+
+
+@contextlib.contextmanager
+def dependent_launches(on: bool):
+    """Inside: kernels launch with programmatic dependent launch as `on` says (where the GPU can)."""
+    token = _DEPENDENT.set(on)
+    try:
+        yield
+    finally:
+        _DEPENDENT.reset(token)
+
+
 def pdl(dev: torch.device) -> dict:
     """A launch's options for programmatic dependent launch (Triton's `launch_pdl`, the kernels' PDL constexpr):
     on sm_90 and later; not under the interpreter, which has no grids to overlap (its kernels run with PDL
-    off: the same code without the two instructions). KERNELS_NO_PDL=1 turns it off (the device check's
-    comparison)."""
-    on = not INTERPRET and capability(dev) >= 90 and os.environ.get("KERNELS_NO_PDL", "0") != "1"
+    off: the same code without the two instructions)."""
+    on = not INTERPRET and _DEPENDENT.get() and capability(dev) >= 90
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

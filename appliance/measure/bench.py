@@ -9,7 +9,6 @@
 Medians and p90 over steps; every number comes with the context depth it was taken at.
 """
 
-import os
 import statistics
 import time
 
@@ -193,20 +192,18 @@ def measure_launch_latency(device: torch.device) -> float | None:
 def measure_dependent_launch(device: torch.device) -> dict | None:
     """Microseconds per kernel of a chain of small dependent Triton kernels in a graph (`graph_chain_us`: the
     RMSNorm of a row, each normalizing the last one's output), launched with programmatic dependent launch
-    (`pdl`, the kernels' default on sm_90 and later) and without (KERNELS_NO_PDL=1): costmodel.LAUNCH_PDL_S
-    against LAUNCH_S. None without CUDA."""
+    (`pdl`, the kernels' default on sm_90 and later) and without (`dependent_launches(False)`):
+    costmodel.LAUNCH_PDL_S against LAUNCH_S. None without CUDA."""
     if device.type != "cuda":
         return None
     from kernels import rmsnorm
+    from kernels._triton import dependent_launches
 
     w = torch.ones(1024, device=device)
     per = {}
-    for key, off in (("pdl", "0"), ("no_pdl", "1")):
-        os.environ["KERNELS_NO_PDL"] = off
-        try:
+    for key, on in (("pdl", True), ("no_pdl", False)):
+        with dependent_launches(on):
             per[key] = graph_chain_us(device, lambda x: rmsnorm.fast(x, w, 1e-6))
-        finally:
-            os.environ.pop("KERNELS_NO_PDL", None)
     return per
 
 
