@@ -458,11 +458,11 @@ def test_a_prefill_chunks_products_that_can_run_long_are_priced_per_long_tile_wi
         padded32 / 32 * elements * cm.ISSUE_PER_ELEMENT_LONG[90][("linear", "fp8")] / 1e12)
     prefill, decode = cm.cycle_time(count(True), gpu, 1), cm.cycle_time(count(False), gpu, 1)
     assert prefill["stagings"] == 1 and decode["stagings"] == 0
-    fixed = [cm.launch_s(la, gpu) for la in count(True)["launches"]]
-    assert prefill["terms_s"]["launches"] == pytest.approx(sum(fixed) + cm.launch_s({"kind": "triton"}, gpu))
+    fixed = [cm.launch_s(la["kind"], gpu) for la in count(True)["launches"]]
+    assert prefill["terms_s"]["launches"] == pytest.approx(sum(fixed) + cm.launch_s("triton", gpu))
     staging = next(k for k in prefill["kernels"] if k["kernel"] == "kernels.rows._stage_kernel")
     assert staging["bytes"] == staged
-    assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.launch_s({"kind": "triton"}, gpu))
+    assert staging["s"] == pytest.approx(staged / (1e12 * cm.COPY_FRACTION) + cm.launch_s("triton", gpu))
 
 
 def test_a_counted_prefill_chunk_declares_its_products_and_attention_flops(released_config):

@@ -255,10 +255,10 @@ def busier_rank_s(la: dict, gpu: GPU, world: int, routing: list | None, shares: 
             - max(launch_terms(la, gpu, long=long).values()))
 
 
-def launch_s(la: dict, gpu: GPU) -> float:
-    """A counted launch's fixed cost: LAUNCH_PDL_S for a Triton kernel on a GPU that launches them dependent
-    (sm_90 and later), LAUNCH_S otherwise."""
-    return LAUNCH_PDL_S if la["kind"] == "triton" and gpu.arch >= 90 else LAUNCH_S
+def launch_s(kind: str, gpu: GPU) -> float:
+    """The fixed cost of a launch of `kind` (a counted launch's "kind": "triton" or "torch"): LAUNCH_PDL_S for
+    a Triton kernel on a GPU that launches them dependent (sm_90 and later), LAUNCH_S otherwise."""
+    return LAUNCH_PDL_S if kind == "triton" and gpu.arch >= 90 else LAUNCH_S
 
 
 def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -> dict:
@@ -273,7 +273,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
     kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0, "bytes": 0, "written": 0, "weights": 0, "s": 0.0,
                                                      "by_bound": defaultdict(float), "issue_priced": False})
     imbalance, shares, stagings, fixed = 0.0, {}, 0, 0.0
-    triton_fixed = launch_s({"kind": "triton"}, gpu)
+    triton_fixed = launch_s("triton", gpu)
     for la in count["launches"]:
         t = launch_terms(la, gpu, long=long)
         if runs_long(la, gpu, long) and la["staged_bytes"]:
@@ -293,8 +293,9 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["bytes"] += la["bytes_read"]
         k["written"] += la["bytes_written"]
         k["weights"] += sum(la["weights"].values())
-        fixed += launch_s(la, gpu)
-        k["s"] += t[bound] + launch_s(la, gpu)
+        own = launch_s(la["kind"], gpu)
+        fixed += own
+        k["s"] += t[bound] + own
         k["by_bound"][bound] += t[bound]
         k["issue_priced"] |= la["name"] in WEIGHT_KERNELS and gpu.issue_per_s > 0
         if la["whole_experts"] and world > 1:
@@ -342,7 +343,7 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
                 experts["split_intermediate_row_sums"] += collective_s("allgather_", rows * dim * 4, world, gpu)
         elif la["name"] == "kernels.engram._layer_kernel":
             engram["replicated"] += max(t.values())
-            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la, gpu)
+            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la["kind"], gpu)
                                         + collective_s("allgather_", count["width"] * (hc + 1) * dim // world * 4,
                                                        world, gpu))
     return {"routed_experts": dict(experts, cheaper=min(experts, key=experts.get)),
@@ -366,7 +367,7 @@ def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, fixed: f
 def constants(gpu: GPU) -> dict:
     return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION,
             "copy_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION, "launch_s": LAUNCH_S,
-            "triton_launch_s": launch_s({"kind": "triton"}, gpu),
+            "triton_launch_s": launch_s("triton", gpu),
             "allreduce_latency_s": ALLREDUCE_LATENCY_S, "host_read_latency_s": HOST_READ_LATENCY_S,
             "host_link": HOST_LINK, "issue_per_element": {f"{k} {f}": v for (k, f), v in
                                                           ISSUE_PER_ELEMENT.get(gpu.arch, {}).items()}}
@@ -439,9 +440,9 @@ def predict(count: dict, gpu: GPU, world: int, tokens_per_cycle: float, routing:
     at_ideal = bytes_bound_cycle(count, gpu, world, ideal, counted["terms_s"]["launches"])
     layers = len(count["launches_by_layer"])
     budget = 16 if count["width"] == 1 else 20
-    outside = sum(launch_s(la, gpu) for la in count["launches"] if la["block"] == "outside")
+    outside = sum(launch_s(la["kind"], gpu) for la in count["launches"] if la["block"] == "outside")
     kernels = budget * layers + 16 * count.get("draft_stage_calls", 0)  # Triton kernels, the budget's
-    at_budget = bytes_bound_cycle(count, gpu, world, ideal, kernels * launch_s({"kind": "triton"}, gpu) + outside)
+    at_budget = bytes_bound_cycle(count, gpu, world, ideal, kernels * launch_s("triton", gpu) + outside)
     out = {}
     for name, c in (("counted", counted), ("ideal_bytes", at_ideal), ("ideal_bytes_and_launch_budget", at_budget)):
         out[name] = dict(c, tokens_per_cycle=tokens_per_cycle, tokens_per_s=tokens_per_cycle / c["cycle_s"],
