@@ -569,9 +569,14 @@ def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list
     (`weight_product`'s NATIVE): in the checkpoint's formats on the tensor cores (_triton.native_products)
     when every weight is FP8/FP4 and 16-byte aligned as a device allocation is (whole-vector loads; the
     interpreter has no vectors) and every row quantized; otherwise 0, bfloat16 values."""
-    ok = all(ab >= 32 and w.format in ("fp8", "fp4") and (INTERPRET or w.data.data_ptr() % 16 == 0)
+    ok = all(in_native_formats(w, ab) and (INTERPRET or w.data.data_ptr() % 16 == 0)
              for w, ab in zip(weights, act_blocks))
     return native_products(dev) if ok else 0
+
+
+def in_native_formats(weight: PackedWeight, act_block: int | None) -> bool:
+    """Whether a product can multiply in the checkpoint's formats: FP8/FP4 weights, rows quantized."""
+    return weight.format in ("fp8", "fp4") and (act_block or 0) >= 32
 
 
 def plan(segments: list[tuple[int, int, int]], k: int, dev: torch.device, native: int = 0,
@@ -802,7 +807,7 @@ def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tenso
     """The kernel for `reference_multi`: every product in one launch; in a long call, products in the
     checkpoint's formats beside plain ones (`native_split`) in two, each a long call's (one launch of them all
     would quantize the rows in its loop, 16 rows a program: the issue of 8 passes where one does)."""
-    native = native_split(x, products)
+    native = native_split(products)
     if not native:
         return launch(x, products, norm, None)
     outs = {part: iter(launch(x, [p for p, n in zip(products, native) if n is part], norm, None))
@@ -810,14 +815,14 @@ def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tenso
     return [next(outs[n]) for n in native]
 
 
-def native_split(x: torch.Tensor, products: list[Product]) -> list[bool]:
-    """In a long call, which of a launch's products can multiply in the checkpoint's formats (FP8/FP4 weights,
-    rows quantized: `native_kind` where the device and alignment allow), where some can and some cannot
+def native_split(products: list[Product]) -> list[bool]:
+    """In a long call, which of a launch's products can multiply in the checkpoint's formats
+    (`in_native_formats`; `native_kind` where the device and alignment allow), where some can and some cannot
     (`fast_multi` launches them apart); [] otherwise: one launch. By the products alone, not the device: a
     count on the meta device launches as the GPU does."""
     if not in_long_calls() or len(products) < 2:
         return []
-    native = [p.weight.format in ("fp8", "fp4") and (p.act_block or 0) >= 32 for p in products]
+    native = [in_native_formats(p.weight, p.act_block) for p in products]
     return native if any(native) and not all(native) else []
 
 

@@ -5,7 +5,7 @@ products compute, its pairs padded to whole tiles."""
 
 import torch
 
-from kernels.linear import native_split
+from kernels.linear import in_native_formats, native_split
 
 
 def expected_tile_rows(n_experts: int, top_k: int, rows: int, tile: int) -> float:
@@ -27,11 +27,6 @@ def tile_rows(indices: torch.Tensor, held: list[bool], tile: int) -> float:
     return float((torch.ceil(counts / tile) * tile).sum() / max(len(counts), 1))
 
 
-def product_is_native(weight, act_block) -> bool:
-    """Whether a product multiplies in the checkpoint's formats (FP8/FP4 weights, quantized rows)."""
-    return weight.format in ("fp8", "fp4") and bool(act_block) and act_block >= 32
-
-
 def rows_staging(x: torch.Tensor) -> int:
     """Bytes a staging of x [..., K]'s rows moves: the rows read, a code byte an element written."""
     return x.numel() * (x.element_size() + 1)
@@ -40,7 +35,7 @@ def rows_staging(x: torch.Tensor) -> int:
 def one_product_kind(x, weight, act_block, *rest, **kw) -> tuple[str, bool, int]:
     """A product's launch (linear): (path, can run long, its staging's bytes): in the checkpoint's formats,
     its rows staged; from registers where it is plain (no rows quantized in its loop) on bfloat16 values."""
-    if product_is_native(weight, act_block):
+    if in_native_formats(weight, act_block):
         return "native", True, rows_staging(x)
     return "registers", weight.bf16_exact and not act_block, 0
 
@@ -57,7 +52,7 @@ def products_kind(x, products, *rest, **kw) -> list[tuple[str, bool, int, list[i
     weights only, it does not), each (path, can run long, its staging's bytes, the products it computes): one,
     or in a long call two where products in the checkpoint's formats are beside plain ones
     (kernels/linear.py `native_split`), those first."""
-    split = native_split(x, products)
+    split = native_split(products)
     parts = [[i for i, n in enumerate(split) if n is part] for part in (True, False)] if split else [
         list(range(len(products)))]
     return [(*_launch_kind(x, [products[i] for i in ix]), ix) for ix in parts
@@ -68,7 +63,7 @@ def _launch_kind(x, products) -> tuple[str, bool, int]:
     """One launch of products: in the checkpoint's formats where every product is (long where their rows are
     staged alike: one format and activation block); else from registers (long where every product is plain on
     bfloat16 values)."""
-    if all(product_is_native(p.weight, p.act_block) for p in products):
+    if all(in_native_formats(p.weight, p.act_block) for p in products):
         alike = len({(p.weight.format, p.act_block) for p in products}) == 1
         return "native", alike, rows_staging(x) if alike else 0
     return "registers", all(p.weight.bf16_exact and not p.act_block for p in products), 0
@@ -77,6 +72,6 @@ def _launch_kind(x, products) -> tuple[str, bool, int]:
 def engram_kind(X, codes, scales, wkv, act_block, *rest, **kw) -> tuple[str, bool, int]:
     """The Engram layer's product: in the checkpoint's formats, its looked-up rows' codes and bytes read and
     their codes written; from registers it keeps short programs."""
-    if product_is_native(wkv, act_block):
+    if in_native_formats(wkv, act_block):
         return "native", True, 2 * codes.numel() + scales.numel()
     return "registers", False, 0
