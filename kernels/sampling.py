@@ -21,9 +21,13 @@ top-p mass sums in float32), so no sort. `fast_sample` is two launches: the dist
 kernel, which draws the generator's values itself (integer mixing per entry, the exponential in float32),
 takes the greedy argmax of the logits beside the race (ties to the lowest id), selects one by the
 temperature, and advances the counter (the last of its programs, once every program has read it).
-`fast_accept` is the reference acceptance over the kernels' distributions and draws, its tests
-u * r < p in float32. Tolerance: probabilities within 2^-20 of the largest (float32 exp and sums over V in
-a different order than torch's: a few ulps); the kept set is the reference's except at exact ties on the
+`fast_accept` is three launches a verify: the distribution kernel over the target's rows (their logits'
+argmax beside it) and over the drafter's, then the accept kernel: one program per verify row draws that
+row's candidate next token (the residual max(0, p - r) renormalized, or p for the last row) as the race does,
+and the last program to finish makes the acceptance tests u * r < p in float32 over the generator's values,
+picks the first miss, and writes the cycle's result and the advanced counter (the forced count too, for
+benchmarks). Tolerance: probabilities within 2^-20 of the largest (float32 exp and sums over V in a
+different order than torch's: a few ulps); the kept set is the reference's except at exact ties on the
 top-p boundary, where all tied entries are kept (the reference's order among ties is its sort's,
 unspecified), or where a partial mass is within those ulps of top_p times the total; a draw is the
 reference's except where the reference's race values p / E of the two entries are within 2^-18 of each
@@ -112,11 +116,10 @@ def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> tor
 
 
 def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
-           key: torch.Tensor, distribution=distribution, draw=draw,
-           uniform=uniform) -> tuple[torch.Tensor, torch.Tensor]:
-    """target logits [k+1, V], drafts [k], draft_logits [k, V] -> (j, b): accepted drafts and the next token
-    (both int64 scalars on the device). `distribution`, `draw`, `uniform`: this reference's, or the kernels'
-    and float32 uniforms (fast_accept)."""
+           key: torch.Tensor, force: torch.Tensor) -> torch.Tensor:
+    """target logits [k+1, V], drafts [k], draft_logits [k, V], force [] int64 (benchmarks: accept exactly
+    min(force, k) drafts, then the target's argmax; -1: off) -> int64 [k+3]: the tokens produced j+1, the
+    accepted drafts j, then k+1 ids (the j accepted drafts, the next token b, zeros): the decode cycle's result."""
     k = drafts.numel()
     # greedy
     best = target.argmax(-1)
@@ -137,7 +140,14 @@ def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tenso
     rows = torch.cat((residual, p[k:]), 0)  # row i: where the next token comes from if i is the first miss
     b_sampled = draw(rows, key).gather(0, j_sampled.view(1))[0]
     sampled = params[0] > 0
-    return torch.where(sampled, j_sampled, j_greedy), torch.where(sampled, b_sampled, b_greedy)
+    j, b = torch.where(sampled, j_sampled, j_greedy), torch.where(sampled, b_sampled, b_greedy)
+    forced = force.clamp(max=k)
+    j = torch.where(force >= 0, forced, j)
+    b = torch.where(force >= 0, best.gather(0, forced.clamp(min=0).view(1))[0], b)
+    idx = torch.arange(k + 1, device=drafts.device)
+    padded = torch.cat((drafts, torch.zeros(1, dtype=drafts.dtype, device=drafts.device)))
+    ids = torch.where(idx < j, padded, torch.where(idx == j, b, torch.zeros_like(b)))
+    return torch.cat(((j + 1).view(1), j.view(1), ids))
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -153,7 +163,8 @@ def _key(v):
 def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
                          p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
                          params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
-                         V, stride_l, BV: tl.constexpr, PDL: tl.constexpr):
+                         best_ptr,  # out int64 [R]: the argmax of each row's logits (ARGMAX)
+                         V, stride_l, ARGMAX: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     temperature = tl.maximum(tl.load(params_ptr), 1e-5)
@@ -163,10 +174,17 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     prow = p_ptr + r * V
     # softmax of logits / temperature (the division in float32, as the reference does it)
     mx = tl.full((1,), float("-inf"), dtype=tl.float32)
+    top = tl.full((1,), float("-inf"), dtype=tl.float32)
+    top_i = tl.zeros((1,), dtype=tl.int64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
-        x = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
+        raw = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = raw / temperature
         mx = tl.maximum(mx, tmax(x, axis=0))
+        if ARGMAX:  # of the logits themselves: a division can round two of them to one value
+            top, top_i = _block_argmax(raw, cols, V, BV, top, top_i)
+    if ARGMAX:
+        tl.store(best_ptr + r + tl.arange(0, 1), top_i)
     tot = tl.zeros((1,), dtype=tl.float32)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -219,8 +237,9 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         tl.store(prow + cols, tl.where(_key(p) >= thr, p, 0.0) / kept, mask=cols < V)
 
 
-def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """The kernel for `distribution` (same signature and result, see the tolerance above)."""
+def fast_distribution(logits: torch.Tensor, params: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for `distribution` (same signature and result, see the tolerance above); with `best` (int64
+    [R]), the argmax of each row's logits written into it in the same launch."""
     require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
     require_dtype(logits, "logits", (torch.float32, torch.bfloat16, torch.float16))
     require_rows(logits, "logits")
@@ -231,16 +250,16 @@ def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tenso
     p = torch.empty((r, v), dtype=torch.float32, device=dev)
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        _distribution_kernel[(r,)](logits, p, params, v, logits.stride(0), BV=bv, **pdl(logits.device))
+        _distribution_kernel[(r,)](logits, p, params, p if best is None else best, v, logits.stride(0),
+                                   ARGMAX=best is not None, BV=bv, **pdl(logits.device))
     return p
 
 
 @device_function
-def _exponential(seed, counter):
-    """float32 Exp(1) draws for the int64 counters `counter` (a block): the reference's splitmix64 bits,
-    the uniform u = (top 53 bits) * 2^-53 rounded once to float32 (relative precision 2^-24 at every
-    magnitude, so the small draws that win a race keep their digits), E = -log1p(-u) by log(w) * u / (1 - w)
-    with w = 1 - u (where w rounds to 1, E = u), a few ulps of the float64 value."""
+def _uniform(seed, counter):
+    """float32 uniforms for the int64 counters `counter` (a block): the reference's splitmix64 bits, the
+    uniform u = (top 53 bits) * 2^-53 rounded once to float32 (relative precision 2^-24 at every magnitude,
+    so the small draws that win a race keep their digits)."""
     x = counter * _GOLDEN_K
     x = x ^ ((x >> 30) & 0x3FFFFFFFF)
     x = x * _M1_K
@@ -253,7 +272,14 @@ def _exponential(seed, counter):
     x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
     x = x * _M2_K
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-    u = ((x >> 11) & 0x1FFFFFFFFFFFFF).to(tl.float32) * 1.1102230246251565e-16  # 2^-53
+    return ((x >> 11) & 0x1FFFFFFFFFFFFF).to(tl.float32) * 1.1102230246251565e-16  # 2^-53
+
+
+@device_function
+def _exponential(seed, counter):
+    """float32 Exp(1) draws for the int64 counters `counter` (a block): E = -log1p(-u) of `_uniform`'s u by
+    log(w) * u / (1 - w) with w = 1 - u (where w rounds to 1, E = u), a few ulps of the float64 value."""
+    u = _uniform(seed, counter)
     w = tl.maximum(1.0 - u, 1e-30)  # u rounded up to 1: a large finite E (that entry cannot win)
     exact = w == 1.0
     return tl.where(exact, u, -tl.log(w) * (u / tl.where(exact, 1.0, 1.0 - w)))
@@ -311,7 +337,7 @@ def _race(p: torch.Tensor, logits: torch.Tensor | None, params: torch.Tensor | N
     counter by R * V); without, argmax(p); with logits too, their argmax where params[0] (temperature) is 0.
     Ties to the lowest index."""
     r, v = p.shape
-    out = torch.zeros(r, dtype=torch.int64, device=p.device)
+    out = (torch.empty if v else torch.zeros)(r, dtype=torch.int64, device=p.device)  # every row stored
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
         g = p if logits is None else logits
@@ -340,14 +366,88 @@ def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -
     return _race(fast_distribution(logits, params), logits, params, key)
 
 
-def uniform32(key: torch.Tensor, n: int) -> torch.Tensor:
-    """`uniform` rounded once to float32 (the fast path's acceptance tests: no float64)."""
-    return uniform(key, n, torch.float32)
+@triton.jit
+def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributions
+                   r_ptr,       # float32 [K, V]: the drafter's
+                   best_ptr,    # int64 [K+1]: the argmax of each target row's logits
+                   d_ptr,       # int64 [K]: the drafts
+                   key_ptr,     # int64 [2]: seed, counter (advanced by K + (K+1) V, by the last program)
+                   params_ptr,  # float32 [3]: temperature first (0: greedy)
+                   force_ptr,   # int64 []: accept exactly min(force, K) drafts (-1: off)
+                   draws_ptr,   # int64 [K+1] scratch: row i's draw, the next token if i is the first miss
+                   cnt_ptr,     # int32 counter of finished programs (zero between launches)
+                   out_ptr,     # out int64 [K+3]: j+1, j, the K+1 ids (accept's result)
+                   K, V, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    i = tl.program_id(0).to(tl.int64)
+    seed = tl.load(key_ptr + tl.arange(0, 1))
+    counter = tl.load(key_ptr + 1 + tl.arange(0, 1))
+    base = counter + K + i * V  # the acceptance tests take the first K values, the rows' races the next
+    prow, rrow = p_ptr + i * V, r_ptr + i * V
+    residual = i < K  # rows below K draw from normalize(max(0, p - r)) (p where that is all zero)
+    total = tl.zeros((1,), dtype=tl.float32)
+    if residual:
+        for v0 in range(0, V, BV):
+            cols = v0 + tl.arange(0, BV)
+            p = tl.load(prow + cols, mask=cols < V, other=0.0)
+            q = tl.load(rrow + cols, mask=cols < V, other=0.0)
+            total += tsum(tl.maximum(p - q, 0.0), axis=0)
+    best = tl.full((1,), float("-inf"), dtype=tl.float32)
+    best_i = tl.zeros((1,), dtype=tl.int64)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        x = tl.load(prow + cols, mask=cols < V, other=0.0)
+        if residual:
+            q = tl.load(rrow + cols, mask=cols < V, other=0.0)
+            x = tl.where(total > 0, tl.maximum(x - q, 0.0) / tl.where(total > 0, total, 1.0), x)
+        best, best_i = _block_argmax(x / _exponential(seed, base + cols), cols, V, BV, best, best_i)
+    tl.store(draws_ptr + i + tl.arange(0, 1), best_i)
+    # the last program to finish sees every row's draw (the count's acquire-release orders them)
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        idx = tl.arange(0, KB).to(tl.int64)
+        draft = idx < K
+        d = tl.load(d_ptr + idx, mask=draft, other=0)
+        top = tl.load(best_ptr + idx, mask=idx <= K, other=0)
+        j_greedy = tmin(tl.where(draft & (d == top), KB, idx), axis=0)  # the first draft off the argmax
+        pd = tl.load(p_ptr + idx * V + d, mask=draft, other=0.0)
+        rd = tl.load(r_ptr + idx * V + d, mask=draft, other=0.0)
+        ok = draft & (_uniform(seed, counter + idx) * rd < pd)
+        j_sampled = tmin(tl.where(ok, KB, idx), axis=0)  # the first rejected draft
+        draws = tl.load(draws_ptr + idx, mask=idx <= K, other=0, volatile=True)
+        b_greedy = tsum(tl.where(idx == j_greedy, top, 0), axis=0)
+        b_sampled = tsum(tl.where(idx == j_sampled, draws, 0), axis=0)
+        sampled = tl.load(params_ptr) > 0
+        j = tl.where(sampled, j_sampled, j_greedy)
+        b = tl.where(sampled, b_sampled, b_greedy)
+        force = tl.load(force_ptr)
+        forced = tl.minimum(force, K)
+        j = tl.where(force >= 0, forced, j)
+        b = tl.where(force >= 0, tsum(tl.where(idx == forced, top, 0), axis=0), b)
+        ids = tl.where(idx < j, d, tl.where(idx == j, b, 0))
+        tl.store(out_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, j + 1, j))
+        tl.store(out_ptr + 2 + idx, ids, mask=idx <= K)
+        tl.store(key_ptr + 1 + tl.arange(0, 1), counter + K + (K + 1) * V)
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (a graph replays this one)
 
 
 def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels for `accept` (same signature): its distributions from the distribution kernel, its draw
-    the race kernel, its acceptance tests u * r < p in float32."""
-    return accept(target, drafts, draft_logits, params, key, distribution=fast_distribution, draw=fast_draw,
-                  uniform=uniform32)
+                key: torch.Tensor, force: torch.Tensor) -> torch.Tensor:
+    """The kernels for `accept` (same signature and result), three launches: the distributions of the
+    target's rows (with their logits' argmax) and of the drafter's, then the accept kernel."""
+    require(target.dim() == 2, "target.dim()", target.dim(), "must be 2 ([k+1, V])")
+    k, v = drafts.numel(), target.shape[1]
+    require(tuple(target.shape) == (k + 1, v), "target.shape", tuple(target.shape), f"must be ({k + 1}, V): k+1 rows")
+    require(tuple(draft_logits.shape) == (k, v), "draft_logits.shape", tuple(draft_logits.shape),
+            f"must be ({k}, {v}): a row per draft")
+    require_dtype(drafts, "drafts", (torch.int64,))
+    require_dtype(force, "force", (torch.int64,))
+    dev = device_of(target, drafts, draft_logits, params, key, force)
+    best = torch.empty(k + 1, dtype=torch.int64, device=dev)
+    p = fast_distribution(target, params, best)
+    r = fast_distribution(draft_logits, params)
+    draws = torch.empty(k + 1, dtype=torch.int64, device=dev)
+    out = torch.empty(k + 3, dtype=torch.int64, device=dev)
+    bv = min(pow2(v), 4096 if INTERPRET else 2048)
+    _accept_kernel[(k + 1,)](p, r, best, drafts, key, params, force, draws, counters(dev, 1), out, k, v,
+                             KB=pow2(k + 1), BV=bv, **pdl(dev))
+    return out

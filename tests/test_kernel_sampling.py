@@ -89,18 +89,56 @@ def test_greedy_sampling_takes_the_lowest_id_among_equal_maxima():
     assert got[1].item() == 7
 
 
-def test_the_accept_kernels_accept_what_the_reference_accepts():
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_the_accept_kernels_accept_what_the_reference_accepts(k):
     s = seed()
-    k, vocab = 4, 500
+    vocab = 500
     target, draft_logits = torch.randn(k + 1, vocab, device=DEVICE) * 2, torch.randn(k, vocab, device=DEVICE) * 2
     drafts = torch.randint(0, vocab, (k,), device=DEVICE)
-    drafts[:2] = target[:2].argmax(-1)  # a greedy prefix of two
+    drafts[:2] = target[:2].argmax(-1)[:k]  # a greedy prefix of up to two
+    draft_logits[:, drafts[-1:]] += 4  # the drafter likes its last draft: accepted or not, the residual differs
     for temperature in (0.0, 0.9):
-        params = params_of(temperature, 0, 0.95, DEVICE)
-        key = torch.tensor([s, 0], device=DEVICE)
-        want = sampling.accept(target, drafts, draft_logits, params, key.clone())
-        got = run(sampling.fast_accept, target, drafts, draft_logits, params, key.clone())
-        assert_equal("accepted and next", torch.stack(want), torch.stack(got), f"(seed {s}, T={temperature})")
+        for force in (-1, 1, k + 3):
+            params = params_of(temperature, 0, 0.95, DEVICE)
+            key = torch.tensor([s, s % 997], device=DEVICE)
+            want_key, got_key = key.clone(), key.clone()
+            f = torch.tensor(force, device=DEVICE)
+            want = sampling.accept(target, drafts, draft_logits, params, want_key, f)
+            got = run(sampling.fast_accept, target, drafts, draft_logits, params, got_key, f)
+            ctx = f"(seed {s}, k={k}, T={temperature}, force={force})"
+            assert_equal("result", want, got, ctx)
+            assert_equal("counter", want_key, got_key, ctx)
+            j = int(got[1])
+            assert int(got[0]) == j + 1 and j == (min(force, k) if force >= 0 else j), ctx
+            assert torch.equal(got[2:2 + j], drafts[:j]) and not got[3 + j:].any(), ctx
+
+
+def test_the_accept_kernel_draws_each_miss_from_the_residual_distribution():
+    """Sampled acceptance over many counters: with the drafter sure of a token the target never gives
+    (r = 1 there, p = 0) every draft is rejected, and the next token is drawn from the residual, which is p
+    itself: the kernel's draws follow the reference's, counter by counter, where the race is not a near tie."""
+    s = seed()
+    vocab = 64
+    target = torch.randn(2, vocab, device=DEVICE)
+    target[:, 5] = -1e4
+    draft_logits = torch.full((1, vocab), -1e4, device=DEVICE)
+    draft_logits[0, 5] = 0.0
+    drafts = torch.tensor([5], device=DEVICE)
+    params, f = params_of(1.0, 0, 1.0, DEVICE), torch.tensor(-1, device=DEVICE)
+    key = torch.tensor([s, 0], device=DEVICE)
+    seen = set()
+    for _ in range(40):
+        before = key.clone()
+        want = sampling.accept(target, drafts, draft_logits, params, before.clone(), f)
+        got = run(sampling.fast_accept, target, drafts, draft_logits, params, key, f)
+        assert int(got[1]) == 0, f"(seed {s}) a draft with p = 0 was accepted"
+        residual = sampling.distribution(target[:1], params)
+        after_tests = before.clone()
+        sampling.uniform(after_tests, 1)  # the acceptance test's value comes first
+        if want[2] != got[2]:
+            assert_same_draws(residual, after_tests, want[2:3], got[2:3], f"(seed {s}, counter {before[1]})")
+        seen.add(int(got[2]))
+    assert len(seen) > 5, f"(seed {s}) 40 draws gave {sorted(seen)}"
 
 
 @requires_cuda

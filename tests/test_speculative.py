@@ -153,8 +153,8 @@ def test_sampling_with_and_without_drafting_follows_the_target_distribution(smal
     first = []
     for _ in range(trials):
         drafts = sampler.draw(r, key)  # drafts drawn from the drafter's distribution, as the drafter does
-        j, b = sampler.accept(rows, drafts, d.logits, params, key)
-        first.append(int(drafts[0]) if int(j) > 0 else int(b))
+        result = sampler.accept(rows, drafts, d.logits, params, key, torch.tensor(-1))
+        first.append(int(result[2]))  # the first token produced: the first draft if accepted, else the next
     _chi2(torch.tensor(first), p, "with drafting")
 
 

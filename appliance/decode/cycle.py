@@ -12,7 +12,8 @@ Output: result [width + 2] = count (tokens produced), accepted drafts, then the 
 Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
   1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B;
   2. verify (`VerifyStep`, width k+1): one target forward over [anchor, d_1..d_k] at positions N..N+k;
-  3. accept: j drafts and the next token b (kernels.sampling: greedy prefix, or min(1, p/r));
+  3. accept: j drafts and the next token b (kernels.sampling: greedy prefix, or min(1, p/r)), the op
+     writing the result (three launches on the fast path);
   4. commit: the drafter's rows of N..N+k-1 are written; the host then counts N+j+1 positions. The writes
      for rejected positions stay where no reader reaches them (appliance/model/state.py, `Journal`):
      nothing is copied or rolled back, as in a plain cycle.
@@ -160,14 +161,8 @@ class VerifyStep:
             out = target.forward(tokens, "all", N, self.reach)
             rows = spec.drafter.rows(out)
             spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
-            j, b = target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key)
-            forced = buf.force.clamp(max=k)
-            j = torch.where(buf.force >= 0, forced, j)
-            b = torch.where(buf.force >= 0, out.logits.argmax(-1).gather(0, forced.clamp(min=0).view(1))[0], b)
+            self.result.copy_(target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force))
             spec.drafter.commit(spec.state, rows[:k], drafts, N)
-        idx = torch.arange(k + 1, device=N.device)
-        ids = torch.where(idx < j, torch.cat((drafts, drafts[:1])), torch.where(idx == j, b, torch.zeros_like(b)))
-        self.result.copy_(torch.cat(((j + 1).view(1), j.view(1), ids)))
         return {"result": self.result}
 
 
