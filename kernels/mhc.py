@@ -24,7 +24,7 @@ All batch invariant: no reduction mixes rows.
 
 import torch
 
-from . import linear
+from . import linear, rank_sum
 from ._triton import (
     INTERPRET,
     as_int64,
@@ -44,6 +44,7 @@ from ._triton import (
     tsum,
 )
 from .linear import rows_matmul
+from .rank_sum import rank_load
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -87,8 +88,12 @@ def collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.double().unsqueeze(-1) * X.double()).sum(-2).to(X.dtype)
 
 
-def expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """y [M, D] (sub-block output), X [M, hc, D] -> [M, hc, D] in X.dtype."""
+def expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+           ) -> torch.Tensor:
+    """y [M, D] (sub-block output; or a list of the ranks' float32 partials of it, their rank-order sum rounded
+    to X.dtype: kernels/rank_sum.py), X [M, hc, D] -> [M, hc, D] in X.dtype."""
+    if isinstance(y, list):
+        y = rank_sum.reference(y, X.dtype)
     mixed = torch.matmul(comb.double().transpose(-1, -2), X.double())
     return (post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed).to(X.dtype)
 
@@ -234,13 +239,14 @@ def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), contiguous
+def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials (a tuple), or one of any float dtype
                    x_ptr,     # X [M, hc, D], contiguous
                    post_ptr,  # float32 [M, hc]
                    comb_ptr,  # float32 [M, hc, hc]
                    out_ptr,   # out [M, hc, D] in X's dtype
-                   M, hc, D, OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
-                   PDL: tl.constexpr):
+                   M, hc, D, WORLD: tl.constexpr,
+                   Y_ROUND: tl.constexpr,  # y a sum of the ranks' partials: rounded to X's dtype
+                   OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
@@ -249,7 +255,9 @@ def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), conti
     k = tl.arange(0, BHC)
     kmask = rmask[:, None] & (k[None, :] < hc)
     r64 = rows.to(tl.int64)
-    y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+    y = rank_load(y_parts, r64[:, None] * D + cols[None, :], cmask, WORLD)
+    if Y_ROUND:
+        y = round_out(y, OUT_BF16).to(tl.float32)
     post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0)
     mixed = tl.zeros((BM, BHC, BD), dtype=tl.float32)
     for j in range(hc):  # out stream k takes column k of comb
@@ -261,26 +269,33 @@ def _expand_kernel(y_ptr,     # sub-block output [M, D] (any float dtype), conti
              round_out(out, OUT_BF16), mask=kmask[:, :, None] & cmask[:, None, :])
 
 
-def fast_expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The kernel for `expand` (same signature and result)."""
+def fast_expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                ) -> torch.Tensor:
+    """The kernel for `expand` (same signature and result): the partials of a list added in rank order where
+    the kernel loads y (kernels/rank_sum.py `rank_load`)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
     m, hc, d = X.shape
-    require(tuple(y.shape) == (m, d), "y.shape", tuple(y.shape), f"must be {(m, d)}")
-    require_dtype(y, "y", (torch.float32, torch.bfloat16))
+    parts = y if isinstance(y, list) else [y]
+    require(1 <= len(parts) <= rank_sum.MAX_WORLD, "len(y)", len(parts), f"must be 1..{rank_sum.MAX_WORLD} (ranks)")
+    for r, p in enumerate(parts):
+        require(tuple(p.shape) == (m, d), f"y[{r}].shape", tuple(p.shape), f"must be {(m, d)}")
+        require_dtype(p, f"y[{r}]", (torch.float32,) if isinstance(y, list) else (torch.float32, torch.bfloat16))
     require(tuple(post.shape) == (m, hc), "post.shape", tuple(post.shape), f"must be {(m, hc)}")
     require(tuple(comb.shape) == (m, hc, hc), "comb.shape", tuple(comb.shape), f"must be {(m, hc, hc)}")
     require_dtype(post, "post", (torch.float32,))
     require_dtype(comb, "comb", (torch.float32,))
-    device_of(y, X, post, comb)
-    y, X, post, comb = y.contiguous(), X.contiguous(), post.contiguous(), comb.contiguous()
+    device_of(*parts, X, post, comb)
+    parts = tuple(p.contiguous() for p in parts)
+    X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
     out = torch.empty_like(X)
     if m and d:
         bd = min(pow2(d), 4096 if INTERPRET else 512)
         bm = max(1, min(pow2(m), 16384 // (bd * pow2(hc)))) if INTERPRET else 1
-        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](y, X, post, comb, out, m, hc, d,
+        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](parts, X, post, comb, out, m, hc, d, WORLD=len(parts),
+                                                                 Y_ROUND=isinstance(y, list),
                                                                  OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
-                                                                 BHC=pow2(hc), BD=bd, **pdl(y.device))
+                                                                 BHC=pow2(hc), BD=bd, **pdl(X.device))
     return out
 
 

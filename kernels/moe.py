@@ -58,6 +58,7 @@ from .linear import (
     staged_product,
     weight_product,
 )
+from .rank_sum import rank_load
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -390,12 +391,13 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32, or x's dtype)
-                    s_ptr,       # the shared expert's rows (any float dtype): row m's at row SH0 + m
+def _combine_kernel(o_parts,     # [P, D] outputs per pair: WORLD float32 partials (a tuple), or one in x's dtype
+                    s_parts,     # the shared expert's rows: S_WORLD partials as o's (any float dtype where one),
+                                 # row m's at row SH0 + m
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
-                    M, D, K, hc, SH0, YS, HAS_SHARED: tl.constexpr,
+                    M, D, K, hc, SH0, YS, WORLD: tl.constexpr, S_WORLD: tl.constexpr, HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
                     PAIRS: tl.constexpr,  # store a row's pairs' sum as is (else the shared expert and the expand)
                     X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
@@ -404,23 +406,23 @@ def _combine_kernel(o_ptr,       # [P, D] outputs per pair (float32, or x's dtyp
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
     y = tl.zeros((BD,), dtype=tl.float32)
-    for j in range(K):
-        y += tl.load(o_ptr + tl.load(pos_ptr + m * K + j) * D + cols, mask=cmask, other=0.0)
+    for j in range(K):  # each pair's output summed over the ranks in rank order, then added in expert order
+        y += rank_load(o_parts, tl.load(pos_ptr + m * K + j) * D + cols, cmask, WORLD)
     if PAIRS:
         tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
-        _shared_and_expand(s_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, HAS_SHARED,
-                           S_ROUND, X_BF16, BHC, BD)
+        _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, S_WORLD,
+                           HAS_SHARED, S_ROUND, X_BF16, BHC, BD)
 
 
 @device_function
-def _shared_and_expand(s_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0,
-                       HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr, BHC: tl.constexpr,
-                       BD: tl.constexpr):
+def _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0,
+                       S_WORLD: tl.constexpr, HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr,
+                       BHC: tl.constexpr, BD: tl.constexpr):
     """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
     expanded."""
     if HAS_SHARED:
-        s = tl.load(s_ptr + (SH0 + m) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = rank_load(s_parts, (SH0 + m) * D + cols, cmask, S_WORLD)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
@@ -474,13 +476,14 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None):
     """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four
-    launches. Expert parallel (`reduce`): an object with `sum(t)` (a float32 tensor added over the ranks in
-    a fixed order: the same bits on every rank, whatever the batch) and `shared_split` (this rank holds a
+    launches. Expert parallel (`reduce`): an object with `sum_into(t, consume)` (every rank's float32 partials of
+    t, in rank order, given to `consume`, which adds them in that order where it loads them: the same bits on
+    every rank, whatever the batch) and `shared_split` (this rank holds a
     slice of the shared expert's intermediate, not all of it); the reference form calls it as
     `reduce(outputs, shared64)`. In a decode step's call the per-pair outputs between down and the
-    combine are summed over ranks, one collective. A routed pair's output comes from the one rank holding
-    its expert (zeros on the others), so its sum is exact and every rank then adds each row's experts in
-    the same order as one rank would: the routed part equals one rank's bit for bit. A long call
+    combine are summed over ranks, one collective, the combine adding them. A routed pair's output comes from
+    the one rank holding its expert (zeros on the others), so its sum is exact and every rank then adds each
+    row's experts in the same order as one rank would: the routed part equals one rank's bit for bit. A long call
     (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
     rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's; it takes the
     shared expert whole for its rows (`_own_shared`). A decode step's split shared expert leaves its partial
@@ -540,13 +543,15 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         rows = _own_shared(x, share, whole, ab, limit, weight_before_w2) if own else None
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
-    if reduce is not None:  # expert parallel: every rank's pairs, summed in rank order
-        if split:
-            o = reduce.sum(o)
-        else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
-            o[:m * top_k] = reduce.sum(o[:m * top_k])
-    # (4) the sum in expert order, the shared expert, the expand
-    _combine(o, pos, X, post, comb, out, shared is not None, split)
+    # (4) the sum in expert order, the shared expert, the expand; expert parallel, every rank's pairs added in
+    # rank order as the combine loads them
+    if reduce is None:
+        _combine([o], pos, X, post, comb, out, shared is not None, False)
+    elif split:
+        reduce.sum_into(o, lambda parts: _combine(parts, pos, X, post, comb, out, True, True))
+    else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
+        reduce.sum_into(o[:m * top_k], lambda parts: _combine(parts, pos, X, post, comb, out, shared is not None,
+                                                              False, o[m * top_k:] if shared is not None else None))
     return out, weights, idx
 
 
@@ -560,7 +565,7 @@ def _native(dev: torch.device, ab: int, align: int) -> int:
 # takes launches of its own (`_own_shared`) as on each rank of a split, so no long call's gate-and-up holds an
 # expert's and the shared expert's weights both (that launch spills at 256-deep K tiles on sm_103).
 _ALONE = types.SimpleNamespace(world=1, shared_split=False, share=lambda rows: (rows, 0, rows),
-                               sum_shares=lambda t: t[0])
+                               exchange=lambda t: t)
 
 
 def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split) -> None:
@@ -645,16 +650,19 @@ def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, share, reduce):
     return o, o, m * top_k, sent
 
 
-def _combine(o, pos, X, post, comb, out, has_shared: bool, split: bool, shared: torch.Tensor | None = None
-             ) -> None:
-    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row (row m of `shared`
-    [M, D], any float dtype; by default o's row M K + m, after the pairs), the expand."""
+def _combine(parts: list[torch.Tensor], pos, X, post, comb, out, has_shared: bool, split: bool,
+             shared: torch.Tensor | None = None) -> None:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand. `parts`:
+    the pairs' outputs [P, D], or every rank's float32 partials of them, added in rank order where they are
+    loaded (kernels/rank_sum.py `rank_load`); the shared expert's row m of `shared` [M, D] (any float dtype),
+    by default row M K + m of the parts (summed over the ranks where `split`)."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
-    s, sh0 = (o, m * pos.shape[1]) if shared is None else (shared, 0)
-    _combine_kernel[(m, triton.cdiv(d, bd))](o, s, pos, X, post, comb, out, m, d, pos.shape[1], hc, sh0, d,
-                                             HAS_SHARED=has_shared, S_ROUND=split, PAIRS=False,
-                                             X_BF16=X.dtype == torch.bfloat16, BHC=pow2(hc), BD=bd, **pdl(o.device))
+    s, sh0 = (parts, m * pos.shape[1]) if shared is None else ([shared], 0)
+    _combine_kernel[(m, triton.cdiv(d, bd))](tuple(parts), tuple(s), pos, X, post, comb, out, m, d, pos.shape[1], hc,
+                                             sh0, d, WORLD=len(parts), S_WORLD=len(s), HAS_SHARED=has_shared,
+                                             S_ROUND=split, PAIRS=False, X_BF16=X.dtype == torch.bfloat16,
+                                             BHC=pow2(hc), BD=bd, **pdl(X.device))
 
 
 def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
@@ -663,15 +671,15 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     d = o.shape[1]
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
-        _combine_kernel[(m, triton.cdiv(d, bd))](o, o, pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),
-                                                 HAS_SHARED=False, S_ROUND=False, PAIRS=True, X_BF16=False,
-                                                 BHC=1, BD=bd, **pdl(o.device))
+        _combine_kernel[(m, triton.cdiv(d, bd))]((o,), (o,), pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),
+                                                 WORLD=1, S_WORLD=1, HAS_SHARED=False, S_ROUND=False, PAIRS=True,
+                                                 X_BF16=False, BHC=1, BD=bd, **pdl(o.device))
 
 
 def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, share) -> None:
     """A long call's sum over ranks by rows: every rank sums each row's pairs it computed (its experts' or its
     share of every expert's; in increasing expert id, float32: `_pairs_sum`) into the rows it sends, [rows, D]:
-    each rank gets its share of the rows, sums them in rank order where they arrive, adds its rows' shared
+    each rank gets its share of the rows, sums them in rank order as the combine loads them, adds its rows' shared
     expert, rounds and expands its rows' streams X (the caller holds the streams by rows and gathers the next
     sub-block's input). The routed sum is associated by rank, as the official code's all-reduce of each rank's
     experts' sum: within float32 rounding of one rank's, not its bits. A rank receives (ranks - 1) / ranks of
@@ -683,9 +691,10 @@ def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, s
     _pairs_sum(o, pos, sent[:m])
     if m < world * per:
         sent[m:].zero_()  # the padding rows' sums are dropped
-    summed = reduce.sum_shares(sent.view(world, per, d))  # [per, D]: this rank's rows
+    received = reduce.exchange(sent.view(world, per, d))  # [ranks, per, D]: every rank's sums of this rank's rows
     n = hi - lo
-    if n:  # row i's pairs' sum at row i, its shared expert's row i of shared_rows (in x's dtype)
-        _combine(summed[:n], torch.arange(n, device=o.device).view(n, 1), X, post, comb, out,
+    if n:  # row i's pairs' sums at row i (added in rank order by the combine), its shared expert's row i of
+        # shared_rows (in x's dtype)
+        _combine([r[:n] for r in received], torch.arange(n, device=o.device).view(n, 1), X, post, comb, out,
                  shared_rows is not None, False, shared_rows)
 

@@ -5,12 +5,25 @@ Reference (`reference`): the adds as torch operations, world - 1 launches. Kerne
 same float32 adds in the same order per element (no contraction, no reassociation), so bitwise equal to the
 reference, then rounded once where the caller asks (a split linear's output dtype, the indexer's bfloat16
 scores kept as float32); each partial given by its own pointer, so a rank's gathered rows [world, n] and
-peers' buffers in symmetric memory (one tensor each, on as many devices) are read in place.
+peers' buffers in symmetric memory (one tensor each, on as many devices) are read in place. A consumer of
+the sum (the mHC expand of the attention's output, the MoE's combine) takes the partials itself and adds
+them where it loads its input (`rank_load`): the same adds, no launch of their own.
 """
 
 import torch
 
-from ._triton import INTERPRET, bf16_value, dependent_launch, pdl, require, require_dtype, round_out, tl, triton
+from ._triton import (
+    INTERPRET,
+    bf16_value,
+    dependent_launch,
+    device_function,
+    pdl,
+    require,
+    require_dtype,
+    round_out,
+    tl,
+    triton,
+)
 
 MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs; each count compiles its own)
 BLOCK = 4096 if INTERPRET else 1024  # elements per program (the interpreter's cost is per program)
@@ -28,6 +41,16 @@ def reference(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
     return out.to(out_dtype)
 
 
+@device_function
+def rank_load(parts, offs, mask, WORLD: tl.constexpr):
+    """The rank-order float32 sum ((p0 + p1) + p2) + ... of the elements at `offs` of WORLD partials (a tuple
+    of pointers; one of any float dtype: its values as float32)."""
+    acc = tl.load(parts[0] + offs, mask=mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(1, WORLD):  # unrolled: rank order, one rounding per add
+        acc = acc + tl.load(parts[r] + offs, mask=mask, other=0.0)
+    return acc
+
+
 @triton.jit
 def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
             out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
@@ -36,9 +59,7 @@ def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
     dependent_launch(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    acc = tl.load(parts[0] + offs, mask=m)
-    for r in tl.static_range(1, WORLD):  # unrolled: rank order, one rounding per add
-        acc = acc + tl.load(parts[r] + offs, mask=m)
+    acc = rank_load(parts, offs, m, WORLD)
     if ROUND_BF16:
         acc = bf16_value(acc)
     tl.store(out_ptr + offs, round_out(acc, OUT_BF16), mask=m)

@@ -346,7 +346,7 @@ def drive_split_specializations(failures: list):
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
     summed over four ranks by the rank-order sum (the gathers are stand-ins: nothing runs)."""
     import kernels._triton as kt
-    from kernels import bench, moe, rank_sum
+    from kernels import bench, moe
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -355,18 +355,19 @@ def drive_split_specializations(failures: list):
     shared = (bench.fp8_weight(quarter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, quarter, (s.block,) * 2),
               bench.fp8_weight(quarter, s.dim, (s.block,) * 2))
     gate = bench.dense_weight(s.experts, s.dim)
-    def four(t, out_dtype=torch.float32, round_to=None):
-        return rank_sum.fast([t] * 4, out_dtype, round_to)
+    def four(t, consume):  # four ranks' partials, added in the consumer
+        return consume([t] * 4)
 
     # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
     # torch and the same combine kernel)
-    split = types.SimpleNamespace(sum=four, shared_split=True, share=lambda rows: None)
+    split = types.SimpleNamespace(sum_into=four, shared_split=True, share=lambda rows: None)
     # a long call's (a prefill chunk's) sums by rows: its pairs kept in x's dtype, the shared partials apart
     # (a rank holds its share's streams)
     whole = (bench.fp8_weight(s.inter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, s.inter, (s.block,) * 2),
              bench.fp8_weight(s.inter, s.dim, (s.block,) * 2))  # the shared expert whole, for the share's rows
-    shares = types.SimpleNamespace(sum=four, shared_split=True, world=4, share=lambda rows: (rows // 4, 0, rows // 4),
-                                   sum_shares=lambda t: t.sum(0), whole_shared=whole)
+    shares = types.SimpleNamespace(sum_into=four, shared_split=True, world=4,
+                                   share=lambda rows: (rows // 4, 0, rows // 4), exchange=lambda t: t,
+                                   whole_shared=whole)
     try:
         with kt.long_calls():
             m = 256

@@ -7,10 +7,10 @@ rows one at a time, bit for bit."""
 import pytest
 import torch
 
-from kernels import mhc
+from kernels import mhc, rank_sum
 from kernels.bench import fp8_weight
 
-from .kernel_check import DEVICE, assert_close, assert_rows_invariant, requires_cuda, run, seed
+from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
 
 COEFF_TOL = 2.0**-16
 TOL = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7}
@@ -85,6 +85,23 @@ def test_a_product_and_the_mhc_expand_in_one_launch_match_the_two_references():
     assert_close("expand", want, got, 2.0**-7, context=ctx)
     assert_rows_invariant("expand", lambda sl: mhc.fast_product_expand(x[sl], w, 32, X[sl], post[sl], comb[sl]),
                           context=ctx)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_the_expand_adds_the_ranks_partials_as_the_rank_order_sum_does(dt):
+    """A split output's partials given to the expand (appliance/parallel: the sum inside its consumer): the
+    bits of the rank-order sum (torch's adds) rounded to X's dtype, then the expand; near the reference's."""
+    s = seed()
+    m, hc, d = 5, 4, 70
+    X = (torch.randn(m, hc, d, device=DEVICE) * 2).to(dt)
+    post, comb = torch.rand(m, hc, device=DEVICE) * 2, torch.rand(m, hc, hc, device=DEVICE)
+    for world in (2, 4):
+        parts = [torch.randn(m, d, device=DEVICE) * 3 for _ in range(world)]
+        ctx = f"(seed {s}, {dt}, {world} ranks)"
+        summed = rank_sum.reference(parts, dt)
+        got = run(mhc.fast_expand, parts, X, post, comb)
+        assert_equal("expand of the partials", run(mhc.fast_expand, summed, X, post, comb), got, ctx)
+        assert_close("expand", mhc.expand(parts, X, post, comb), got, TOL[dt], context=ctx)
 
 
 @requires_cuda

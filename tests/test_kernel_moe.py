@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels._triton
-from kernels import moe
+from kernels import moe, rank_sum
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
@@ -169,11 +169,41 @@ class OneRank:
     def share(self, rows):
         return (rows, 0, rows) if self.long else None
 
-    def sum(self, t):
+    def sum_into(self, t, consume):
+        return consume([t.clone()])
+
+    def exchange(self, t):
         return t.clone()
 
-    def sum_shares(self, t):
-        return t[0].clone()
+
+class Ranks(OneRank):
+    """ExpertReduce's decode-step interface over `world` made-up ranks: this rank's partials t and the
+    others' (random, from `seed`: sums whose rounding depends on the order of the adds) given to the consumer
+    (`summed`: added first in rank order by torch, one part)."""
+
+    def __init__(self, shared_split: bool, world: int, summed: bool, seed: int):
+        super().__init__(shared_split, long=False)
+        self.world, self.summed, self.seed = world, summed, seed
+
+    def sum_into(self, t, consume):
+        g = torch.Generator(device=t.device).manual_seed(self.seed)
+        parts = [t] + [torch.randn(t.shape, generator=g, device=t.device) * 3 for _ in range(self.world - 1)]
+        return consume([rank_sum.reference(parts)] if self.summed else parts)
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_the_combine_adds_the_ranks_partials_as_the_rank_order_sum_does(dt):
+    """Expert parallel, a decode step's per-pair outputs summed over ranks inside the combine (their partials
+    added in rank order as it loads them, the shared expert's too where split): the bits of the rank-order
+    sum's kernel and then the combine."""
+    s = seed()
+    args = ffn_args(6, 96, 64, 7, 2, "fp4", dt, False, True, 10.0)
+    for split in (False, True):
+        for world in (2, 4):
+            ctx = f"(seed {s}, {dt}, shared split: {split}, {world} ranks)"
+            inside = run(moe.fast_ffn, *args, reduce=Ranks(split, world, False, s))[0]
+            apart = run(moe.fast_ffn, *args, reduce=Ranks(split, world, True, s))[0]
+            assert_equal("streams", apart, inside, ctx)
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])

@@ -107,14 +107,16 @@ class ShapeComm:
         self._record("allgather_", t)
         return rank_sum.fast(list(self._received([self.world, *t.shape], t)), out_dtype, round_to)
 
+    def sum_into(self, t: torch.Tensor, consume):
+        """Comm.sum_into as `--allreduce nccl` runs it: an all-gather of the partials, given to `consume`."""
+        self._record("allgather_", t)
+        return consume(list(self._received([self.world, *t.shape], t)))
+
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Comm.exchange: an all-to-all of this rank's part for each rank."""
         self._record("alltoall_", t)
         return self._received(list(t.shape), t)
 
-    def sum_shares(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Comm.sum_shares: an all-to-all of this rank's partials of every share, then the adds."""
-        return rank_sum.fast(list(self.exchange(t)), out_dtype)
 
     @staticmethod
     def _received(shape: list[int], like: torch.Tensor) -> torch.Tensor:

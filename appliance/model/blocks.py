@@ -160,15 +160,16 @@ class GroupedOutput:
 
     def expand(self, u: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """wo_b(u) [T, D] added to the residual streams X [T, hc, D] by the mHC expand: one launch on the fast
-        path (the expand is the product's epilogue), unless wo_b's sum is split over ranks. Split, a long call
-        holds a share of the rows' streams (fewer rows than u: Step.share) and takes wo_b whole for those rows
-        (sharding.RowParallel.exchange): one launch again."""
+        path (the expand is the product's epilogue), unless wo_b's sum is split over ranks: then two, the
+        product's partial and the expand, which adds the ranks' partials as it loads them (RowParallel.into).
+        Split, a long call holds a share of the rows' streams (fewer rows than u: Step.share) and takes wo_b
+        whole for those rows (sharding.RowParallel.exchange): one launch again."""
         wo_b = self.wo_b
         if isinstance(wo_b, Linear):
             return self.rt.ops.linear_expand(u, wo_b.weight, wo_b.act_block, X, post, comb)
         if X.shape[0] != u.shape[0]:
             return self.rt.ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
-        return self.rt.ops.hc_expand(wo_b(u), X, post, comb)
+        return wo_b.into(u, lambda y: self.rt.ops.hc_expand(y, X, post, comb))
 
 
 def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:

@@ -47,9 +47,14 @@ class GatherSum:
 
     def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
+        return self.into(t, lambda parts: rank_sum.fast(parts, out_dtype, round_to))
+
+    def into(self, t: torch.Tensor, consume):
+        """Every rank's partial of `t`, in rank order, given to `consume` (a kernel that adds them as it loads
+        them, kernels/rank_sum.py `rank_load`): what it returns."""
         parts = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
-        return rank_sum.fast(list(parts.view(self.world, *t.shape)), out_dtype, round_to)
+        return consume(list(parts.view(self.world, *t.shape)))
 
 
 class SymmSum:
@@ -80,6 +85,18 @@ class SymmSum:
             rank_sum.fast([p[:b - a] for p in mem.peers], out_dtype, round_to, out=out[a:b])
             mem.barrier(1)  # every peer has read: the buffers may be written again
         return out.view(t.shape)
+
+    def into(self, t: torch.Tensor, consume):
+        """GatherSum.into: `consume` reads the peers' buffers in place, between the barriers. A call larger
+        than the capacity is summed in pieces first (unrounded float32: the same adds), its one part given."""
+        n, mem = t.numel(), self.memory
+        if n > self.capacity:
+            return consume([self(t)])
+        mem.buffer[:n].copy_(t.reshape(-1))
+        mem.barrier(0)  # every partial is written
+        out = consume([p[:n].view(t.shape) for p in mem.peers])
+        mem.barrier(1)  # every peer has read: the buffers may be written again
+        return out
 
 
 class PeerMemory:
@@ -161,6 +178,10 @@ class CheckedSum:
                  round_to: torch.dtype | None = None) -> torch.Tensor:
         self.check(f"{self.kind} sum", t)
         return self.sum(t, out_dtype, round_to)
+
+    def into(self, t: torch.Tensor, consume):
+        self.check(f"{self.kind} sum", t)
+        return self.sum.into(t, consume)
 
 
 def peers_reachable(world: int) -> bool:

@@ -45,7 +45,6 @@ from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 from appliance.model.rowsplit import ALL_ROWS, query_share
 from appliance.parallel.collectives import all_gather
-from kernels import rank_sum
 
 
 class Comm:
@@ -77,6 +76,12 @@ class Comm:
             return parts.view(self.world * t.shape[0], *t.shape[1:])
         return torch.cat(list(parts), dim=dim)
 
+    def sum_into(self, t: torch.Tensor, consume):
+        """The fast path's fixed-order sum of `t` over ranks, inside its consumer: `consume` gets every rank's
+        float32 partial in rank order and adds them as it loads them (its kernel's `rank_sum.rank_load`), so the
+        sum takes no launch of its own."""
+        return self.sum.into(t, consume)
+
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [world, ...]: this rank's part for each rank -> [world, ...] every rank's part for this one, in
         rank order (one all-to-all)."""
@@ -85,12 +90,6 @@ class Comm:
         received = torch.empty_like(t)
         dist.all_to_all_single(received, t.contiguous(), group=self.group)
         return received
-
-    def sum_shares(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """`t` [world, ...]: this rank's partials of every rank's share -> the rank-order float32 sum of every
-        rank's partial of this rank's share, stored as `out_dtype` (the bits of `sum` on those elements: the
-        adds are elementwise): one all-to-all, then the adds in one launch."""
-        return rank_sum.fast(list(self.exchange(t)), out_dtype)
 
     def span(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n items split evenly."""
@@ -119,6 +118,14 @@ class RowParallel:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = self.rt.ops.linear(x, self.weight, self.act_block, self.partial)
         return self.sum(y, out_dtype=out_dtype or self.rt.dtype)
+
+    def into(self, x: torch.Tensor, consume):
+        """The product of x summed over ranks inside `consume`, which takes a sum rounded to the runtime's
+        dtype: on the fast path every rank's float32 partial in rank order, added where the consumer loads
+        them (Comm.sum_into); on the reference path the float64 sum, rounded."""
+        if self.partial != torch.float32:
+            return consume(self(x))
+        return self.comm.sum_into(self.rt.ops.linear(x, self.weight, self.act_block, self.partial), consume)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, this rank's input columns] of a long call -> [this rank's share of the rows, every input
@@ -193,19 +200,20 @@ def shard_output(out: GroupedOutput, comm: Comm, long_calls: bool = True) -> Non
 
 
 class ExpertReduce:
-    """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum`, the fast
-    path's fixed-order float32 sum; `shared_split`, whether the shared expert's intermediate is split (its
-    partial is summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums.
+    """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum_into`, the
+    fast path's fixed-order float32 sum inside its consumer (Comm.sum_into); `shared_split`, whether the
+    shared expert's intermediate is split (its partial is summed too); called as `reduce(outputs, shared64)`,
+    the reference form's float64 sums.
 
     A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank sums each row's
-    pairs it computed, receives every rank's sums of its share of the rows (`sum_shares`, an all-to-all),
+    pairs it computed, receives every rank's sums of its share of the rows (`exchange`, an all-to-all),
     combines and expands those rows into the streams it holds (model.Step.share): a quarter of one [rows, D]
     received, not every rank's partials of every pair (kernels/moe.py `_combined_by_shares`). A split shared
     expert is taken whole for those rows (`whole_shared`, the fast path's: every rank holds it, 35 MB a
     layer of V4.1-Flash), so no partial of it travels."""
 
-    def __init__(self, comm, sum, reference, shared_split: bool, whole_shared=None):
-        self.comm, self.sum, self.reference, self.shared_split = comm, sum, reference, shared_split
+    def __init__(self, comm, reference, shared_split: bool, whole_shared=None):
+        self.comm, self.reference, self.shared_split = comm, reference, shared_split
         self.whole_shared = whole_shared
         self.world = comm.world
 
@@ -220,8 +228,11 @@ class ExpertReduce:
             return None
         return -(-rows // self.world), mine.start, mine.stop
 
-    def sum_shares(self, t: torch.Tensor) -> torch.Tensor:
-        return self.comm.sum_shares(t)
+    def sum_into(self, t: torch.Tensor, consume):
+        return self.comm.sum_into(t, consume)
+
+    def exchange(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.exchange(t)
 
 
 
@@ -259,7 +270,7 @@ def shard_moe(moe: MoE, comm: Comm, experts: str = "auto", long_calls: bool = Tr
         packed = comm.all_reduce(packed)
         return packed[:, :-1].to(outputs.dtype), packed[:, -1]  # float64 slices of split experts stay unrounded
 
-    moe.reduce = ExpertReduce(comm, comm.sum, reference, shared_split, whole_shared)
+    moe.reduce = ExpertReduce(comm, reference, shared_split, whole_shared)
 
 
 def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
