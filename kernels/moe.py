@@ -476,18 +476,18 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None):
     """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four
-    launches. Expert parallel (`reduce`): an object with `sum_into(t, consume)` (every rank's float32 partials of
-    t, in rank order, given to `consume`, which adds them in that order where it loads them: the same bits on
-    every rank, whatever the batch) and `shared_split` (this rank holds a
-    slice of the shared expert's intermediate, not all of it); the reference form calls it as
-    `reduce(outputs, shared64)`. In a decode step's call the per-pair outputs between down and the
-    combine are summed over ranks, one collective, the combine adding them. A routed pair's output comes from
-    the one rank holding its expert (zeros on the others), so its sum is exact and every rank then adds each
-    row's experts in the same order as one rank would: the routed part equals one rank's bit for bit. A long call
-    (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
-    rows (`_combined_by_shares`): associated by rank, within float32 rounding of one rank's; it takes the
-    shared expert whole for its rows (`_own_shared`). A decode step's split shared expert leaves its partial
-    unrounded, the fixed-order sum rounded in the combine (within float32 rounding of one rank's)."""
+    launches. Expert parallel (`reduce`): an object with `sum_into(t, consume)` (every rank's float32 partials
+    of t, in rank order, given to `consume`, which adds them in that order where it loads them: the same bits
+    on every rank, whatever the batch) and `shared_split` (this rank holds a slice of the shared expert's
+    intermediate, not all of it); the reference form calls it as `reduce(outputs, shared64)`. In a decode
+    step's call the per-pair outputs between down and the combine are summed over ranks, one collective, the
+    combine adding them. A routed pair's output comes from the one rank holding its expert (zeros on the
+    others), so its sum is exact and every rank then adds each row's experts in the same order as one rank
+    would: the routed part equals one rank's bit for bit. A long call (`reduce.share(rows)`: a prefill chunk)
+    sums each row's pairs on their rank first, then the ranks' sums by rows (`_combined_by_shares`):
+    associated by rank, within float32 rounding of one rank's; it takes the shared expert whole for its rows
+    (`_own_shared`). A decode step's split shared expert leaves its partial unrounded, the fixed-order sum
+    rounded in the combine (within float32 rounding of one rank's)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape

@@ -402,6 +402,7 @@ def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributio
             x = tl.where(total > 0, tl.maximum(x - q, 0.0) / tl.where(total > 0, total, 1.0), x)
         best, best_i = _block_argmax(x / _exponential(seed, base + cols), cols, V, BV, best, best_i)
     tl.store(draws_ptr + i + tl.arange(0, 1), best_i)
+    tl.debug_barrier()  # the draw is stored before the counter's release
     # the last program to finish sees every row's draw (the count's acquire-release orders them)
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         idx = tl.arange(0, KB).to(tl.int64)

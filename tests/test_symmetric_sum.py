@@ -1,7 +1,8 @@
 """The symmetric-memory sum over ranks (appliance/parallel/collectives.py `SymmSum`) runs its code without a
 GPU: four gloo ranks whose buffers are shared-memory files (`HostMemory`, the stand-in of CUDA's symmetric
 memory). It takes every call a configuration makes (a 2048-token prefill chunk's, the largest verify's), in
-capacity-sized pieces where a call is larger than its buffers, and gives the all-gather sum's bits."""
+capacity-sized pieces where a call is larger than its buffers, and gives the all-gather sum's bits; so does a
+sum inside its consumer (`into`: the peers' buffers read in place)."""
 
 import math
 import random
@@ -13,6 +14,7 @@ from appliance.loader import default_model_dir
 from appliance.model.config import load_config
 from appliance.parallel.collectives import GatherSum, SymmSum
 from appliance.parallel.sharding import largest_sum, verify_rows
+from kernels import rank_sum
 
 from .ranks import call
 
@@ -43,7 +45,16 @@ def symmetric_sums(world, seed: int) -> dict:
         for round_to in (None, torch.bfloat16):
             a, b = symm(t, round_to=round_to), gather(t, round_to=round_to)
             out["calls"][f"{what} {round_to}"] = {"equal": torch.equal(a, b), "values": t.numel()}
+        # inside a consumer (`into`): the peers' buffers read in place, or one part summed in pieces first
+        (n, a), (m, b) = symm.into(t, consume), gather.into(t, consume)
+        out["calls"][f"{what} inside"] = {"equal": torch.equal(a, b) and torch.equal(a, gather(t)),
+                                          "values": t.numel(), "parts": [n, m]}
     return out
+
+
+def consume(parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """A consumer of a sum over ranks: how many parts it was given, their sum in rank order (torch's adds)."""
+    return len(parts), rank_sum.reference(parts)
 
 
 def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_verify_with_the_gathered_bits(
@@ -57,3 +68,6 @@ def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_ver
         verify = {w: c for w, c in r["calls"].items() if w.startswith("verify")}
         assert max(c["values"] for c in verify.values()) <= capacity  # a decode cycle: one piece each
         assert max(math.ceil(c["values"] / capacity) for c in r["calls"].values()) > 1  # a chunk: pieces
+        for what, c in r["calls"].items():  # a consumer reads every rank's partial where it fits, else one sum
+            if what.endswith("inside"):
+                assert c["parts"] == [4 if c["values"] <= capacity else 1, 4], f"{what}: {c['parts']}"

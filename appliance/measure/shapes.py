@@ -117,7 +117,6 @@ class ShapeComm:
         self._record("alltoall_", t)
         return self._received(list(t.shape), t)
 
-
     @staticmethod
     def _received(shape: list[int], like: torch.Tensor) -> torch.Tensor:
         rec = Recorder.active
