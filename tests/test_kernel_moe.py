@@ -195,7 +195,7 @@ class Ranks(OneRank):
 def test_the_combine_adds_the_ranks_partials_as_the_rank_order_sum_does(dt):
     """Expert parallel, a decode step's per-pair outputs summed over ranks inside the combine (their partials
     added in rank order as it loads them, the shared expert's too where split): the bits of the rank-order
-    sum's kernel and then the combine."""
+    sum (torch's adds) and then the combine."""
     s = seed()
     args = ffn_args(6, 96, 64, 7, 2, "fp4", dt, False, True, 10.0)
     for split in (False, True):
