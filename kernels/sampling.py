@@ -75,13 +75,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def uniform(key: torch.Tensor, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """n uniforms in [0, 1) from key = [seed, counter] (int64, device): the top 53 bits of the mix times
-    2^-53, in `dtype` (rounded once: the 53-bit integer is exact in float64); advances the counter."""
+def uniform(key: torch.Tensor, n: int) -> torch.Tensor:
+    """n float64 uniforms in [0, 1) from key = [seed, counter] (int64, device): the top 53 bits of the mix
+    times 2^-53 (exact: the 53-bit integer is exact in float64); advances the counter."""
     i = torch.arange(n, device=key.device, dtype=torch.int64)
     x = _mix(key[0] * _GOLDEN + _mix((key[1] + i) * _GOLDEN))
     key[1] += n
-    return _shr(x, 11).to(dtype) * 2.0**-53
+    return _shr(x, 11).to(torch.float64) * 2.0**-53
 
 
 def distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
