@@ -54,12 +54,13 @@ def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_roundi
     """The fused kernels over each rank's share (the MoE's experts split by their intermediate, or whole
     experts per rank), partial sums in float32 added in rank order. `--numerics plain` for the logits: no activation
     quantization, whose rounding boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics");
-    measured ~2e-7 of the row maximum. The symmetric-memory sum (its CPU stand-in: buffers in shared memory)
-    gives the gathered sum's bits; its buffers hold one decode step's largest call, so the prompt's index
-    scores go in pieces. Short (the interpreter, four ranks on two cores: minutes)."""
+    measured ~2e-7 of the row maximum. Eight tokens: a call no longer than rowsplit.SPLIT_ROWS is not held by
+    rows, so its sums over ranks go through their consumers (`Comm.sum_into`), whose symmetric-memory form
+    (its CPU stand-in: buffers in shared memory, read in place) gives the gathered sum's bits. Short (the
+    interpreter, four ranks on two cores: minutes)."""
     model = tiny_dirs["deepseek_v41"]
     ids = tmp_path / "ids.json"
-    ids.write_text(json.dumps(torch.randint(0, 512, (12,)).tolist()))
+    ids.write_text(json.dumps(torch.randint(0, 512, (8,)).tolist()))
     out = {}
     for devices, allreduce, experts in (("cpu", "auto", "auto"), ("cpu:4", "nccl", "auto"), ("cpu:4", "symm", "auto"),
                                         ("cpu:4", "nccl", "whole")):
