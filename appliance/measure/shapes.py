@@ -104,8 +104,7 @@ class ShapeComm:
             round_to: torch.dtype | None = None) -> torch.Tensor:
         """The fast path's fixed-order sum as `--allreduce nccl` runs it: an all-gather of the partials, then
         the adds in rank order (one launch)."""
-        self._record("allgather_", t)
-        return rank_sum.fast(list(self._received([self.world, *t.shape], t)), out_dtype, round_to)
+        return self.sum_into(t, lambda parts: rank_sum.fast(parts, out_dtype, round_to))
 
     def sum_into(self, t: torch.Tensor, consume):
         """Comm.sum_into as `--allreduce nccl` runs it: an all-gather of the partials, given to `consume`."""

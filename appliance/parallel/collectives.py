@@ -77,22 +77,24 @@ class SymmSum:
     def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
         flat = t.reshape(-1)
-        n, mem = flat.numel(), self.memory
+        n = flat.numel()
         out = torch.empty(n, dtype=out_dtype, device=t.device)
         for a in range(0, n, self.capacity):
             b = min(a + self.capacity, n)
-            mem.buffer[:b - a].copy_(flat[a:b])
-            mem.barrier(0)  # every partial is written
-            rank_sum.fast([p[:b - a] for p in mem.peers], out_dtype, round_to, out=out[a:b])
-            mem.barrier(1)  # every peer has read: the buffers may be written again
+            self._piece(flat[a:b], lambda parts, piece=out[a:b]: rank_sum.fast(parts, out_dtype, round_to, out=piece))
         return out.view(t.shape)
 
     def into(self, t: torch.Tensor, consume):
         """GatherSum.into: `consume` reads the peers' buffers in place, between the barriers. A call larger
         than the capacity is summed in pieces first (unrounded float32: the same adds), its one part given."""
-        n, mem = t.numel(), self.memory
-        if n > self.capacity:
+        if t.numel() > self.capacity:
             return consume([self(t)])
+        return self._piece(t, consume)
+
+    def _piece(self, t: torch.Tensor, consume):
+        """One piece of at most `capacity` values: written into this rank's buffer, every rank's given to
+        `consume` in rank order (views in t's shape) between the barrier pair."""
+        mem, n = self.memory, t.numel()
         mem.buffer[:n].copy_(t.reshape(-1))
         mem.barrier(0)  # every partial is written
         out = consume([p[:n].view(t.shape) for p in mem.peers])
