@@ -44,7 +44,7 @@ from ._triton import (
     tsum,
 )
 from .linear import rows_matmul
-from .rank_sum import rank_load
+from .rank_sum import rank_arrive, rank_load
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -244,10 +244,13 @@ def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials 
                    post_ptr,  # float32 [M, hc]
                    comb_ptr,  # float32 [M, hc, hc]
                    out_ptr,   # out [M, hc, D] in X's dtype
-                   M, hc, D, WORLD: tl.constexpr,
+                   M, hc, D, flags, rank, capacity,  # y's partials' Arrival (kernels/rank_sum.py; WAIT)
+                   WORLD: tl.constexpr,
                    Y_ROUND: tl.constexpr,  # y a sum of the ranks' partials: rounded to X's dtype
-                   OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+                   OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, WAIT: tl.constexpr,
+                   PDL: tl.constexpr):
     dependent_launch(PDL)
+    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -255,7 +258,7 @@ def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials 
     k = tl.arange(0, BHC)
     kmask = rmask[:, None] & (k[None, :] < hc)
     r64 = rows.to(tl.int64)
-    y = rank_load(y_parts, r64[:, None] * D + cols[None, :], cmask, WORLD)
+    y = rank_load(y_parts, base + r64[:, None] * D + cols[None, :], cmask, WORLD)
     if Y_ROUND:
         y = round_out(y, OUT_BF16).to(tl.float32)
     post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0)
@@ -272,7 +275,7 @@ def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials 
 def fast_expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
                 ) -> torch.Tensor:
     """The kernel for `expand` (same signature and result): the partials of a list added in rank order where
-    the kernel loads y (kernels/rank_sum.py `rank_load`)."""
+    the kernel loads y (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
     m, hc, d = X.shape
@@ -286,16 +289,17 @@ def fast_expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: tor
     require_dtype(post, "post", (torch.float32,))
     require_dtype(comb, "comb", (torch.float32,))
     device_of(*parts, X, post, comb)
+    wait, waits = rank_sum.arrival_args(parts)
     parts = tuple(p.contiguous() for p in parts)
     X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
     out = torch.empty_like(X)
     if m and d:
         bd = min(pow2(d), 4096 if INTERPRET else 512)
         bm = max(1, min(pow2(m), 16384 // (bd * pow2(hc)))) if INTERPRET else 1
-        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](parts, X, post, comb, out, m, hc, d, WORLD=len(parts),
-                                                                 Y_ROUND=isinstance(y, list),
+        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](parts, X, post, comb, out, m, hc, d, *wait,
+                                                                 WORLD=len(parts), Y_ROUND=isinstance(y, list),
                                                                  OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
-                                                                 BHC=pow2(hc), BD=bd, **pdl(X.device))
+                                                                 BHC=pow2(hc), BD=bd, WAIT=waits, **pdl(X.device))
     return out
 
 

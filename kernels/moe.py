@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import linear, router
+from . import linear, rank_sum, router
 from ._triton import (
     INTERPRET,
     NATIVE_BLOCK_SCALED,
@@ -58,7 +58,7 @@ from .linear import (
     staged_product,
     weight_product,
 )
-from .rank_sum import rank_load
+from .rank_sum import rank_arrive, rank_load
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -397,32 +397,37 @@ def _combine_kernel(o_parts,     # [P, D] outputs per pair: WORLD float32 partia
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
-                    M, D, K, hc, SH0, YS, WORLD: tl.constexpr, S_WORLD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    M, D, K, hc, SH0, YS, flags, rank, capacity,  # o's partials' Arrival (rank_sum.py; WAIT)
+                    WORLD: tl.constexpr, S_WORLD: tl.constexpr,  # S_WORLD > 1: s_parts are o_parts
+                    HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
                     PAIRS: tl.constexpr,  # store a row's pairs' sum as is (else the shared expert and the expand)
-                    X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+                    X_BF16: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, WAIT: tl.constexpr,
+                    PDL: tl.constexpr):
     dependent_launch(PDL)
+    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
     y = tl.zeros((BD,), dtype=tl.float32)
     for j in range(K):  # each pair's output summed over the ranks in rank order, then added in expert order
-        y += rank_load(o_parts, tl.load(pos_ptr + m * K + j) * D + cols, cmask, WORLD)
+        y += rank_load(o_parts, base + tl.load(pos_ptr + m * K + j) * D + cols, cmask, WORLD)
     if PAIRS:
         tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
-        _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0, S_WORLD,
-                           HAS_SHARED, S_ROUND, X_BF16, BHC, BD)
+        s_base = base if S_WORLD > 1 else 0
+        _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, s_base, SH0,
+                           S_WORLD, HAS_SHARED, S_ROUND, X_BF16, BHC, BD)
 
 
 @device_function
-def _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, SH0,
+def _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, s_base, SH0,
                        S_WORLD: tl.constexpr, HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr,
                        BHC: tl.constexpr, BD: tl.constexpr):
-    """The rest of `_combine_kernel` for row m: its shared expert's row added to the pairs' sum y, rounded,
-    expanded."""
+    """The rest of `_combine_kernel` for row m: its shared expert's row (row SH0 + m of the s_parts, their slot
+    at s_base) added to the pairs' sum y, rounded, expanded."""
     if HAS_SHARED:
-        s = rank_load(s_parts, (SH0 + m) * D + cols, cmask, S_WORLD)
+        s = rank_load(s_parts, s_base + (SH0 + m) * D + cols, cmask, S_WORLD)
         if S_ROUND:
             s = round_out(s, X_BF16).to(tl.float32)
         y += s
@@ -654,15 +659,16 @@ def _combine(parts: list[torch.Tensor], pos, X, post, comb, out, has_shared: boo
              shared: torch.Tensor | None = None) -> None:
     """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand. `parts`:
     the pairs' outputs [P, D], or every rank's float32 partials of them, added in rank order where they are
-    loaded (kernels/rank_sum.py `rank_load`); the shared expert's row m of `shared` [M, D] (any float dtype),
-    by default row M K + m of the parts (summed over the ranks where `split`)."""
+    loaded (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel); the shared expert's row m of
+    `shared` [M, D] (any float dtype), by default row M K + m of the parts (summed over the ranks where `split`)."""
     m, hc, d = X.shape
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     s, sh0 = (parts, m * pos.shape[1]) if shared is None else ([shared], 0)
+    wait, waits = rank_sum.arrival_args(parts)
     _combine_kernel[(m, triton.cdiv(d, bd))](tuple(parts), tuple(s), pos, X, post, comb, out, m, d, pos.shape[1], hc,
-                                             sh0, d, WORLD=len(parts), S_WORLD=len(s), HAS_SHARED=has_shared,
+                                             sh0, d, *wait, WORLD=len(parts), S_WORLD=len(s), HAS_SHARED=has_shared,
                                              S_ROUND=split, PAIRS=False, X_BF16=X.dtype == torch.bfloat16,
-                                             BHC=pow2(hc), BD=bd, **pdl(X.device))
+                                             BHC=pow2(hc), BD=bd, WAIT=waits, **pdl(X.device))
 
 
 def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
@@ -672,8 +678,8 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))]((o,), (o,), pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),
-                                                 WORLD=1, S_WORLD=1, HAS_SHARED=False, S_ROUND=False, PAIRS=True,
-                                                 X_BF16=False, BHC=1, BD=bd, **pdl(o.device))
+                                                 o, 0, 0, WORLD=1, S_WORLD=1, HAS_SHARED=False, S_ROUND=False,
+                                                 PAIRS=True, X_BF16=False, BHC=1, BD=bd, WAIT=False, **pdl(o.device))
 
 
 def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, share) -> None:

@@ -8,7 +8,16 @@ scores kept as float32); each partial given by its own pointer, so a rank's gath
 peers' buffers in symmetric memory (one tensor each, on as many devices) are read in place. A consumer of
 the sum (the mHC expand of the attention's output, the MoE's combine) takes the partials itself and adds
 them where it loads its input (`rank_load`): the same adds, no launch of their own.
+
+Over symmetric memory nothing waits outside the kernels: `publish` copies a rank's partial into its buffer's
+slot and, its last program, stores the rank's count of published calls into every rank's flag word for it; a
+consumer given the `Arrival` waits inside its kernel (`rank_arrive`) until every rank's count reaches its
+own, then reads the peers' slots in place. A rank waits only on other ranks' publishes, never on a program
+of its own launch. Two slots suffice: a rank writes a slot again (call c + 2) only after its consumer of
+call c + 1 saw every peer publish c + 1, which each peer does after its consumer of call c finished reading.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -27,12 +36,47 @@ from ._triton import (
 
 MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs; each count compiles its own)
 BLOCK = 4096 if INTERPRET else 1024  # elements per program (the interpreter's cost is per program)
+PUBLISH_BLOCK = 1 << 16 if INTERPRET else 1024  # a copy: the interpreter's programs as large as it takes
+SLOTS = 2  # a symmetric buffer's slots: call c's partial in slot c % SLOTS (the module docstring says why 2)
+_SLOTS_K = tl.constexpr(SLOTS)  # ... as the kernels read it
+
+
+class Arrival(NamedTuple):
+    """Where a consumer's kernel waits for the peers' published partials (`publish`'s result)."""
+
+    flags: torch.Tensor  # int64 [world + 1], this rank's: word r counts rank r's published calls (word world:
+                         # the publish kernel's count-in)
+    rank: int
+    capacity: int        # values a slot holds: call c's partial starts at (c - 1) % SLOTS x capacity
+
+
+class Partials(list):
+    """Every rank's partial in rank order (views of their slot 0: the kernel adds the call's slot) and the
+    `Arrival` a consumer's kernel waits on before it reads them."""
+
+    def __init__(self, parts, arrival: Arrival):
+        super().__init__(parts)
+        self.arrival = arrival
+
+
+def arrival_args(parts) -> tuple:
+    """A consumer kernel's (flags, rank, capacity) and its WAIT constexpr for `parts`: a `Partials`' arrival,
+    or nothing to wait for (gathered partials, one tensor)."""
+    a = getattr(parts, "arrival", None)
+    return ((a.flags, a.rank, a.capacity), True) if a is not None else ((parts[0], 0, 0), False)
+
+
+def plain(parts, what: str) -> None:
+    """A reference (torch) consumer's guard: partials published in place need a kernel that waits for them."""
+    require(getattr(parts, "arrival", None) is None, what, "published partials",
+            "a torch consumer cannot wait for them inside a kernel (the fast path's kernels take them)")
 
 
 def reference(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
               round_to: torch.dtype | None = None) -> torch.Tensor:
     """parts: world float32 tensors of one shape -> parts[0] + parts[1] + ... in that order, rounded to
     `round_to` (None: not rounded; bfloat16: the nearest bfloat16 value), stored as `out_dtype`."""
+    plain(parts, "parts")
     out = parts[0].clone()
     for p in parts[1:]:
         out += p
@@ -51,15 +95,70 @@ def rank_load(parts, offs, mask, WORLD: tl.constexpr):
     return acc
 
 
+@device_function
+def rank_arrive(flags, rank, capacity, WAIT: tl.constexpr, WORLD: tl.constexpr):
+    """With WAIT, a consumer's wait for its call's partials (`Arrival`: flags, rank, capacity): this rank's
+    count of published calls c (its own publish of this call is complete: the launch ahead of this one in the
+    stream), then every rank's count at least c (an acquire at system scope: the peers' slots are visible
+    after it). Returns the offset of call c's slot in every rank's buffer; 0 without WAIT."""
+    base = 0
+    if WAIT:
+        c = tl.load(flags + rank, volatile=True)
+        for r in tl.static_range(WORLD):
+            seen = tl.atomic_add(flags + r, 0, sem="acquire", scope="sys")
+            while seen < c:
+                seen = tl.atomic_add(flags + r, 0, sem="acquire", scope="sys")
+        base = ((c - 1) % _SLOTS_K) * capacity
+    return base
+
+
 @triton.jit
-def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each
-            out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
-            n, WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-            PDL: tl.constexpr):
+def _publish_kernel(src_ptr,     # float32 [n], this rank's partial
+                    buffer_ptr,  # float32 [SLOTS x capacity], this rank's symmetric buffer
+                    mine,        # int64 [WORLD + 1], this rank's flags (Arrival.flags)
+                    flag_ptrs,   # a tuple of WORLD pointers: every rank's flags, this rank's among them
+                    rank, capacity, n, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
+    c = tl.load(mine + rank, volatile=True)  # calls published so far: this one goes to slot c % SLOTS
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    acc = rank_load(parts, offs, m, WORLD)
+    tl.store(buffer_ptr + (c % _SLOTS_K) * capacity + offs, tl.load(src_ptr + offs, mask=m), mask=m)
+    tl.debug_barrier()  # the program's stores precede its count-in
+    if tl.atomic_add(mine + WORLD, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        # the last program: every program's stores are visible to it; released to every rank with the count
+        tl.atomic_xchg(mine + WORLD, 0)  # ready for the next call (a graph replays this launch)
+        for r in tl.static_range(WORLD):
+            tl.atomic_xchg(flag_ptrs[r] + rank, c + 1, sem="release", scope="sys")
+
+
+def publish(t: torch.Tensor, buffer: torch.Tensor, flags: list[torch.Tensor], rank: int) -> Arrival:
+    """Copy this rank's float32 partial `t` (at most a slot of `buffer` [SLOTS x capacity]) into the slot of
+    its next call and count the call in every rank's flags (int64 [world + 1] each, rank order; the word of
+    `rank` in each is written only by this rank): the `Arrival` its consumers wait on."""
+    require_dtype(t, "t", (torch.float32,))
+    capacity = buffer.numel() // SLOTS
+    require(t.numel() <= capacity, "t.numel()", t.numel(), f"must be at most the slot's {capacity} values")
+    world = len(flags)
+    require(1 <= world <= MAX_WORLD and 0 <= rank < world, "rank", rank, f"must be one of {world} ranks")
+    n = max(t.numel(), 1)  # one program at least: the count is published for an empty call too
+    # the buffer's start, as a view of the values one call writes (the kernel adds the slot's offset)
+    _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), buffer[:n], flags[rank], tuple(flags), rank,
+                                                      capacity, t.numel(), WORLD=world, BLOCK=PUBLISH_BLOCK,
+                                                      **pdl(buffer.device))
+    return Arrival(flags[rank], rank, capacity)
+
+
+@triton.jit
+def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each (their call's slot at `base`)
+            out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
+            n, flags, rank, capacity,  # the partials' Arrival (WAIT)
+            WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+            WAIT: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    acc = rank_load(parts, base + offs, m, WORLD)
     if ROUND_BF16:
         acc = bf16_value(acc)
     tl.store(out_ptr + offs, round_out(acc, OUT_BF16), mask=m)
@@ -69,7 +168,8 @@ def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
          round_to: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `reference` (same signature, bitwise the same result): contiguous float32 partials;
     out_dtype float32 or bfloat16, round_to None or bfloat16 (float32: nothing to round); `out`: where to
-    store (contiguous, the parts' shape and out_dtype), a new tensor when None."""
+    store (contiguous, the parts' shape and out_dtype), a new tensor when None; `Partials`: waited for in the
+    kernel."""
     world = len(parts)
     require(1 <= world <= MAX_WORLD, "len(parts)", world, f"must be 1..{MAX_WORLD} (ranks)")
     require(out_dtype in (torch.float32, torch.bfloat16), "out_dtype", out_dtype, "must be float32 or bfloat16")
@@ -86,6 +186,8 @@ def fast(parts: list[torch.Tensor], out_dtype: torch.dtype = torch.float32,
             f"{tuple(out.shape)} {out.dtype}", f"must be contiguous {tuple(shape)} {out_dtype}")
     n = out.numel()
     if n:
-        _kernel[(triton.cdiv(n, BLOCK),)](tuple(parts), out, n, WORLD=world, ROUND_BF16=round_to == torch.bfloat16,
-                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=BLOCK, **pdl(out.device))
+        wait, waits = arrival_args(parts)
+        _kernel[(triton.cdiv(n, BLOCK),)](tuple(parts), out, n, *wait, WORLD=world,
+                                          ROUND_BF16=round_to == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+                                          BLOCK=BLOCK, WAIT=waits, **pdl(out.device))
     return out

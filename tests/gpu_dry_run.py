@@ -346,7 +346,8 @@ def drive_split_specializations(failures: list):
     """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
     its four ranks' partials added by the combine, the attention's by the mHC expand; the one-launch sum over
-    four ranks (a symmetric sum's pieces, `bench collectives`). The gathers are stand-ins: nothing runs."""
+    four ranks (a symmetric sum's pieces, `bench collectives`); each gathered and over symmetric memory (the
+    publish launch, the consumers' in-kernel waits). The gathers are stand-ins: nothing runs."""
     import kernels._triton as kt
     from kernels import bench, mhc, moe, rank_sum
 
@@ -360,9 +361,15 @@ def drive_split_specializations(failures: list):
     def four(t, consume):  # four ranks' partials, added in the consumer
         return consume([t] * 4)
 
+    def published(t, consume):  # ... over symmetric memory: rank 1's publish, the consumer waits in its kernel
+        flags = [torch.zeros(5, dtype=torch.long) for _ in range(4)]
+        arrival = rank_sum.publish(t, torch.empty(rank_sum.SLOTS * t.numel()), flags, 1)
+        return consume(rank_sum.Partials([t] * 4, arrival))
+
     # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
     # torch and the same combine kernel)
     split = types.SimpleNamespace(sum_into=four, shared_split=True, share=lambda rows: None)
+    split_symm = types.SimpleNamespace(sum_into=published, shared_split=True, share=lambda rows: None)
     # a long call's (a prefill chunk's) sums by rows: its pairs kept in x's dtype, the shared partials apart
     # (a rank holds its share's streams)
     whole = (bench.fp8_weight(s.inter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, s.inter, (s.block,) * 2),
@@ -382,11 +389,13 @@ def drive_split_specializations(failures: list):
         for m in (1, 6):
             try:
                 x, X = torch.randn(m, s.dim).to(dt), torch.randn(m, 4, s.dim).to(dt)
-                moe.fast_ffn(x, gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5, 1e-20, None, experts,
-                             shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=split)
-                y = [torch.randn(m, s.dim)] * 4
-                mhc.fast_expand(y, X, torch.rand(m, 4), torch.rand(m, 4, 4))
-                rank_sum.fast(y, dt)
+                for reduce, sum_into in ((split, four), (split_symm, published)):
+                    moe.fast_ffn(x, gate, torch.zeros(s.experts), s.top_k, "sqrtsoftplus", 1.5, 1e-20, None, experts,
+                                 shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=reduce)
+                    y = torch.randn(m, s.dim)
+                    post, comb = torch.rand(m, 4), torch.rand(m, 4, 4)
+                    sum_into(y, lambda parts, X=X, post=post, comb=comb: mhc.fast_expand(parts, X, post, comb))
+                    sum_into(y, lambda parts, dt=dt: rank_sum.fast(parts, dt))
             except Exception:
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
 

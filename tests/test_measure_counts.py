@@ -226,11 +226,28 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
     from appliance.model.config import load_config
     from appliance.options import RunOptions
 
-    mm = meta_model(load_config(default_model_dir()), world=4, drafter=False)
-    session = DecodeSession(mm, RunOptions(path="fast", dtype="bfloat16"), capacity=40, reach_floor=40)
-    c = count_cycle(session, 16, world=4)
+    def counted(allreduce: str) -> dict:
+        mm = meta_model(load_config(default_model_dir()), world=4, drafter=False, allreduce=allreduce)
+        session = DecodeSession(mm, RunOptions(path="fast", dtype="bfloat16"), capacity=40, reach_floor=40)
+        return count_cycle(session, 16, world=4)
+
+    c, gathered = counted("symm"), counted("nccl")
     assert c["collectives"]["per_layer"] >= 2  # the output projection's and the MoE's reductions
     assert c["host_syncs_per_cycle"] == 0 and c["capture_violations"] == []  # the MoE's fused kernels too
+    # over symmetric memory every sum is its publish launch (the consumers wait inside their kernels): the same
+    # collectives as gathered (the head's logits stay an all-gather), each sum a launch more (an all-gather is
+    # not a launch here) and priced as its wait and the peers' partials
+    publishes = sum(1 for la in c["launches"] if la["name"] == "kernels.rank_sum._publish_kernel")
+    sums = sum(p["count"] for p in c["collectives"]["payloads"] if p["op"] == "symm_")
+    assert publishes == sums > 0 and c["collectives"]["per_cycle"] == gathered["collectives"]["per_cycle"]
+    assert {p["op"] for p in gathered["collectives"]["payloads"]} == {"allgather_"}
+    assert c["launches_per_cycle"] == gathered["launches_per_cycle"] + publishes
+    gpu = cm.GPUS["b300"]
+    payload = int(torch.randint(1, 10**6, ()))
+    assert cm.collective_s("symm_", payload, 4, gpu) == pytest.approx(
+        cm.SYMM_WAIT_S + 3 * payload / gpu.nvlink_bytes_per_s)  # each rank reads its three peers' partials
+    priced = [cm.cycle_time(x, gpu, 4)["terms_s"]["collectives"] for x in (c, gathered)]
+    assert priced[0] < priced[1]
     single = meta_model(load_config(default_model_dir()), drafter=False)
     one = count_cycle(DecodeSession(single, RunOptions(path="fast", dtype="bfloat16"), capacity=40,
                                     reach_floor=40), 16)

@@ -2,10 +2,13 @@
 GPU: four gloo ranks whose buffers are shared-memory files (`HostMemory`, the stand-in of CUDA's symmetric
 memory). It takes every call a configuration makes (a 2048-token prefill chunk's, the largest verify's), in
 capacity-sized pieces where a call is larger than its buffers, and gives the all-gather sum's bits; so does a
-sum inside its consumer (`into`: the peers' buffers read in place)."""
+sum inside its consumer (`into`: the peers' buffers read in place). Nothing but the flags orders the ranks: a
+rank that lags its peers by a random delay before its calls still gives every consumer the call's partials
+(its kernel waits; no slot is overwritten while a peer reads it)."""
 
 import math
 import random
+import time
 
 import torch
 import torch.distributed
@@ -35,7 +38,7 @@ def symmetric_sums(world, seed: int) -> dict:
     capacity = largest_sum(cfg, verify, cfg.max_context)
     symm = SymmSum(world.size, world.rank, capacity, torch.device("cpu"))
     torch.distributed.barrier()  # every rank has unlinked its file
-    left = [p.name for p in symm.memory.paths if p.exists()]
+    left = [p.name for p in symm.buffers.paths + symm.flags.paths if p.exists()]
     gather = GatherSum(world.size)
     g = torch.Generator().manual_seed(seed * 10 + world.rank)
     out = {"capacity": capacity, "left_behind": left, "calls": {}}
@@ -49,22 +52,41 @@ def symmetric_sums(world, seed: int) -> dict:
         (n, a), (m, b) = symm.into(t, consume), gather.into(t, consume)
         out["calls"][f"{what} inside"] = {"equal": torch.equal(a, b) and torch.equal(a, gather(t)),
                                           "values": t.numel(), "parts": [n, m]}
+    out["lagging"] = lagging(world, symm, gather, g)
     return out
 
 
 def consume(parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """A consumer of a sum over ranks: how many parts it was given, their sum in rank order (torch's adds)."""
-    return len(parts), rank_sum.reference(parts)
+    """A consumer of a sum over ranks (a kernel: published partials are waited for inside it): how many parts
+    it was given, their sum in rank order."""
+    return len(parts), rank_sum.fast(parts)
+
+
+def lagging(world, symm: SymmSum, gather: GatherSum, g: torch.Generator) -> list[bool]:
+    """Twelve calls back to back (six times the slots), a random rank sleeping a random while before each of
+    its publishes, so peers run ahead into calls it has not published: each consumer's sum, compared
+    afterwards with the gathered sum of the same partials."""
+    order = random.Random(int(torch.randint(1 << 30, (1,), generator=torch.Generator().manual_seed(7))))
+    shapes = [(order.randrange(1, 9), order.choice((64, 4096, 5120))) for _ in range(12)]
+    slow = [order.randrange(world.size) for _ in shapes]  # the same on every rank: a shared seed
+    ts = [torch.randn(s, generator=g) * torch.logspace(-6, 6, s[-1]) for s in shapes]
+    sums = []
+    for t, who in zip(ts, slow):
+        if who == world.rank:
+            time.sleep(random.uniform(0.05, 0.3))
+        sums.append(symm.into(t, consume)[1])
+    return [torch.equal(s, gather(t)) for s, t in zip(sums, ts)]
 
 
 def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_verify_with_the_gathered_bits(
         tmp_path):
     ranks = call("tests.test_symmetric_sum:symmetric_sums", tmp_path, timeout=600, seed=random.randrange(1 << 20))
     capacity = ranks[0]["capacity"]
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         assert r["left_behind"] == [], r["left_behind"]  # the shared files are unlinked once mapped
+        assert all(r["lagging"]), f"rank {rank}: a consumer read a lagging peer's slot early: {r['lagging']}"
         for what, c in r["calls"].items():
-            assert c["equal"], f"rank {r['rank']}: {what}: the symmetric sum differs from the gathered one"
+            assert c["equal"], f"rank {rank}: {what}: the symmetric sum differs from the gathered one"
         verify = {w: c for w, c in r["calls"].items() if w.startswith("verify")}
         assert max(c["values"] for c in verify.values()) <= capacity  # a decode cycle: one piece each
         assert max(math.ceil(c["values"] / capacity) for c in r["calls"].values()) > 1  # a chunk: pieces

@@ -265,6 +265,10 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @click.option("--experts", type=click.Choice(EXPERTS), default="auto", show_default=True,
               help="the experts' placement the cycle is counted with (see `serve --help`)")
 @click.option("--top", type=int, default=8, show_default=True, help="kernels listed per cycle, the slowest first")
+@click.option("--allreduce", type=click.Choice(["symm", "nccl"]), default="symm", show_default=True,
+              help="how the sums over ranks meet (see `serve --help`): symm, symmetric memory (the box's auto: its "
+                   "GPUs reach each other over NVLink), each a publish launch and an in-kernel wait; nccl, an "
+                   "all-gather")
 @click.option("--prefill", is_flag=True,
               help="price a prompt's prefill instead: one chunk counted at the start and one at the end of the "
                    "longest prompt (--context, at least 855000), the time to first token of 32K, 128K, 855K "
@@ -273,8 +277,8 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
               help="with --prefill: the prefill chunk (serve's --chunk)")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, prefill, chunk,
-                as_json):
+def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing, experts, top, allreduce, prefill,
+                chunk, as_json):
     """A cost model of one decode cycle on N GPUs of a kind: the cycle's launches, bytes and collectives
     counted on the fast path built from config.json alone (meta device, no weights read), each launch priced
     at what bounds it (its bytes, the instructions its weight products issue, their tensor FLOPs, the host
@@ -303,10 +307,11 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing,
     calls = _routing(routing, cfg.n_routed_experts) if routing is not None else None
     device = cm.GPUS[gpu]
     if prefill:
-        _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, top, as_json)
+        _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, allreduce, top, as_json)
         return
-    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices, experts=experts)
+    mm = meta_model(cfg, dtype, drafter=bool(k), world=n_devices, experts=experts, allreduce=allreduce)
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "context": context,
+              "allreduce": allreduce,
               "routing": f"{len(calls)} measured calls from {routing}" if calls else "uniform (simulated)",
               "constants": cm.constants(device), "anchors": cm.ANCHORS, "cycles": []}
     for draft, tokens in (("none", 1.0), ("auto", (accepted or 0) + 1.0))[: 2 if k else 1]:
@@ -346,9 +351,11 @@ def _model_table(report: dict, device, top: int):
     click.echo(f"  HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s x copy {c['copy_fraction']:.2f} = "
                f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s; issue {device.issue_per_s / 1e12:.1f} T lane-instructions/s "
                f"(per weight element: {', '.join(f'{k} {v}' for k, v in c['issue_per_element'].items())}); "
-               f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; all-reduce "
-               f"{c['allreduce_latency_s'] * 1e6:.0f} us + payload over NVLink "
-               f"{device.nvlink_bytes_per_s / 1e9:.0f} GB/s; host memory over {c['host_link']}")
+               f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; "
+               + (f"a sum over symmetric memory: its publish launch, a {c['symm_wait_s'] * 1e6:.0f} us wait + the "
+                  "peers' partials" if report["allreduce"] == "symm" else
+                  f"all-reduce {c['allreduce_latency_s'] * 1e6:.0f} us + payload")
+               + f" over NVLink {device.nvlink_bytes_per_s / 1e9:.0f} GB/s; host memory over {c['host_link']}")
     for cyc in report["cycles"]:
         n, p = cyc["count"], cyc["prediction"]
         name = "plain" if not cyc["draft_tokens"] else f"k={cyc['draft_tokens']}"
@@ -382,7 +389,7 @@ def _model_table(report: dict, device, top: int):
 PREFILL_PROMPTS = (32768, 131072, 855000)  # the prompts `bench model --prefill` prices (issue 31's goal)
 
 
-def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, top, as_json):
+def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, experts, allreduce, top, as_json):
     from appliance.loader import default_model_dir
     from appliance.measure import costmodel as cm
     from appliance.measure.count import count_prefill, last_chunk_start
@@ -391,7 +398,7 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
     check_range("--chunk", chunk, 16)
     longest = max(context, *PREFILL_PROMPTS)
     prompts = sorted({*PREFILL_PROMPTS, context})
-    mm = meta_model(cfg, dtype, drafter=False, world=n_devices, experts=experts)
+    mm = meta_model(cfg, dtype, drafter=False, world=n_devices, experts=experts, allreduce=allreduce)
     last_start = last_chunk_start(longest, chunk)  # the longest prompt's last chunk, priced whole
     state = mm.model.new_state(last_start + chunk, device="meta")
     counts = []
@@ -400,6 +407,7 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
             click.echo(f"counting a {chunk}-token chunk at position {start} ...", err=True)
         counts.append(count_prefill(mm.model, state, start, chunk))
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "gpu": device.name,
+              "allreduce": allreduce,
               "constants": cm.constants(device), "anchors": cm.PREFILL_ANCHORS,
               "prefill": cm.prefill(*counts, device, n_devices, prompts)}
     if as_json:

@@ -235,7 +235,8 @@ def count_prefill_chunks(cfg, options, world: int, chunks: list[dict]) -> list[d
     from .count import count_prefill
     from .shapes import meta_model
 
-    mm = meta_model(cfg, options.dtype, drafter=False, world=world, experts=options.experts)
+    mm = meta_model(cfg, options.dtype, drafter=False, world=world, experts=options.experts,
+                    allreduce="nccl" if options.allreduce == "nccl" else "symm")  # auto: symm, as on the box
     picked = chunks[:1] + chunks[1:][-1:]
     state = mm.model.new_state(picked[-1]["start"] + picked[-1]["rows"], device="meta")
     return [count_prefill(mm.model, state, c["start"], c["rows"]) for c in picked]

@@ -32,7 +32,9 @@ Assumptions (each constant below names its source):
   rows (8 on the e4m3 MMA of sm_89/90 in the checkpoint's formats; in a prefill chunk's long calls 128, or
   32 on that e4m3 MMA).
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
-  (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part).
+  (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part). A sum over
+  symmetric memory (`--allreduce symm`, the box's default; recorded "symm_" at its publish launch, which is
+  priced as a launch) costs `SYMM_WAIT_S` plus the (N-1) peers' partials each rank reads over NVLink.
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
   routed experts at their mean share; where the ranks hold whole experts (expert parallelism: an expert
   too small to split in whole scale blocks) the rank holding the most of a step's selected experts reads
@@ -144,6 +146,13 @@ PREFILL_ANCHORS = {"sglang_gb300_r1_128k_ttft_s": 8.6, "goal_32k_ttft_s": 0.25, 
 # NCCL all-reduce of a small payload inside a CUDA graph on one NVLink node: about 6 us measured on 2 x
 # H100 with NVLSTree and graphs (NVIDIA/nccl issue #1259); taken for 4 GPUs of any of these generations.
 ALLREDUCE_LATENCY_S = 6.0e-6
+# A sum over symmetric memory as the cycle takes it (parallel/collectives.py SymmSum): the publish is a launch
+# of its own, priced as one; left are the consumers' wait on the peers' flags and their reads over NVLink.
+# Issue 32's survey (2026-12) puts a one-shot all-reduce over symmetric memory on B200/B300 at 3-8 us: a
+# kernel that writes, signals, waits and reads, its launch included. Its low end, 3 us, is taken for the wait
+# alone, on top of the publish's launch: an assumption until a box of several GPUs measures it (one lent GPU
+# cannot).
+SYMM_WAIT_S = 3.0e-6
 
 
 def moved_bytes(op: str, payload: int, world: int) -> float:
@@ -160,7 +169,8 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     """Seconds for one collective of `payload` bytes (this rank's input) over `world` ranks."""
     if world <= 1:
         return 0.0
-    return ALLREDUCE_LATENCY_S + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
+    latency = SYMM_WAIT_S if op == "symm_" else ALLREDUCE_LATENCY_S
+    return latency + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 
 # the architectures whose products in the checkpoint's formats take the e4m3 MMA in programs of 8 rows, 32 in
@@ -317,7 +327,7 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
     """Where the routed experts and Engram's replicated `wkv` cost least, priced on the counted cycle (seconds
     a cycle of what differs between the placements):
     - routed experts: `expert_parallel` (each rank holds a quarter of the experts whole): the busiest rank's
-      extra reads (the imbalance term) and each MoE call's all-gather of its pairs' float32 outputs (rows x
+      extra reads (the imbalance term) and each MoE call's sum over ranks of its pairs' float32 outputs (rows x
       (top-k + 1) x dim, the shared expert's partial among them); `split_intermediate` (every expert split
       by its intermediate dimension over the ranks, parallel/sharding.py): no imbalance, the same gather of
       every pair's partial; `split_intermediate_row_sums` (not built): the pairs' partials combined per row
@@ -328,6 +338,8 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
     if world <= 1:
         return {}
     shares: dict = {}
+    # the sums over ranks as the count takes them: over symmetric memory, or gathered
+    sums = "symm_" if any(c["op"] == "symm_" for c in count["collectives"]["payloads"]) else "allgather_"
     experts = dict.fromkeys(("expert_parallel", "split_intermediate", "split_intermediate_row_sums"), 0.0)
     engram = {"replicated": 0.0, "split_outputs": 0.0}
     for la in count["launches"]:
@@ -335,12 +347,12 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
         if la["routing"] is not None:
             key = tuple(la["routing"])
             experts["expert_parallel"] += busier_rank_s(la, gpu, world, routing, shares)
-            if "gate_up" in la["name"]:  # one gather per MoE call
+            if "gate_up" in la["name"]:  # one sum over ranks per MoE call
                 _, top_k, rows = key
-                pairs = collective_s("allgather_", rows * (top_k + 1) * dim * 4, world, gpu)
+                pairs = collective_s(sums, rows * (top_k + 1) * dim * 4, world, gpu)
                 experts["expert_parallel"] += pairs
                 experts["split_intermediate"] += pairs
-                experts["split_intermediate_row_sums"] += collective_s("allgather_", rows * dim * 4, world, gpu)
+                experts["split_intermediate_row_sums"] += collective_s(sums, rows * dim * 4, world, gpu)
         elif la["name"] == "kernels.engram._layer_kernel":
             engram["replicated"] += max(t.values())
             engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la["kind"], gpu)
@@ -368,7 +380,8 @@ def constants(gpu: GPU) -> dict:
     return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION,
             "copy_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION, "launch_s": LAUNCH_S,
             "triton_launch_s": launch_s("triton", gpu),
-            "allreduce_latency_s": ALLREDUCE_LATENCY_S, "host_read_latency_s": HOST_READ_LATENCY_S,
+            "allreduce_latency_s": ALLREDUCE_LATENCY_S, "symm_wait_s": SYMM_WAIT_S,
+            "host_read_latency_s": HOST_READ_LATENCY_S,
             "host_link": HOST_LINK, "issue_per_element": {f"{k} {f}": v for (k, f), v in
                                                           ISSUE_PER_ELEMENT.get(gpu.arch, {}).items()}}
 

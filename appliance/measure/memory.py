@@ -18,6 +18,7 @@ import torch
 
 from appliance.errors import MemoryPlanError
 from appliance.parallel.sharding import largest_sum, verify_rows
+from kernels import rank_sum
 
 from .count import DeclaredReads, count_prefill, last_chunk_start
 from .recorder import Recorder
@@ -128,9 +129,10 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
         "decode_state": int(per_token * context + constant),
         "rope_tables": context * sum(t.bytes_per_position for t in tables),
         "graph_buffers": GRAPH_BUFFERS if graphs else 0,
-        # several GPUs: a rank's symmetric-memory buffer, one decode step's largest sum (a CPU rank's stand-in
-        # is in host memory)
-        "symmetric_sum": 4 * largest_sum(cfg, verify_rows(cfg, drafter), context) if graphs and world > 1 else 0,
+        # several GPUs: a rank's symmetric-memory buffer, a slot per call in flight (kernels/rank_sum.py SLOTS)
+        # of one decode step's largest sum (a CPU rank's stand-in is in host memory)
+        "symmetric_sum": 4 * rank_sum.SLOTS * largest_sum(cfg, verify_rows(cfg, drafter), context)
+        if graphs and world > 1 else 0,
         "prefill_scratch": scratch,
         "headroom": int(capacity * HEADROOM) if graphs else 0,
     }

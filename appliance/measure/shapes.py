@@ -30,8 +30,9 @@ from appliance.model.engram import EngramHash
 from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
+from appliance.parallel.collectives import SymmSum
 from appliance.parallel.placement import place, stays_on_host
-from appliance.parallel.sharding import Comm, shard
+from appliance.parallel.sharding import Comm, largest_sum, shard, verify_rows
 from kernels import rank_sum
 from kernels.linear import PackedWeight
 from kernels.registry import resolve
@@ -80,10 +81,16 @@ class MetaCheckpoint(ShapeCheckpoint):
 class ShapeComm:
     """The collectives of appliance/parallel/sharding.py's `Comm` for one rank of a split model built on
     the meta device: each is recorded (op, payload bytes) by the active Recorder and returns a tensor of
-    the shape the real collective returns."""
+    the shape the real collective returns. The fast path's sums over ranks as `--allreduce` runs them
+    (`allreduce`): "symm", the symmetric-memory sum's own code (parallel/collectives.py SymmSum, its buffers
+    on the meta device, `capacity` values a piece: its publish launches, recorded as "symm_" collectives, and
+    consumers that wait inside their kernels), or "nccl", an all-gather of the partials."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, allreduce: str = "symm", capacity: int = 1 << 20):
         self.rank, self.world, self.group = rank, world, None
+        if allreduce not in ("symm", "nccl"):
+            raise ValueError(f"allreduce={allreduce!r}: must be symm or nccl")
+        self.symm = SymmSum(world, rank, capacity, META, memory=MetaMemory) if allreduce == "symm" else None
 
     def _record(self, op: str, t: torch.Tensor) -> None:
         rec = Recorder.active
@@ -102,12 +109,13 @@ class ShapeComm:
 
     def sum(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
             round_to: torch.dtype | None = None) -> torch.Tensor:
-        """The fast path's fixed-order sum as `--allreduce nccl` runs it: an all-gather of the partials, then
-        the adds in rank order (one launch)."""
+        """The fast path's fixed-order sum: the rank-order adds (one launch) of the partials the sum gives."""
         return self.sum_into(t, lambda parts: rank_sum.fast(parts, out_dtype, round_to))
 
     def sum_into(self, t: torch.Tensor, consume):
-        """Comm.sum_into as `--allreduce nccl` runs it: an all-gather of the partials, given to `consume`."""
+        """Comm.sum_into: every rank's partial given to `consume`, from symmetric memory or an all-gather."""
+        if self.symm is not None:
+            return self.symm.into(t, consume)
         self._record("allgather_", t)
         return consume(list(self._received([self.world, *t.shape], t)))
 
@@ -127,6 +135,13 @@ class ShapeComm:
     span = Comm.span  # the real split's: one rank's share
 
 
+class MetaMemory:
+    """parallel/collectives.py's memory (PeerMemory, HostMemory) on the meta device: every rank's `n` values."""
+
+    def __init__(self, world: int, rank: int, n: int, dtype: torch.dtype, device: torch.device, group):
+        self.peers = [torch.empty(n, dtype=dtype, device=META) for _ in range(world)]
+
+
 @dataclass
 class MetaModel:
     """What a decode session needs of a loaded model (appliance.loader.LoadedModel), built on the meta
@@ -144,9 +159,10 @@ class MetaModel:
 
 
 def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "official", drafter: bool = True,
-               world: int = 1, rank: int = 0, experts: str = "auto") -> MetaModel:
+               world: int = 1, rank: int = 0, experts: str = "auto", allreduce: str = "symm") -> MetaModel:
     """`cfg`'s backbone (and drafter) on the fast path, built on the meta device, split for `rank` of
-    `world` ranks (the MoE's experts as `experts` says: RunOptions.experts). Engram's token map is a
+    `world` ranks (the MoE's experts as `experts` says: RunOptions.experts; the sums over ranks as
+    `--allreduce` says, "symm" or "nccl": ShapeComm). Engram's token map is a
     stand-in of the right size (ids are hashed on the device; the values do not change what a step launches
     or reads)."""
     ckpt = MetaCheckpoint(cfg)
@@ -158,7 +174,8 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
     d = build_drafter(cfg, ckpt, rt, model) if drafter else None
     blockers = []
     if world > 1:
-        blockers = ["(meta build) " + b for b in shard(model, d, ShapeComm(rank, world), experts)]
+        comm = ShapeComm(rank, world, allreduce, largest_sum(cfg, verify_rows(cfg, drafter), cfg.max_context))
+        blockers = ["(meta build) " + b for b in shard(model, d, comm, experts)]
     # what placement moves (RoPE tables, Engram's hash constants); host tables stay where they are and the
     # lookup kernel reads their rows in place (kernels/engram.py), so they block no capture
     place((model, d), META)

@@ -10,11 +10,11 @@ depends only on the four partials. Two ways to gather, chosen by `--allreduce`:
 
 - `nccl` (gloo on CPU): an all-gather into [world, n], then the ordered adds. Captured in a CUDA graph with
   the cycle (NCCL 2.9.6+ supports graph capture).
-- `symm`: symmetric memory (CUDA peer-to-peer over NVLink): each rank writes its partial into its own
-  buffer, a device-side barrier, every rank reads all buffers and adds them in rank order, a second barrier
-  before a buffer is written again. One kernel's worth of latency for the small per-layer payloads, and no
-  NCCL launch; capturable (the barriers are device-side). On CPU ranks the same code runs over buffers in
-  shared memory with the process group's barriers (the tests' stand-in).
+- `symm`: symmetric memory (CUDA peer-to-peer over NVLink): each rank's launch writes its partial into its
+  own buffer and counts the call in every rank's flags; the consumer's kernel waits on the flags and reads
+  every rank's buffer in place, adding in rank order (`SymmSum`). One launch a sum and no NCCL, no barrier;
+  capturable (everything is device-side). On CPU ranks the same kernels run, under the interpreter, over
+  buffers and flags in shared memory (the tests' stand-in).
 - `auto`: `symm` where every pair of the group's GPUs can reach each other, else `nccl`.
 
 With --check-ranks every collective is preceded by `CallCheck`: the ranks compare the call they are about
@@ -59,20 +59,24 @@ class GatherSum:
 
 
 class SymmSum:
-    """Buffers of `capacity` float32 values every rank can read, peers read in place: symmetric memory
-    (GPU peer-to-peer, `PeerMemory`) on CUDA, shared memory between the rank processes (`HostMemory`, the
-    CPU stand-in that runs this class's code in the tests) elsewhere. A call of more values than the
-    capacity goes in capacity-sized pieces, each summed in rank order: the same bits as one piece (the sum
-    is elementwise), a barrier pair per piece. The loader sizes the capacity for the largest call of a
-    decode step (parallel/sharding.py `largest_sum`), so a captured cycle sums in one piece and only a
-    prefill chunk's calls are cut."""
+    """Buffers every rank can read, peers read in place: symmetric memory (GPU peer-to-peer, `PeerMemory`) on
+    CUDA, shared memory between the rank processes (`HostMemory`, the CPU stand-in that runs this class's code
+    in the tests) elsewhere. A rank's buffer holds kernels/rank_sum.py's SLOTS slots of `capacity` float32
+    values and its flags (int64 [world + 1]). A call is one launch of its own (`rank_sum.publish`: the partial
+    into its slot, the call counted in every rank's flags); its consumer's kernel waits for every rank's count
+    and adds the peers' slots in rank order as it loads them: no barrier, no launch between. A call of more
+    values than the capacity goes in capacity-sized pieces, each summed in rank order: the same bits as one
+    piece (the sum is elementwise). The loader sizes the capacity for the largest call of a decode step
+    (parallel/sharding.py `largest_sum`), so a captured cycle sums in one piece and only a prefill chunk's
+    calls are cut."""
 
     kind = "symm"
 
-    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group=None):
+    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group=None, memory=None):
         self.world, self.rank, self.capacity = world, rank, capacity
-        memory = PeerMemory if device.type == "cuda" else HostMemory
-        self.memory = memory(world, rank, capacity, device, group or dist.group.WORLD)
+        memory = memory or (PeerMemory if device.type == "cuda" else HostMemory)
+        self.buffers = memory(world, rank, rank_sum.SLOTS * capacity, torch.float32, device, group)
+        self.flags = memory(world, rank, world + 1, torch.int64, device, group)
 
     def __call__(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  round_to: torch.dtype | None = None) -> torch.Tensor:
@@ -85,59 +89,52 @@ class SymmSum:
         return out.view(t.shape)
 
     def into(self, t: torch.Tensor, consume):
-        """GatherSum.into: `consume` reads the peers' buffers in place, between the barriers. A call larger
-        than the capacity is summed in pieces first (unrounded float32: the same adds), its one part given."""
+        """GatherSum.into: `consume` (a kernel) is given `rank_sum.Partials`, the peers' slots and the arrival
+        it waits on. A call larger than the capacity is summed in pieces first (unrounded float32: the same
+        adds), its one part given."""
         if t.numel() > self.capacity:
             return consume([self(t)])
         return self._piece(t, consume)
 
     def _piece(self, t: torch.Tensor, consume):
-        """One piece of at most `capacity` values: written into this rank's buffer, every rank's given to
-        `consume` in rank order (views in t's shape) between the barrier pair."""
-        mem, n = self.memory, t.numel()
-        mem.buffer[:n].copy_(t.reshape(-1))
-        mem.barrier(0)  # every partial is written
-        out = consume([p[:n].view(t.shape) for p in mem.peers])
-        mem.barrier(1)  # every peer has read: the buffers may be written again
-        return out
+        """One piece of at most `capacity` values: published, every rank's slot given to `consume` in rank
+        order (views in t's shape of their first slot: the kernel adds the call's) with the arrival."""
+        buffers = self.buffers.peers
+        arrival = rank_sum.publish(t.reshape(-1), buffers[self.rank], self.flags.peers, self.rank)
+        n = t.numel()
+        return consume(rank_sum.Partials([p[:n].view(t.shape) for p in buffers], arrival))
 
 
 class PeerMemory:
-    """CUDA symmetric memory: one buffer per rank, every peer's mapped (NVLink), device-side barriers
-    (capturable in a CUDA graph)."""
+    """CUDA symmetric memory: `n` values of `dtype` on every rank, zeroed, every peer's mapped (NVLink):
+    `peers`, rank order."""
 
-    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group):
+    def __init__(self, world: int, rank: int, n: int, dtype: torch.dtype, device: torch.device, group):
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.buffer = symm_mem.empty(capacity, dtype=torch.float32, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
-        self.peers = [self.handle.get_buffer(r, (capacity,), torch.float32) for r in range(world)]
-
-    def barrier(self, channel: int) -> None:
-        self.handle.barrier(channel=channel)
+        mine = symm_mem.empty(n, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(mine, group or dist.group.WORLD)
+        mine.zero_()
+        handle.barrier(channel=0)  # every rank's is zeroed before any is written
+        self.peers = [handle.get_buffer(r, (n,), dtype) for r in range(world)]
 
 
 class HostMemory:
-    """The CPU stand-in of `PeerMemory`: each rank's buffer is a file in shared memory that every rank's
-    process maps; the barriers are the process group's (gloo). The files are unlinked once every rank has
-    mapped them (the mappings live on), so nothing is left behind, whatever ends the processes."""
+    """The CPU stand-in of `PeerMemory`: each rank's values are a file in shared memory that every rank's
+    process maps (zeroed before any rank maps it). The files are unlinked once every rank has mapped them
+    (the mappings live on), so nothing is left behind, whatever ends the processes."""
 
-    def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group):
+    def __init__(self, world: int, rank: int, n: int, dtype: torch.dtype, device: torch.device, group):
+        group = group or dist.group.WORLD
         box = [f"appliance-symm-{os.getpid()}-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         paths = self.paths = [root / f"{box[0]}-rank{r}" for r in range(world)]
-        self.group = group
-        self.buffer = torch.from_file(str(paths[rank]), shared=True, size=capacity, dtype=torch.float32)
-        dist.barrier(group=group)  # every rank's file exists
-        self.peers = [self.buffer if r == rank else
-                      torch.from_file(str(paths[r]), shared=True, size=capacity, dtype=torch.float32)
-                      for r in range(world)]
+        torch.from_file(str(paths[rank]), shared=True, size=n, dtype=dtype).zero_()
+        dist.barrier(group=group)  # every rank's file exists, zeroed
+        self.peers = [torch.from_file(str(paths[r]), shared=True, size=n, dtype=dtype) for r in range(world)]
         dist.barrier(group=group)  # every rank has mapped every file
         paths[rank].unlink()
-
-    def barrier(self, channel: int) -> None:
-        dist.barrier(group=self.group)
 
 
 class CallCheck:
