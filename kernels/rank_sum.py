@@ -38,7 +38,7 @@ MAX_WORLD = 8  # the partials one launch takes (a box has at most eight GPUs; ea
 BLOCK = 4096 if INTERPRET else 1024  # elements per program (the interpreter's cost is per program)
 PUBLISH_BLOCK = 1 << 16 if INTERPRET else 1024  # a copy: the interpreter's programs as large as it takes
 SLOTS = 2  # a symmetric buffer's slots: call c's partial in slot c % SLOTS (the module docstring says why 2)
-_SLOTS_K = tl.constexpr(SLOTS)  # ... as the kernels read it
+_SLOTS_K, _MAX_WORLD_K = tl.constexpr(SLOTS), tl.constexpr(MAX_WORLD)  # ... as the kernels read them
 
 
 class Arrival(NamedTuple):
@@ -104,10 +104,11 @@ def rank_arrive(flags, rank, capacity, WAIT: tl.constexpr, WORLD: tl.constexpr):
     base = 0
     if WAIT:
         c = tl.load(flags + rank, volatile=True)
-        for r in tl.static_range(WORLD):
-            seen = tl.atomic_add(flags + r, 0, sem="acquire", scope="sys")
-            while seen < c:
-                seen = tl.atomic_add(flags + r, 0, sem="acquire", scope="sys")
+        ranks = tl.arange(0, _MAX_WORLD_K)
+        live = ranks < WORLD
+        seen = tl.atomic_add(flags + ranks, 0, mask=live, sem="acquire", scope="sys")
+        while tl.min(tl.where(live, seen, c)) < c:  # every rank's count read together, until all reach c
+            seen = tl.atomic_add(flags + ranks, 0, mask=live, sem="acquire", scope="sys")
         base = ((c - 1) % _SLOTS_K) * capacity
     return base
 

@@ -122,9 +122,11 @@ def test_four_ranks_serve_a_bos_led_chat_an_agent_conversation_side_requests_can
 
 @pytest.mark.slow
 def test_four_ranks_on_the_fast_path_serve_a_bos_led_chat_and_reuse_its_prefix(tmp_path):
-    """The Triton kernels under the interpreter on four ranks: few tokens (each takes seconds here, a minute
-    and more on two busy cores)."""
-    server = serve("--path", "fast")
+    """The Triton kernels under the interpreter on four ranks, their sums over ranks as the box takes them
+    (`--allreduce symm`, its default where GPUs reach each other: here buffers and flags in shared memory, the
+    consumers' waits inside the interpreted kernels): few tokens (each takes seconds here, a minute and more
+    on two busy cores)."""
+    server = serve("--path", "fast", "--allreduce", "symm")
     try:
         oa, _ = clients(server, timeout=900)
         history = [{"role": "user", "content": words()}]
