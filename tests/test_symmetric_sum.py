@@ -52,7 +52,7 @@ def symmetric_sums(world, seed: int) -> dict:
         (n, a), (m, b) = symm.into(t, consume), gather.into(t, consume)
         out["calls"][f"{what} inside"] = {"equal": torch.equal(a, b) and torch.equal(a, gather(t)),
                                           "values": t.numel(), "parts": [n, m]}
-    out["lagging"] = lagging(world, symm, gather, g)
+    out["lagging"] = lagging(world, symm, gather, g, random.Random(seed))
     return out
 
 
@@ -62,11 +62,11 @@ def consume(parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
     return len(parts), rank_sum.fast(parts)
 
 
-def lagging(world, symm: SymmSum, gather: GatherSum, g: torch.Generator) -> list[bool]:
+def lagging(world, symm: SymmSum, gather: GatherSum, g: torch.Generator, order: random.Random) -> list[bool]:
     """Twelve calls back to back (six times the slots), a random rank sleeping a random while before each of
     its publishes, so peers run ahead into calls it has not published: each consumer's sum, compared
-    afterwards with the gathered sum of the same partials."""
-    order = random.Random(int(torch.randint(1 << 30, (1,), generator=torch.Generator().manual_seed(7))))
+    afterwards with the gathered sum of the same partials. `order`: the calls' shapes and lagging ranks, the
+    same on every rank (seeded alike); g: this rank's partials."""
     shapes = [(order.randrange(1, 9), order.choice((64, 4096, 5120))) for _ in range(12)]
     slow = [order.randrange(world.size) for _ in shapes]  # the same on every rank: a shared seed
     ts = [torch.randn(s, generator=g) * torch.logspace(-6, 6, s[-1]) for s in shapes]
