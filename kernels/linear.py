@@ -86,6 +86,7 @@ from ._triton import (
     triton,
 )
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
+from .rank_sum import Arrival, Publish, publish_slot, rank_publish
 from .rows import (
     STAGE_TILES,
     quant_tile,
@@ -169,11 +170,12 @@ class PackedWeight:
 
 
 def reference(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-              groups: int = 1) -> torch.Tensor:
+              groups: int = 1, publish: None = None) -> torch.Tensor:
     """x [..., G in] -> [..., out] in out_dtype (G = groups; each group of out/G outputs reads its own
-    `in` inputs).
+    `in` inputs). `publish` (the kernel's, into symmetric memory): not here.
 
     Bytes moved: weight.nbytes (read once) + x.numel()*x.element_size() + out.numel()*out.element_size()."""
+    require(publish is None, "publish", publish, "the reference product is not published (the fast path's is)")
     a = (q8_pow2(x, act_block) if act_block else x.float()).double().reshape(-1, x.shape[-1])
     if groups == 1:
         y = rows_matmul(a, weight.dense64())
@@ -509,6 +511,7 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             w0, s0, y0, p0, w1, s1, y1, p1, w2, s2, y2, p2, w3, s3, y3, p3,
             w4, s4, y4, p4,
             M, K, stride_xm, norm_eps, hc, q_cols,
+            pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
             # per segment: outputs, weight and scale row strides, K per split, outputs per group (grouped),
             # one past its last program, its first counter
             N0, swn0, ssn0, kps0, npg0, end0, cnt0,
@@ -528,10 +531,15 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             FMT3: tl.constexpr, BO3: tl.constexpr, BI3: tl.constexpr, ACT3: tl.constexpr,
             XP3: tl.constexpr, SPLIT3: tl.constexpr, OUT3: tl.constexpr,
             FMT4: tl.constexpr, BO4: tl.constexpr, BI4: tl.constexpr, ACT4: tl.constexpr,
-            XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr, PDL: tl.constexpr):
+            XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr,
+            PUBLISH: tl.constexpr,  # ranks: y0 is this rank's symmetric buffer, published to them (0: not)
+            PDL: tl.constexpr):
     dependent_launch(PDL)
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if PUBLISH:  # the product goes to the slot of this rank's next call
+        c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
+        y0 += base
     qc, qs = qc_ptr, qs_ptr  # PRESTAGED: every row's codes, which `stage_launch` wrote
     if not PRESTAGED:
         qc, qs = scratch_area(qc_ptr, qs_ptr, pid_m * tl.num_programs(0) + pid, q_cols, BM)  # this program's
@@ -562,6 +570,8 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
                      swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
                      ACT4, XP4, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+    if PUBLISH:
+        rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
 
 
 def native_kind(dev: torch.device, weights: list[PackedWeight], act_blocks: list[int]) -> int:
@@ -712,9 +722,12 @@ def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int
     return n, check_act_block(p.act_block, k), ng
 
 
-def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch.Tensor]:
+def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publish | None = None
+           ) -> list[torch.Tensor]:
     """One launch of the products (`fast_multi`); `expand` (X, post, comb): one product, stored as the mHC
-    expand of it (kernels/mhc.py's `fast_product_expand`)."""
+    expand of it (kernels/mhc.py's `fast_product_expand`); `publish`: one float32 product, stored into the
+    slot of this rank's next call in its symmetric buffer and counted in every rank's flags (the view
+    returned is the buffer's first slot: its consumers take `publish.arrival()`)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
     shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
@@ -738,6 +751,13 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
         require_dtype(comb, "comb", (torch.float32,))
         X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
         outs = [torch.empty_like(X)]
+    elif publish is not None:
+        require(len(products) == 1 and products[0].out_dtype == torch.float32 and m and k, "publish", len(products),
+                "products: one float32 product of rows")
+        X = post = comb = x2
+        hc = 1
+        pub, world = publish.check(m * shapes[0][0])
+        outs = [publish.buffer[:m * shapes[0][0]].view(m, shapes[0][0])]
     else:
         X = post = comb = x2
         hc = 1
@@ -790,15 +810,18 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand) -> list[torch
         qc, qs = stage_scratch(end * row_blocks, bm, q_cols, dev)
     else:
         q_cols, qc, qs = 0, x2, x2
+    if publish is None:
+        pub, world = (x2, (x2,), 0, 0), 0
     _kernel[(end, row_blocks)](x2, nw, counters(dev, used), qc, qs, X, post, comb, *args, m, k, x2.stride(0),
-                               float(eps), hc, q_cols,
+                               float(eps), hc, q_cols, *pub,
                                *rt,
                                NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
                                EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,
                                PRESTAGED=prestaged,
                                K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
                                BM=bm, BN=bn, BK=bk,
-                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), **cx, **pdl(x2.device))
+                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), PUBLISH=world, **cx,
+                               **pdl(x2.device))
     return shaped
 
 
@@ -827,6 +850,11 @@ def native_split(products: list[Product]) -> list[bool]:
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-         groups: int = 1) -> torch.Tensor:
-    """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16)."""
+         groups: int = 1, publish: Publish | None = None) -> torch.Tensor | Arrival:
+    """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16); with
+    `publish` (float32), the product published to the ranks instead (`launch`): the arrival its consumers
+    wait on."""
+    if publish is not None:
+        launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish)
+        return publish.arrival()
     return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]

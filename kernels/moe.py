@@ -24,6 +24,7 @@ Kernels, float32 only (no float64 instruction):
 Experts that are None (not held by this shard) contribute zero in the kernels.
 """
 
+import functools
 import types
 import weakref
 
@@ -58,7 +59,7 @@ from .linear import (
     staged_product,
     weight_product,
 )
-from .rank_sum import rank_arrive, rank_load
+from .rank_sum import publish_slot, rank_arrive, rank_load, rank_publish
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -361,6 +362,7 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out [P, D] float32 or (a long call) x's dtype: each pair's expert output (its values)
                  os_ptr, OS_ROW,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
+                 pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
                  qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
@@ -368,8 +370,15 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                  W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
-                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PUBLISH: tl.constexpr,  # ranks: o (and a split shared expert's os) this rank's symmetric buffer,
+                 PDL: tl.constexpr):     # published to them (0: not)
     dependent_launch(PDL)
+    if PUBLISH:  # the pairs' outputs go to the slot of this rank's next call
+        c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
+        o_ptr += base
+        if S_PARTIAL:
+            os_ptr += base
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
             end = tl.load(end_ptr + p)
@@ -388,6 +397,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                 _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, I_S, IW, D,
                             s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
                             X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
+    if PUBLISH:
+        rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -480,19 +491,20 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None):
-    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four
-    launches. Expert parallel (`reduce`): an object with `sum_into(t, consume)` (every rank's float32 partials
-    of t, in rank order, given to `consume`, which adds them in that order where it loads them: the same bits
-    on every rank, whatever the batch) and `shared_split` (this rank holds a slice of the shared expert's
-    intermediate, not all of it); the reference form calls it as `reduce(outputs, shared64)`. In a decode
-    step's call the per-pair outputs between down and the combine are summed over ranks, one collective, the
-    combine adding them. A routed pair's output comes from the one rank holding its expert (zeros on the
-    others), so its sum is exact and every rank then adds each row's experts in the same order as one rank
-    would: the routed part equals one rank's bit for bit. A long call (`reduce.share(rows)`: a prefill chunk)
-    sums each row's pairs on their rank first, then the ranks' sums by rows (`_combined_by_shares`):
-    associated by rank, within float32 rounding of one rank's; it takes the shared expert whole for its rows
-    (`_own_shared`). A decode step's split shared expert leaves its partial unrounded, the fixed-order sum
-    rounded in the combine (within float32 rounding of one rank's)."""
+    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches. Expert
+    parallel (`reduce`): an object with `sum_produced(shape, produce, consume)` (every rank's float32 partials of
+    what `produce` makes, in rank order, given to `consume`, which adds them in that order where it loads them: the
+    same bits on every rank, whatever the batch; over symmetric memory the down kernel publishes them:
+    parallel/sharding.py Comm.sum_produced) and `shared_split` (this rank holds a slice of the shared expert's
+    intermediate, not all of it); the reference form calls it as `reduce(outputs, shared64)`. In a decode step's
+    call the per-pair outputs between down and the combine are summed over ranks, one collective, the combine adding
+    them. A routed pair's output comes from the one rank holding its expert (zeros on the others), so its sum is
+    exact and every rank then adds each row's experts in the same order as one rank would: the routed part equals
+    one rank's bit for bit. A long call (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank
+    first, then the ranks' sums by rows (`_combined_by_shares`): associated by rank, within float32 rounding of one
+    rank's; it takes the shared expert whole for its rows (`_own_shared`). A decode step's split shared expert
+    leaves its partial unrounded, the fixed-order sum rounded in the combine (within float32 rounding of one
+    rank's)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
@@ -543,21 +555,39 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
                             shared is not None)
     # (2, 3) the experts
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
-    _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split)
+    experts_into = functools.partial(_experts, x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
+        experts_into(o, o_shared, os_row, split)
         rows = _own_shared(x, share, whole, ab, limit, weight_before_w2) if own else None
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
     # (4) the sum in expert order, the shared expert, the expand; expert parallel, every rank's pairs added in
-    # rank order as the combine loads them
+    # rank order as the combine loads them (the down kernel publishing them where the sum takes it)
     if reduce is None:
+        experts_into(o, o_shared, os_row, split)
         _combine([o], pos, X, post, comb, out, shared is not None, False)
     elif split:
-        reduce.sum_into(o, lambda parts: _combine(parts, pos, X, post, comb, out, True, True))
+        reduce.sum_produced(o.shape, lambda to: _pairs_into(experts_into, o, o.shape[0], split, to),
+                            lambda parts: _combine(parts, pos, X, post, comb, out, True, True))
     else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
-        reduce.sum_into(o[:m * top_k], lambda parts: _combine(parts, pos, X, post, comb, out, shared is not None,
-                                                              False, o[m * top_k:] if shared is not None else None))
+        routed = m * top_k
+        reduce.sum_produced((routed, d), lambda to: _pairs_into(experts_into, o, routed, split, to),
+                            lambda parts: _combine(parts, pos, X, post, comb, out, shared is not None, False,
+                                                   o[routed:] if shared is not None else None))
     return out, weights, idx
+
+
+def _pairs_into(experts_into, o: torch.Tensor, rows: int, split: bool, to: rank_sum.Publish | None):
+    """(2, 3) of a decode step's expert-parallel call, its sum's producer (Comm.sum_produced): the outputs
+    into o, its first `rows` returned (the pairs that travel); or (`to`) those rows into this rank's
+    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): the
+    arrival."""
+    if to is None:
+        experts_into(o, o, 0, split)
+        return o[:rows]
+    sent = to.buffer[:rows * o.shape[1]].view(rows, o.shape[1])  # its first slot: the kernel adds the call's
+    experts_into(sent, sent if split else o, 0, split, to)
+    return to.arrival()
 
 
 def _native(dev: torch.device, ab: int, align: int) -> int:
@@ -573,9 +603,11 @@ _ALONE = types.SimpleNamespace(world=1, shared_split=False, share=lambda rows: (
                                exchange=lambda t: t)
 
 
-def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split) -> None:
+def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split,
+             to: rank_sum.Publish | None = None) -> None:
     """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
-    sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row."""
+    sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row;
+    `to`: o (and a split shared expert's o_shared, then o) is this rank's symmetric buffer, published."""
     (d, dev), (pe, pr, pw, first, end) = (x.shape[1], x.device), pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
@@ -620,12 +652,14 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common, **pdl(x.device))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
+    pub, world = to.check(o.numel()) if to is not None else ((h, (h,), 0, 0), 0)
     _down_kernel[(programs, triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *q_down, n_pairs,
+        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *pub, *q_down, n_pairs,
         per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
-        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, **common, **pdl(h.device))
+        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, PUBLISH=world, **common,
+        **pdl(h.device))
 
 
 def _own_shared(x, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:

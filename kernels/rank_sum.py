@@ -9,12 +9,14 @@ peers' buffers in symmetric memory (one tensor each, on as many devices) are rea
 the sum (the mHC expand of the attention's output, the MoE's combine) takes the partials itself and adds
 them where it loads its input (`rank_load`): the same adds, no launch of their own.
 
-Over symmetric memory nothing waits outside the kernels: `publish` copies a rank's partial into its buffer's
-slot and, its last program, stores the rank's count of published calls into every rank's flag word for it; a
-consumer given the `Arrival` waits inside its kernel (`rank_arrive`) until every rank's count reaches its
-own, then reads the peers' slots in place. A rank waits only on other ranks' publishes, never on a program
-of its own launch. Two slots suffice: a rank writes a slot again (call c + 2) only after its consumer of
-call c + 1 saw every peer publish c + 1, which each peer does after its consumer of call c finished reading.
+Over symmetric memory nothing waits outside the kernels: the kernel that makes a rank's partial writes it
+into its buffer's slot (`publish_slot`) and, its last program, stores the rank's count of published calls
+into every rank's flag word for it (`rank_publish`): a product's own kernel (kernels/linear.py, the MoE's
+down kernel, given a `Publish`) or `publish`, a copy; a consumer given the `Arrival` waits inside its kernel
+(`rank_arrive`) until every rank's count reaches its own, then reads the peers' slots in place. A rank
+waits only on other ranks' publishes, never on a program of its own launch. Two slots suffice: a rank
+writes a slot again (call c + 2) only after its consumer of call c + 1 saw every peer publish c + 1, which
+each peer does after its consumer of call c finished reading.
 """
 
 from typing import NamedTuple
@@ -113,40 +115,71 @@ def rank_arrive(flags, rank, capacity, WAIT: tl.constexpr, WORLD: tl.constexpr):
     return base
 
 
-@triton.jit
-def _publish_kernel(src_ptr,     # float32 [n], this rank's partial
-                    buffer_ptr,  # float32 [SLOTS x capacity], this rank's symmetric buffer
-                    mine,        # int64 [WORLD + 1], this rank's flags (Arrival.flags)
-                    flag_ptrs,   # a tuple of WORLD pointers: every rank's flags, this rank's among them
-                    rank, capacity, n, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch(PDL)
-    c = tl.load(mine + rank, volatile=True)  # calls published so far: this one goes to slot c % SLOTS
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(buffer_ptr + (c % _SLOTS_K) * capacity + offs, tl.load(src_ptr + offs, mask=m), mask=m)
+class Publish(NamedTuple):
+    """Where a producer publishes a partial: this rank's symmetric buffer [SLOTS x capacity] (float32), every
+    rank's flags (int64 [world + 1] each, rank order; the word of `rank` in each is written only by this
+    rank), this rank."""
+
+    buffer: torch.Tensor
+    flags: list[torch.Tensor]
+    rank: int
+
+    def check(self, n: int) -> tuple:
+        """A producer of n values' (kernel arguments: this rank's flags, every rank's, rank, capacity; world),
+        checked; `arrival()` is what its consumers then wait on."""
+        capacity, world = self.buffer.numel() // SLOTS, len(self.flags)
+        require(n <= capacity, "publish", n, f"values: must be at most the slot's {capacity}")
+        require(1 <= world <= MAX_WORLD and 0 <= self.rank < world, "rank", self.rank,
+                f"must be one of {world} ranks")
+        return (self.flags[self.rank], tuple(self.flags), self.rank, capacity), world
+
+    def arrival(self) -> Arrival:
+        return Arrival(self.flags[self.rank], self.rank, self.buffer.numel() // SLOTS)
+
+
+@device_function
+def publish_slot(mine, rank, capacity):
+    """A producer's count of this rank's published calls c (this call goes to slot c % SLOTS) and the
+    offset of that slot in its buffer."""
+    c = tl.load(mine + rank, volatile=True)
+    return c, (c % _SLOTS_K) * capacity
+
+
+@device_function
+def rank_publish(mine, flag_ptrs, rank, c, programs, WORLD: tl.constexpr):
+    """A producer program's last statement: its count-in (one of `programs`); the last program to count in
+    sees every program's stores and releases them to every rank with the count c + 1 (system scope)."""
     tl.debug_barrier()  # the program's stores precede its count-in
-    if tl.atomic_add(mine + WORLD, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        # the last program: every program's stores are visible to it; released to every rank with the count
+    if tl.atomic_add(mine + WORLD, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.atomic_xchg(mine + WORLD, 0)  # ready for the next call (a graph replays this launch)
         for r in tl.static_range(WORLD):
             tl.atomic_xchg(flag_ptrs[r] + rank, c + 1, sem="release", scope="sys")
 
 
-def publish(t: torch.Tensor, buffer: torch.Tensor, flags: list[torch.Tensor], rank: int) -> Arrival:
-    """Copy this rank's float32 partial `t` (at most a slot of `buffer` [SLOTS x capacity]) into the slot of
-    its next call and count the call in every rank's flags (int64 [world + 1] each, rank order; the word of
-    `rank` in each is written only by this rank): the `Arrival` its consumers wait on."""
+@triton.jit
+def _publish_kernel(src_ptr,     # float32 [n], this rank's partial
+                    buffer_ptr,  # float32 [SLOTS x capacity], this rank's symmetric buffer
+                    mine, flag_ptrs, rank, capacity,  # Publish.check's
+                    n, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    c, base = publish_slot(mine, rank, capacity)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(buffer_ptr + base + offs, tl.load(src_ptr + offs, mask=m), mask=m)
+    rank_publish(mine, flag_ptrs, rank, c, tl.num_programs(0), WORLD)
+
+
+def publish(t: torch.Tensor, to: Publish) -> Arrival:
+    """Copy this rank's float32 partial `t` (at most a slot) into the slot of its next call and count the
+    call in every rank's flags: the `Arrival` its consumers wait on (a producer that writes its output into
+    the slot itself, kernels/linear.py `fast`'s `publish`, takes no launch of this)."""
     require_dtype(t, "t", (torch.float32,))
-    capacity = buffer.numel() // SLOTS
-    require(t.numel() <= capacity, "t.numel()", t.numel(), f"must be at most the slot's {capacity} values")
-    world = len(flags)
-    require(1 <= world <= MAX_WORLD and 0 <= rank < world, "rank", rank, f"must be one of {world} ranks")
+    args, world = to.check(t.numel())
     n = max(t.numel(), 1)  # one program at least: the count is published for an empty call too
     # the buffer's start, as a view of the values one call writes (the kernel adds the slot's offset)
-    _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), buffer[:n], flags[rank], tuple(flags), rank,
-                                                      capacity, t.numel(), WORLD=world, BLOCK=PUBLISH_BLOCK,
-                                                      **pdl(buffer.device))
-    return Arrival(flags[rank], rank, capacity)
+    _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), to.buffer[:n], *args, t.numel(), WORLD=world,
+                                                      BLOCK=PUBLISH_BLOCK, **pdl(to.buffer.device))
+    return to.arrival()
 
 
 @triton.jit

@@ -52,6 +52,7 @@ import hashlib  # noqa: E402
 import inspect  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -349,7 +350,7 @@ def drive_split_specializations(failures: list):
     four ranks (a symmetric sum's pieces, `bench collectives`); each gathered and over symmetric memory (the
     publish launch, the consumers' in-kernel waits). The gathers are stand-ins: nothing runs."""
     import kernels._triton as kt
-    from kernels import bench, mhc, moe, rank_sum
+    from kernels import bench, linear, mhc, moe, rank_sum
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -361,15 +362,22 @@ def drive_split_specializations(failures: list):
     def four(t, consume):  # four ranks' partials, added in the consumer
         return consume([t] * 4)
 
+    def to(n: int) -> rank_sum.Publish:  # rank 1 of 4's symmetric buffer and every rank's flags
+        return rank_sum.Publish(torch.empty(rank_sum.SLOTS * n), [torch.zeros(5, dtype=torch.long)] * 4, 1)
+
     def published(t, consume):  # ... over symmetric memory: rank 1's publish, the consumer waits in its kernel
-        flags = [torch.zeros(5, dtype=torch.long) for _ in range(4)]
-        arrival = rank_sum.publish(t, torch.empty(rank_sum.SLOTS * t.numel()), flags, 1)
-        return consume(rank_sum.Partials([t] * 4, arrival))
+        return consume(rank_sum.Partials([t] * 4, rank_sum.publish(t, to(t.numel()))))
+
+    def four_produced(shape, produce, consume):
+        return four(produce(None), consume)
+
+    def produced(shape, produce, consume):  # ... the producer's kernel publishing its partial itself
+        return consume(rank_sum.Partials([torch.empty(shape)] * 4, produce(to(math.prod(shape)))))
 
     # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
     # torch and the same combine kernel)
-    split = types.SimpleNamespace(sum_into=four, shared_split=True, share=lambda rows: None)
-    split_symm = types.SimpleNamespace(sum_into=published, shared_split=True, share=lambda rows: None)
+    split = types.SimpleNamespace(sum_produced=four_produced, shared_split=True, share=lambda rows: None)
+    split_symm = types.SimpleNamespace(sum_produced=produced, shared_split=True, share=lambda rows: None)
     # a long call's (a prefill chunk's) sums by rows: its pairs kept in x's dtype, the shared partials apart
     # (a rank holds its share's streams)
     whole = (bench.fp8_weight(s.inter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, s.inter, (s.block,) * 2),
@@ -394,6 +402,8 @@ def drive_split_specializations(failures: list):
                                  shared, s.block, 10.0, True, X, torch.rand(m, 4), torch.rand(m, 4, 4), reduce=reduce)
                     y = torch.randn(m, s.dim)
                     post, comb = torch.rand(m, 4), torch.rand(m, 4, 4)
+                    # a product published as the attention's output product is (RowParallel.into)
+                    linear.fast(x, shared[0], s.block, torch.float32, publish=to(m * quarter))
                     sum_into(y, lambda parts, X=X, post=post, comb=comb: mhc.fast_expand(parts, X, post, comb))
                     sum_into(y, lambda parts, dt=dt: rank_sum.fast(parts, dt))
             except Exception:

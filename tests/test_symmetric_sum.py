@@ -4,7 +4,8 @@ memory). It takes every call a configuration makes (a 2048-token prefill chunk's
 capacity-sized pieces where a call is larger than its buffers, and gives the all-gather sum's bits; so does a
 sum inside its consumer (`into`: the peers' buffers read in place). Nothing but the flags orders the ranks: a
 rank that lags its peers by a random delay before its calls still gives every consumer the call's partials
-(its kernel waits; no slot is overwritten while a peer reads it)."""
+(its kernel waits; no slot is overwritten while a peer reads it); a product that publishes its own partial
+(the linear kernel's `publish`) gives the gathered sum's bits too."""
 
 import math
 import random
@@ -17,7 +18,7 @@ from appliance.loader import default_model_dir
 from appliance.model.config import load_config
 from appliance.parallel.collectives import GatherSum, SymmSum
 from appliance.parallel.sharding import largest_sum, verify_rows
-from kernels import rank_sum
+from kernels import bench, linear, rank_sum
 
 from .ranks import call
 
@@ -53,7 +54,23 @@ def symmetric_sums(world, seed: int) -> dict:
         out["calls"][f"{what} inside"] = {"equal": torch.equal(a, b) and torch.equal(a, gather(t)),
                                           "values": t.numel(), "parts": [n, m]}
     out["lagging"] = lagging(world, symm, gather, g, random.Random(seed))
+    out["produced"] = produced(symm, gather, g)
     return out
+
+
+def produced(symm: SymmSum, gather: GatherSum, g: torch.Generator) -> list[bool]:
+    """A product that publishes its own partial (the attention's output product, RowParallel.into through
+    `produced_into`: the linear kernel writes the slot and counts the call in, no publish launch), at 1, 3
+    and 6 rows of this rank's random input: its consumer's sum equals the gathered sum of the same product."""
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))  # this rank's weight (bench's generator)
+    w = bench.fp8_weight(256, 128, (128, 128))
+    same = []
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        n, got = symm.produced_into((rows, 256), lambda to, x=x: linear.fast(x, w, 128, torch.float32, publish=to),
+                                    consume)
+        same.append(n == 4 and torch.equal(got, gather(linear.fast(x, w, 128, torch.float32))))
+    return same
 
 
 def consume(parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -85,6 +102,7 @@ def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_ver
     for rank, r in enumerate(ranks):
         assert r["left_behind"] == [], r["left_behind"]  # the shared files are unlinked once mapped
         assert all(r["lagging"]), f"rank {rank}: a consumer read a lagging peer's slot early: {r['lagging']}"
+        assert all(r["produced"]), f"rank {rank}: a product published by its own kernel: {r['produced']}"
         for what, c in r["calls"].items():
             assert c["equal"], f"rank {rank}: {what}: the symmetric sum differs from the gathered one"
         verify = {w: c for w, c in r["calls"].items() if w.startswith("verify")}

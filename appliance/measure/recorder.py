@@ -73,10 +73,6 @@ HOST_SYNCS = {aten._local_scalar_dense.default: "a host read of a device value (
               aten.unique_dim.default: "unique (shape depends on values)",
               aten.unique_consecutive.default: "unique (shape depends on values)",
               aten.repeat_interleave.Tensor: "repeat_interleave by a tensor (shape depends on values)"}
-# the launch that publishes a rank's partial to its peers over symmetric memory (parallel/collectives.py
-# SymmSum): counted as a collective too, "symm_" of its payload (its consumers wait for it and read the peers'
-# partials inside their kernels; the cost model prices that exchange)
-PUBLISH = "kernels.rank_sum._publish_kernel"
 HOST_COPIES = ("tolist", "numpy", "cpu")  # Tensor methods that copy to the host (no operation on a CPU tensor)
 
 # operations that allocate or change metadata only: no kernel
@@ -333,7 +329,9 @@ class Recorder(TorchDispatchMode):
             name = getattr(getattr(fn, "fn", None), "__qualname__", type(fn).__name__)
             module = getattr(getattr(fn, "fn", None), "__module__", "")
             recorder._launch("triton", f"{module}.{name}", tensors, (), overwritten=())
-            if f"{module}.{name}" == PUBLISH:  # its consumers' in-kernel wait and reads of the peers' partials
+            if kwargs.get("WAIT"):  # a sum over symmetric memory (parallel/collectives.py SymmSum): this
+                # consumer waits for the peers' partials (its first argument) inside the kernel and reads them;
+                # a collective, "symm_" of the rank's payload (the cost model prices that exchange)
                 recorder.collective("symm_", tensors[0])
             recorder._note_float64(f"{module}.{name}", tensors)
             recorder.triton_launches += 1

@@ -83,8 +83,8 @@ class ShapeComm:
     the meta device: each is recorded (op, payload bytes) by the active Recorder and returns a tensor of
     the shape the real collective returns. The fast path's sums over ranks as `--allreduce` runs them
     (`allreduce`): "symm", the symmetric-memory sum's own code (parallel/collectives.py SymmSum, its buffers
-    on the meta device, `capacity` values a piece: its publish launches, recorded as "symm_" collectives, and
-    consumers that wait inside their kernels), or "nccl", an all-gather of the partials."""
+    on the meta device, `capacity` values a piece: its producers' and publish launches, and consumers that wait
+    inside their kernels, each recorded as a "symm_" collective), or "nccl", an all-gather of the partials."""
 
     def __init__(self, rank: int, world: int, allreduce: str = "symm", capacity: int = 1 << 20):
         self.rank, self.world, self.group = rank, world, None
@@ -118,6 +118,12 @@ class ShapeComm:
             return self.symm.into(t, consume)
         self._record("allgather_", t)
         return consume(list(self._received([self.world, *t.shape], t)))
+
+    def sum_produced(self, shape: tuple[int, ...], produce, consume):
+        """Comm.sum_produced: the producer publishes its partial itself over symmetric memory."""
+        if self.symm is not None:
+            return self.symm.produced_into(shape, produce, consume)
+        return self.sum_into(produce(None), consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Comm.exchange: an all-to-all of this rank's part for each rank."""

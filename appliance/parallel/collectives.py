@@ -10,9 +10,10 @@ depends only on the four partials. Two ways to gather, chosen by `--allreduce`:
 
 - `nccl` (gloo on CPU): an all-gather into [world, n], then the ordered adds. Captured in a CUDA graph with
   the cycle (NCCL 2.9.6+ supports graph capture).
-- `symm`: symmetric memory (CUDA peer-to-peer over NVLink): each rank's launch writes its partial into its
-  own buffer and counts the call in every rank's flags; the consumer's kernel waits on the flags and reads
-  every rank's buffer in place, adding in rank order (`SymmSum`). One launch a sum and no NCCL, no barrier;
+- `symm`: symmetric memory (CUDA peer-to-peer over NVLink): each rank's partial is written into its own
+  buffer and the call counted in every rank's flags, by its producer's kernel (`produced_into`: the
+  attention's output product) or a launch of its own; the consumer's kernel waits on the flags and reads
+  every rank's buffer in place, adding in rank order (`SymmSum`). No NCCL, no barrier;
   capturable (everything is device-side). On CPU ranks the same kernels run, under the interpreter, over
   buffers and flags in shared memory (the tests' stand-in).
 - `auto`: `symm` where every pair of the group's GPUs can reach each other, else `nccl`.
@@ -21,6 +22,7 @@ With --check-ranks every collective is preceded by `CallCheck`: the ranks compar
 to make, and a difference is named on every rank instead of aborting in the transport.
 """
 
+import math
 import os
 import tempfile
 import uuid
@@ -57,14 +59,21 @@ class GatherSum:
         all_gather(parts, t.reshape(-1).contiguous(), group=self.group)
         return consume(list(parts.view(self.world, *t.shape)))
 
+    def produced_into(self, shape: tuple[int, ...], produce, consume):
+        """`into` of the partial of `shape` that `produce(to)` makes: `to` a kernels/rank_sum.py Publish (the
+        producer writes it into symmetric memory and returns its Arrival; SymmSum) or None (it returns the
+        partial, as here)."""
+        return self.into(produce(None), consume)
+
 
 class SymmSum:
     """Buffers every rank can read, peers read in place: symmetric memory (GPU peer-to-peer, `PeerMemory`) on
     CUDA, shared memory between the rank processes (`HostMemory`, the CPU stand-in that runs this class's code
     in the tests) elsewhere. A rank's buffer holds kernels/rank_sum.py's SLOTS slots of `capacity` float32
-    values and its flags (int64 [world + 1]). A call is one launch of its own (`rank_sum.publish`: the partial
-    into its slot, the call counted in every rank's flags); its consumer's kernel waits for every rank's count
-    and adds the peers' slots in rank order as it loads them: no barrier, no launch between. A call of more
+    values and its flags (int64 [world + 1]). A call's partial goes into its slot and the call is counted in
+    every rank's flags by its producer's kernel (`produced_into`) or by a launch of its own
+    (`rank_sum.publish`); its consumer's kernel waits for every rank's count and adds the peers' slots in rank
+    order as it loads them: no barrier, no launch between. A call of more
     values than the capacity goes in capacity-sized pieces, each summed in rank order: the same bits as one
     piece (the sum is elementwise). The loader sizes the capacity for the largest call of a decode step
     (parallel/sharding.py `largest_sum`), so a captured cycle sums in one piece and only a prefill chunk's
@@ -96,13 +105,26 @@ class SymmSum:
             return consume([self(t)])
         return self._piece(t, consume)
 
+    def produced_into(self, shape: tuple[int, ...], produce, consume):
+        """GatherSum.produced_into: the producer writes its partial into this rank's slot itself and counts the
+        call in (no publish launch), where the partial fits a slot."""
+        n = math.prod(shape)
+        if not 0 < n <= self.capacity:
+            return self.into(produce(None), consume)
+        return self._given(shape, produce(self._to()), consume)
+
     def _piece(self, t: torch.Tensor, consume):
-        """One piece of at most `capacity` values: published, every rank's slot given to `consume` in rank
-        order (views in t's shape of their first slot: the kernel adds the call's) with the arrival."""
-        buffers = self.buffers.peers
-        arrival = rank_sum.publish(t.reshape(-1), buffers[self.rank], self.flags.peers, self.rank)
-        n = t.numel()
-        return consume(rank_sum.Partials([p[:n].view(t.shape) for p in buffers], arrival))
+        """One piece of at most `capacity` values: published (a launch of its own)."""
+        return self._given(t.shape, rank_sum.publish(t.reshape(-1), self._to()), consume)
+
+    def _to(self) -> rank_sum.Publish:
+        return rank_sum.Publish(self.buffers.peers[self.rank], self.flags.peers, self.rank)
+
+    def _given(self, shape, arrival: rank_sum.Arrival, consume):
+        """Every rank's slot given to `consume` in rank order (views in `shape` of their first slot: the
+        kernel adds the call's) with the arrival it waits on."""
+        n = math.prod(shape)
+        return consume(rank_sum.Partials([p[:n].view(shape) for p in self.buffers.peers], arrival))
 
 
 class PeerMemory:
@@ -182,6 +204,10 @@ class CheckedSum:
     def into(self, t: torch.Tensor, consume):
         self.check(f"{self.kind} sum", t)
         return self.sum.into(t, consume)
+
+    def produced_into(self, shape: tuple[int, ...], produce, consume):
+        self.check(f"{self.kind} sum", torch.empty(shape, device="meta"))  # the call's dtype and shape
+        return self.sum.produced_into(shape, produce, consume)
 
 
 def peers_reachable(world: int) -> bool:

@@ -82,6 +82,12 @@ class Comm:
         sum takes no launch of its own."""
         return self.sum.into(t, consume)
 
+    def sum_produced(self, shape: tuple[int, ...], produce, consume):
+        """sum_into of the float32 partial of `shape` that `produce(to)` makes: written by its producer into
+        symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish; the producer returns
+        the arrival), else returned (`to` None); parallel/collectives.py `produced_into`."""
+        return self.sum.produced_into(shape, produce, consume)
+
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [world, ...]: this rank's part for each rank -> [world, ...] every rank's part for this one, in
         rank order (one all-to-all)."""
@@ -125,7 +131,8 @@ class RowParallel:
         them (Comm.sum_into); on the reference path the float64 sum, rounded."""
         if self.partial != torch.float32:
             return consume(self(x))
-        return self.comm.sum_into(self.rt.ops.linear(x, self.weight, self.act_block, self.partial), consume)
+        return self.comm.sum_produced((*x.shape[:-1], self.weight.shape[0]), lambda to: self.rt.ops.linear(
+            x, self.weight, self.act_block, self.partial, publish=to), consume)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, this rank's input columns] of a long call -> [this rank's share of the rows, every input
@@ -200,8 +207,9 @@ def shard_output(out: GroupedOutput, comm: Comm, long_calls: bool = True) -> Non
 
 
 class ExpertReduce:
-    """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum_into`, the
-    fast path's fixed-order float32 sum inside its consumer (Comm.sum_into); `shared_split`, whether the
+    """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum_produced`, the
+    fast path's fixed-order float32 sum inside its consumer, of the partials the down kernel writes
+    (Comm.sum_produced); `shared_split`, whether the
     shared expert's intermediate is split (its partial is summed too); called as `reduce(outputs, shared64)`,
     the reference form's float64 sums.
 
@@ -230,6 +238,9 @@ class ExpertReduce:
 
     def sum_into(self, t: torch.Tensor, consume):
         return self.comm.sum_into(t, consume)
+
+    def sum_produced(self, shape: tuple[int, ...], produce, consume):
+        return self.comm.sum_produced(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.exchange(t)
