@@ -382,7 +382,7 @@ def drive_split_specializations(failures: list):
     # (a rank holds its share's streams)
     whole = (bench.fp8_weight(s.inter, s.dim, (s.block,) * 2), bench.fp8_weight(s.dim, s.inter, (s.block,) * 2),
              bench.fp8_weight(s.inter, s.dim, (s.block,) * 2))  # the shared expert whole, for the share's rows
-    shares = types.SimpleNamespace(sum_into=four, shared_split=True, world=4,
+    shares = types.SimpleNamespace(shared_split=True, world=4,
                                    share=lambda rows: (rows // 4, 0, rows // 4), exchange=lambda t: t,
                                    whole_shared=whole)
     try:

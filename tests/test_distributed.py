@@ -55,7 +55,7 @@ def test_on_the_fast_path_four_ranks_give_one_ranks_logits_within_float32_roundi
     experts per rank), partial sums in float32 added in rank order. `--numerics plain` for the logits: no activation
     quantization, whose rounding boundaries a reordered sum can cross (a whole e4m3 step, README "Numerics");
     measured ~2e-7 of the row maximum. Eight tokens: a call no longer than rowsplit.SPLIT_ROWS is not held by
-    rows, so its sums over ranks go through their consumers (`Comm.sum_into`), whose symmetric-memory form
+    rows, so its sums over ranks go through their consumers (`Comm.sum_produced`), whose symmetric-memory form
     (its CPU stand-in: buffers in shared memory, read in place) gives the gathered sum's bits. Short (the
     interpreter, four ranks on two cores: minutes)."""
     model = tiny_dirs["deepseek_v41"]

@@ -113,7 +113,8 @@ class ShapeComm:
         return self.sum_into(t, lambda parts: rank_sum.fast(parts, out_dtype, round_to))
 
     def sum_into(self, t: torch.Tensor, consume):
-        """Comm.sum_into: every rank's partial given to `consume`, from symmetric memory or an all-gather."""
+        """Every rank's partial of t given to `consume`, from symmetric memory (a publish launch) or an
+        all-gather."""
         if self.symm is not None:
             return self.symm.into(t, consume)
         self._record("allgather_", t)

@@ -73,11 +73,10 @@ class SymmSum:
     values and its flags (int64 [world + 1]). A call's partial goes into its slot and the call is counted in
     every rank's flags by its producer's kernel (`produced_into`) or by a launch of its own
     (`rank_sum.publish`); its consumer's kernel waits for every rank's count and adds the peers' slots in rank
-    order as it loads them: no barrier, no launch between. A call of more
-    values than the capacity goes in capacity-sized pieces, each summed in rank order: the same bits as one
-    piece (the sum is elementwise). The loader sizes the capacity for the largest call of a decode step
-    (parallel/sharding.py `largest_sum`), so a captured cycle sums in one piece and only a prefill chunk's
-    calls are cut."""
+    order as it loads them: no barrier, no launch between. A call of more values than the capacity goes in
+    capacity-sized pieces, each summed in rank order: the same bits as one piece (the sum is elementwise).
+    The loader sizes the capacity for the largest call of a decode step (parallel/sharding.py `largest_sum`),
+    so a captured cycle sums in one piece and only a prefill chunk's calls are cut."""
 
     kind = "symm"
 

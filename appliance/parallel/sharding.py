@@ -76,16 +76,12 @@ class Comm:
             return parts.view(self.world * t.shape[0], *t.shape[1:])
         return torch.cat(list(parts), dim=dim)
 
-    def sum_into(self, t: torch.Tensor, consume):
-        """The fast path's fixed-order sum of `t` over ranks, inside its consumer: `consume` gets every rank's
-        float32 partial in rank order and adds them as it loads them (its kernel's `rank_sum.rank_load`), so the
-        sum takes no launch of its own."""
-        return self.sum.into(t, consume)
-
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
-        """sum_into of the float32 partial of `shape` that `produce(to)` makes: written by its producer into
-        symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish; the producer returns
-        the arrival), else returned (`to` None); parallel/collectives.py `produced_into`."""
+        """The fast path's fixed-order sum over ranks of the float32 partial of `shape` that `produce(to)`
+        makes, inside its consumer: `consume` gets every rank's partial in rank order and adds them as it loads
+        them (its kernel's `rank_sum.rank_load`), so the sum takes no launch of its own. The producer writes
+        its partial into symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish; it
+        returns the arrival), else returns it (`to` None): parallel/collectives.py `produced_into`."""
         return self.sum.produced_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +124,8 @@ class RowParallel:
     def into(self, x: torch.Tensor, consume):
         """The product of x summed over ranks inside `consume`, which takes a sum rounded to the runtime's
         dtype: on the fast path every rank's float32 partial in rank order, added where the consumer loads
-        them (Comm.sum_into); on the reference path the float64 sum, rounded."""
+        them (Comm.sum_produced: the product published by its kernel over symmetric memory); on the reference
+        path the float64 sum, rounded."""
         if self.partial != torch.float32:
             return consume(self(x))
         return self.comm.sum_produced((*x.shape[:-1], self.weight.shape[0]), lambda to: self.rt.ops.linear(
@@ -208,10 +205,9 @@ def shard_output(out: GroupedOutput, comm: Comm, long_calls: bool = True) -> Non
 
 class ExpertReduce:
     """The expert-parallel MoE's sums over ranks, as kernels/moe.py takes them (`reduce`): `sum_produced`, the
-    fast path's fixed-order float32 sum inside its consumer, of the partials the down kernel writes
-    (Comm.sum_produced); `shared_split`, whether the
-    shared expert's intermediate is split (its partial is summed too); called as `reduce(outputs, shared64)`,
-    the reference form's float64 sums.
+    fast path's fixed-order float32 sum inside its consumer of the partials the down kernel writes
+    (Comm.sum_produced); `shared_split`, whether the shared expert's intermediate is split (its partial is
+    summed too); called as `reduce(outputs, shared64)`, the reference form's float64 sums.
 
     A long call (a prefill chunk: `share(rows)` not None) sums by rows instead: each rank sums each row's
     pairs it computed, receives every rank's sums of its share of the rows (`exchange`, an all-to-all),
@@ -235,9 +231,6 @@ class ExpertReduce:
         if mine == ALL_ROWS:
             return None
         return -(-rows // self.world), mine.start, mine.stop
-
-    def sum_into(self, t: torch.Tensor, consume):
-        return self.comm.sum_into(t, consume)
 
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
         return self.comm.sum_produced(shape, produce, consume)
