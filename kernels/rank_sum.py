@@ -44,10 +44,10 @@ _SLOTS_K, _MAX_WORLD_K = tl.constexpr(SLOTS), tl.constexpr(MAX_WORLD)  # ... as 
 
 
 class Arrival(NamedTuple):
-    """Where a consumer's kernel waits for the peers' published partials (`publish`'s result)."""
+    """Where a consumer's kernel waits for the peers' published partials (`Publish.arrival`)."""
 
     flags: torch.Tensor  # int64 [world + 1], this rank's: word r counts rank r's published calls (word world:
-                         # the publish kernel's count-in)
+                         # the producers' count-in)
     rank: int
     capacity: int        # values a slot holds: call c's partial starts at (c - 1) % SLOTS x capacity
 
@@ -125,8 +125,8 @@ class Publish(NamedTuple):
     rank: int
 
     def check(self, n: int) -> tuple:
-        """A producer of n values' (kernel arguments: this rank's flags, every rank's, rank, capacity; world),
-        checked; `arrival()` is what its consumers then wait on."""
+        """The kernel arguments of a producer of n values (this rank's flags, every rank's as a tuple, this
+        rank, a slot's capacity) and the world, checked; `arrival()` is what its consumers then wait on."""
         capacity, world = self.buffer.numel() // SLOTS, len(self.flags)
         require(n <= capacity, "publish", n, f"values: must be at most the slot's {capacity}")
         require(1 <= world <= MAX_WORLD and 0 <= self.rank < world, "rank", self.rank,
