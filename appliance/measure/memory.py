@@ -154,7 +154,7 @@ def warm_meta_model(cfg, dtype: str = "bfloat16", world: int = 1,
     with torch.inference_mode(), rec, DeclaredReads(mm.runtime, rec, meta=True).installed():
         _warm_up(mm)
     held = resident(mm.model, mm.drafter, provided=mm.checkpoint.provided)
-    everything = live_bytes("meta", baseline)
+    everything = live_bytes("meta", baseline) - (mm.comm.symmetric_bytes() if mm.comm is not None else 0)
     held["copies"] = max(held["copies"], everything - held["stored"] - held["host"])
     return mm, held
 

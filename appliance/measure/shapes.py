@@ -141,6 +141,13 @@ class ShapeComm:
 
     span = Comm.span  # the real split's: one rank's share
 
+    def symmetric_bytes(self) -> int:
+        """Bytes of its symmetric-memory sum's buffers and flags (meta tensors): the memory plan's
+        "symmetric_sum", not the model's copies."""
+        if self.symm is None:
+            return 0
+        return sum(nbytes(t) for memory in (self.symm.buffers, self.symm.flags) for t in memory.peers)
+
 
 class MetaMemory:
     """parallel/collectives.py's memory (PeerMemory, HostMemory) on the meta device: every rank's `n` values."""
@@ -163,6 +170,7 @@ class MetaModel:
     capture_blockers: list[str] = field(default_factory=list)
     tokenizer: object = None
     model_dir: object = None
+    comm: object = None  # a split build's ShapeComm
 
 
 def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "official", drafter: bool = True,
@@ -179,14 +187,14 @@ def meta_model(cfg: ModelConfig, dtype: str = "bfloat16", numerics: str = "offic
         token_map = torch.zeros(cfg.engram.compressed_vocab_size, dtype=torch.long)
         model.engram_hash = place(EngramHash(token_map, cfg), META)
     d = build_drafter(cfg, ckpt, rt, model) if drafter else None
-    blockers = []
+    blockers, comm = [], None
     if world > 1:
         comm = ShapeComm(rank, world, allreduce, largest_sum(cfg, verify_rows(cfg, drafter), cfg.max_context))
         blockers = ["(meta build) " + b for b in shard(model, d, comm, experts)]
     # what placement moves (RoPE tables, Engram's hash constants); host tables stay where they are and the
     # lookup kernel reads their rows in place (kernels/engram.py), so they block no capture
     place((model, d), META)
-    return MetaModel(cfg, model, d, rt, ckpt, world=_World(rank, world), capture_blockers=blockers)
+    return MetaModel(cfg, model, d, rt, ckpt, world=_World(rank, world), capture_blockers=blockers, comm=comm)
 
 
 @dataclass
@@ -224,7 +232,7 @@ def resident(*roots, provided: dict[int, str] | None = None) -> dict:
     def visit(obj, path: str, depth: int):
         if depth > 12 or obj is None or isinstance(obj, (str, int, float, bool, torch.device, torch.dtype)):
             return
-        if id(obj) in seen:
+        if id(obj) in seen or isinstance(obj, SymmSum):  # its buffers: the plan's "symmetric_sum", apart
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
