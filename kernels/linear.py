@@ -86,7 +86,7 @@ from ._triton import (
     triton,
 )
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
-from .rank_sum import Arrival, Publish, publish_slot, rank_publish
+from .rank_sum import Publish, publish_slot, rank_publish
 from .rows import (
     STAGE_TILES,
     quant_tile,
@@ -727,7 +727,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publ
     """One launch of the products (`fast_multi`); `expand` (X, post, comb): one product, stored as the mHC
     expand of it (kernels/mhc.py's `fast_product_expand`); `publish`: one float32 product, stored into the
     slot of this rank's next call in its symmetric buffer and counted in every rank's flags (the view
-    returned is the buffer's first slot: its consumers take `publish.arrival()`)."""
+    returned is the buffer's first slot: its consumers wait on `publish`)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
     shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
@@ -850,11 +850,11 @@ def native_split(products: list[Product]) -> list[bool]:
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-         groups: int = 1, publish: Publish | None = None) -> torch.Tensor | Arrival:
+         groups: int = 1, publish: Publish | None = None) -> torch.Tensor | Publish:
     """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16); with
-    `publish` (float32), the product published to the ranks instead (`launch`): the arrival its consumers
+    `publish` (float32), the product published to the ranks instead (`launch`): `publish`, which its consumers
     wait on."""
     if publish is not None:
         launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish)
-        return publish.arrival()
+        return publish
     return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]

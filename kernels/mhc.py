@@ -244,7 +244,7 @@ def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials 
                    post_ptr,  # float32 [M, hc]
                    comb_ptr,  # float32 [M, hc, hc]
                    out_ptr,   # out [M, hc, D] in X's dtype
-                   M, hc, D, flags, rank, capacity,  # y's partials' Arrival (kernels/rank_sum.py; WAIT)
+                   M, hc, D, flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
                    WORLD: tl.constexpr,
                    Y_ROUND: tl.constexpr,  # y a sum of the ranks' partials: rounded to X's dtype
                    OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, WAIT: tl.constexpr,

@@ -408,7 +408,7 @@ def _combine_kernel(o_parts,     # [P, D] outputs per pair: WORLD float32 partia
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
-                    M, D, K, hc, SH0, YS, flags, rank, capacity,  # o's partials' Arrival (rank_sum.py; WAIT)
+                    M, D, K, hc, SH0, YS, flags, rank, capacity,  # o's Publish (rank_sum.py arrival_args; WAIT)
                     WORLD: tl.constexpr, S_WORLD: tl.constexpr,  # S_WORLD > 1: s_parts are o_parts
                     HAS_SHARED: tl.constexpr,
                     S_ROUND: tl.constexpr,  # the shared expert's row is a sum of ranks' partials: round it
@@ -580,14 +580,14 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
 def _pairs_into(experts_into, o: torch.Tensor, rows: int, split: bool, to: rank_sum.Publish | None):
     """(2, 3) of a decode step's expert-parallel call, its sum's producer (Comm.sum_produced): the outputs
     into o, its first `rows` returned (the pairs that travel); or (`to`) those rows into this rank's
-    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): the
-    arrival."""
+    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): `to`,
+    which the consumer waits on."""
     if to is None:
         experts_into(o, o, 0, split)
         return o[:rows]
     sent = to.buffer[:rows * o.shape[1]].view(rows, o.shape[1])  # its first slot: the kernel adds the call's
     experts_into(sent, sent if split else o, 0, split, to)
-    return to.arrival()
+    return to
 
 
 def _native(dev: torch.device, ab: int, align: int) -> int:

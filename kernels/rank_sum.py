@@ -12,8 +12,8 @@ them where it loads its input (`rank_load`): the same adds, no launch of their o
 Over symmetric memory nothing waits outside the kernels: the kernel that makes a rank's partial writes it
 into its buffer's slot (`publish_slot`) and, its last program, stores the rank's count of published calls
 into every rank's flag word for it (`rank_publish`): a product's own kernel (kernels/linear.py, the MoE's
-down kernel, given a `Publish`) or `publish`, a copy; a consumer given the `Arrival` waits inside its kernel
-(`rank_arrive`) until every rank's count reaches its own, then reads the peers' slots in place. A rank
+down kernel, given a `Publish`) or `publish`, a copy; a consumer given the same (`Partials`) waits inside
+its kernel (`rank_arrive`) until every rank's count reaches its own, then reads the peers' slots in place. A rank
 waits only on other ranks' publishes, never on a program of its own launch. Two slots suffice: a rank
 writes a slot again (call c + 2) only after its consumer of call c + 1 saw every peer publish c + 1, which
 each peer does after its consumer of call c finished reading.
@@ -43,34 +43,50 @@ SLOTS = 2  # a symmetric buffer's slots: call c's partial in slot c % SLOTS (the
 _SLOTS_K, _MAX_WORLD_K = tl.constexpr(SLOTS), tl.constexpr(MAX_WORLD)  # ... as the kernels read them
 
 
-class Arrival(NamedTuple):
-    """Where a consumer's kernel waits for the peers' published partials (`Publish.arrival`)."""
+class Publish(NamedTuple):
+    """Where a rank's partials are published: this rank's symmetric buffer [SLOTS x capacity] (float32), every
+    rank's flags (int64 [world + 1] each, rank order: word r counts rank r's published calls and is written
+    only by rank r; word world, a producer's count-in), this rank. A producer writes into it; its consumers
+    wait on the same (`Partials`)."""
 
-    flags: torch.Tensor  # int64 [world + 1], this rank's: word r counts rank r's published calls (word world:
-                         # the producers' count-in)
+    buffer: torch.Tensor
+    flags: list[torch.Tensor]
     rank: int
-    capacity: int        # values a slot holds: call c's partial starts at (c - 1) % SLOTS x capacity
+
+    @property
+    def capacity(self) -> int:
+        """Values a slot holds: call c's partial starts at c % SLOTS x capacity."""
+        return self.buffer.numel() // SLOTS
+
+    def check(self, n: int) -> tuple:
+        """The kernel arguments of a producer of n values (this rank's flags, every rank's as a tuple, this
+        rank, a slot's capacity) and the world, checked."""
+        world = len(self.flags)
+        require(n <= self.capacity, "publish", n, f"values: must be at most the slot's {self.capacity}")
+        require(1 <= world <= MAX_WORLD and 0 <= self.rank < world, "rank", self.rank,
+                f"must be one of {world} ranks")
+        return (self.flags[self.rank], tuple(self.flags), self.rank, self.capacity), world
 
 
 class Partials(list):
     """Every rank's partial in rank order (views of their slot 0: the kernel adds the call's slot) and the
-    `Arrival` a consumer's kernel waits on before it reads them."""
+    `Publish` they came through, which a consumer's kernel waits on before it reads them."""
 
-    def __init__(self, parts, arrival: Arrival):
+    def __init__(self, parts, published: Publish):
         super().__init__(parts)
-        self.arrival = arrival
+        self.published = published
 
 
 def arrival_args(parts) -> tuple:
-    """A consumer kernel's (flags, rank, capacity) and its WAIT constexpr for `parts`: a `Partials`' arrival,
-    or nothing to wait for (gathered partials, one tensor)."""
-    a = getattr(parts, "arrival", None)
-    return ((a.flags, a.rank, a.capacity), True) if a is not None else ((parts[0], 0, 0), False)
+    """A consumer kernel's (this rank's flags, rank, capacity) and its WAIT constexpr for `parts`: a
+    `Partials`' publish, or nothing to wait for (gathered partials, one tensor)."""
+    p = getattr(parts, "published", None)
+    return ((p.flags[p.rank], p.rank, p.capacity), True) if p is not None else ((parts[0], 0, 0), False)
 
 
 def plain(parts, what: str) -> None:
     """A reference (torch) consumer's guard: partials published in place need a kernel that waits for them."""
-    require(getattr(parts, "arrival", None) is None, what, "published partials",
+    require(getattr(parts, "published", None) is None, what, "published partials",
             "a torch consumer cannot wait for them inside a kernel (the fast path's kernels take them)")
 
 
@@ -99,7 +115,7 @@ def rank_load(parts, offs, mask, WORLD: tl.constexpr):
 
 @device_function
 def rank_arrive(flags, rank, capacity, WAIT: tl.constexpr, WORLD: tl.constexpr):
-    """With WAIT, a consumer's wait for its call's partials (`Arrival`: flags, rank, capacity): this rank's
+    """With WAIT, a consumer's wait for its call's partials (`arrival_args`: flags, rank, capacity): this rank's
     count of published calls c (its own publish of this call is complete: the launch ahead of this one in the
     stream), then every rank's count at least c (an acquire at system scope: the peers' slots are visible
     after it). Returns the offset of call c's slot in every rank's buffer; 0 without WAIT."""
@@ -113,28 +129,6 @@ def rank_arrive(flags, rank, capacity, WAIT: tl.constexpr, WORLD: tl.constexpr):
             seen = tl.atomic_add(flags + ranks, 0, mask=live, sem="acquire", scope="sys")
         base = ((c - 1) % _SLOTS_K) * capacity
     return base
-
-
-class Publish(NamedTuple):
-    """Where a producer publishes a partial: this rank's symmetric buffer [SLOTS x capacity] (float32), every
-    rank's flags (int64 [world + 1] each, rank order; the word of `rank` in each is written only by this
-    rank), this rank."""
-
-    buffer: torch.Tensor
-    flags: list[torch.Tensor]
-    rank: int
-
-    def check(self, n: int) -> tuple:
-        """The kernel arguments of a producer of n values (this rank's flags, every rank's as a tuple, this
-        rank, a slot's capacity) and the world, checked; `arrival()` is what its consumers then wait on."""
-        capacity, world = self.buffer.numel() // SLOTS, len(self.flags)
-        require(n <= capacity, "publish", n, f"values: must be at most the slot's {capacity}")
-        require(1 <= world <= MAX_WORLD and 0 <= self.rank < world, "rank", self.rank,
-                f"must be one of {world} ranks")
-        return (self.flags[self.rank], tuple(self.flags), self.rank, capacity), world
-
-    def arrival(self) -> Arrival:
-        return Arrival(self.flags[self.rank], self.rank, self.buffer.numel() // SLOTS)
 
 
 @device_function
@@ -169,9 +163,9 @@ def _publish_kernel(src_ptr,     # float32 [n], this rank's partial
     rank_publish(mine, flag_ptrs, rank, c, tl.num_programs(0), WORLD)
 
 
-def publish(t: torch.Tensor, to: Publish) -> Arrival:
+def publish(t: torch.Tensor, to: Publish) -> Publish:
     """Copy this rank's float32 partial `t` (at most a slot) into the slot of its next call and count the
-    call in every rank's flags: the `Arrival` its consumers wait on (a producer that writes its output into
+    call in every rank's flags: `to`, which its consumers wait on (a producer that writes its output into
     the slot itself, kernels/linear.py `fast`'s `publish`, takes no launch of this)."""
     require_dtype(t, "t", (torch.float32,))
     args, world = to.check(t.numel())
@@ -179,13 +173,13 @@ def publish(t: torch.Tensor, to: Publish) -> Arrival:
     # the buffer's start, as a view of the values one call writes (the kernel adds the slot's offset)
     _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), to.buffer[:n], *args, t.numel(), WORLD=world,
                                                       BLOCK=PUBLISH_BLOCK, **pdl(to.buffer.device))
-    return to.arrival()
+    return to
 
 
 @triton.jit
 def _kernel(parts,    # a tuple of WORLD pointers, float32 [n] each (their call's slot at `base`)
             out_ptr,  # out [n]: float32, or bfloat16 (OUT_BF16)
-            n, flags, rank, capacity,  # the partials' Arrival (WAIT)
+            n, flags, rank, capacity,  # the partials' Publish (arrival_args; WAIT)
             WORLD: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
             WAIT: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)

@@ -61,7 +61,7 @@ class GatherSum:
 
     def produced_into(self, shape: tuple[int, ...], produce, consume):
         """`into` of the partial of `shape` that `produce(to)` makes: `to` a kernels/rank_sum.py Publish (the
-        producer writes it into symmetric memory and returns its Arrival; SymmSum) or None (it returns the
+        producer writes it into symmetric memory and returns `to`; SymmSum) or None (it returns the
         partial, as here)."""
         return self.into(produce(None), consume)
 
@@ -97,7 +97,7 @@ class SymmSum:
         return out.view(t.shape)
 
     def into(self, t: torch.Tensor, consume):
-        """GatherSum.into: `consume` (a kernel) is given `rank_sum.Partials`, the peers' slots and the arrival
+        """GatherSum.into: `consume` (a kernel) is given `rank_sum.Partials`, the peers' slots and the publish
         it waits on. A call larger than the capacity is summed in pieces first (unrounded float32: the same
         adds), its one part given."""
         if t.numel() > self.capacity:
@@ -119,11 +119,11 @@ class SymmSum:
     def _to(self) -> rank_sum.Publish:
         return rank_sum.Publish(self.buffers.peers[self.rank], self.flags.peers, self.rank)
 
-    def _given(self, shape, arrival: rank_sum.Arrival, consume):
+    def _given(self, shape, published: rank_sum.Publish, consume):
         """Every rank's slot given to `consume` in rank order (views in `shape` of their first slot: the
-        kernel adds the call's) with the arrival it waits on."""
+        kernel adds the call's) with the publish it waits on."""
         n = math.prod(shape)
-        return consume(rank_sum.Partials([p[:n].view(shape) for p in self.buffers.peers], arrival))
+        return consume(rank_sum.Partials([p[:n].view(shape) for p in self.buffers.peers], published))
 
 
 class PeerMemory:
