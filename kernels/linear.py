@@ -850,11 +850,8 @@ def native_split(products: list[Product]) -> list[bool]:
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-         groups: int = 1, publish: Publish | None = None) -> torch.Tensor | Publish:
+         groups: int = 1, publish: Publish | None = None) -> torch.Tensor:
     """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16); with
-    `publish` (float32), the product published to the ranks instead (`launch`): `publish`, which its consumers
-    wait on."""
-    if publish is not None:
-        launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish)
-        return publish
-    return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None)[0]
+    `publish` (float32), the product published to the ranks instead (`launch`): what it wrote, as a view of
+    the buffer's first slot (its consumers wait on `publish`)."""
+    return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish)[0]

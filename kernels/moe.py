@@ -580,14 +580,14 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
 def _pairs_into(experts_into, o: torch.Tensor, rows: int, split: bool, to: rank_sum.Publish | None):
     """(2, 3) of a decode step's expert-parallel call, its sum's producer (Comm.sum_produced): the outputs
     into o, its first `rows` returned (the pairs that travel); or (`to`) those rows into this rank's
-    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): `to`,
-    which the consumer waits on."""
+    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): what
+    it wrote, a view of the buffer's first slot (the consumer waits on `to`)."""
     if to is None:
         experts_into(o, o, 0, split)
         return o[:rows]
     sent = to.buffer[:rows * o.shape[1]].view(rows, o.shape[1])  # its first slot: the kernel adds the call's
     experts_into(sent, sent if split else o, 0, split, to)
-    return to
+    return sent
 
 
 def _native(dev: torch.device, ab: int, align: int) -> int:

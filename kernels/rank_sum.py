@@ -163,17 +163,19 @@ def _publish_kernel(src_ptr,     # float32 [n], this rank's partial
     rank_publish(mine, flag_ptrs, rank, c, tl.num_programs(0), WORLD)
 
 
-def publish(t: torch.Tensor, to: Publish) -> Publish:
+def publish(t: torch.Tensor, to: Publish) -> torch.Tensor:
     """Copy this rank's float32 partial `t` (at most a slot) into the slot of its next call and count the
-    call in every rank's flags: `to`, which its consumers wait on (a producer that writes its output into
-    the slot itself, kernels/linear.py `fast`'s `publish`, takes no launch of this)."""
+    call in every rank's flags (its consumers wait on `to`; a producer that writes its output into the slot
+    itself, kernels/linear.py `fast`'s `publish`, takes no launch of this): what it wrote, a view of the
+    buffer's first slot."""
     require_dtype(t, "t", (torch.float32,))
     args, world = to.check(t.numel())
     n = max(t.numel(), 1)  # one program at least: the count is published for an empty call too
     # the buffer's start, as a view of the values one call writes (the kernel adds the slot's offset)
-    _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), to.buffer[:n], *args, t.numel(), WORLD=world,
+    written = to.buffer[:n]
+    _publish_kernel[(triton.cdiv(n, PUBLISH_BLOCK),)](t.contiguous(), written, *args, t.numel(), WORLD=world,
                                                       BLOCK=PUBLISH_BLOCK, **pdl(to.buffer.device))
-    return to
+    return written[:t.numel()]
 
 
 @triton.jit

@@ -366,13 +366,17 @@ def drive_split_specializations(failures: list):
         return rank_sum.Publish(torch.empty(rank_sum.SLOTS * n), [torch.zeros(5, dtype=torch.long)] * 4, 1)
 
     def published(t, consume):  # ... over symmetric memory: rank 1's publish, the consumer waits in its kernel
-        return consume(rank_sum.Partials([t] * 4, rank_sum.publish(t, to(t.numel()))))
+        into = to(t.numel())
+        rank_sum.publish(t, into)
+        return consume(rank_sum.Partials([t] * 4, into))
 
     def four_produced(shape, produce, consume):
         return four(produce(None), consume)
 
     def produced(shape, produce, consume):  # ... the producer's kernel publishing its partial itself
-        return consume(rank_sum.Partials([torch.empty(shape)] * 4, produce(to(math.prod(shape)))))
+        into = to(math.prod(shape))
+        produce(into)
+        return consume(rank_sum.Partials([torch.empty(shape)] * 4, into))
 
     # appliance/parallel/sharding.py's ExpertReduce, for decode steps' calls (a long call's sum by rows is
     # torch and the same combine kernel)

@@ -244,6 +244,12 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
     assert c["collectives"]["per_cycle"] == gathered["collectives"]["per_cycle"]
     assert {p["op"] for p in gathered["collectives"]["payloads"]} == {"allgather_"}
     assert c["launches_per_cycle"] == gathered["launches_per_cycle"]
+    # ... each launch writes what it writes gathered (a producer its partial, not its symmetric buffer) and
+    # moves the same bytes but for the flags words its publish or its wait touches (int64 [world + 1] a rank)
+    written = [[la["bytes_written"] for la in x["launches"]] for x in (c, gathered)]
+    assert written[0] == written[1]
+    moved = [[la["bytes_read"] + la["bytes_written"] for la in x["launches"]] for x in (c, gathered)]
+    assert all(0 <= a - b <= 4 * 5 * 8 for a, b in zip(*moved, strict=True)) and moved[0] != moved[1]
     gpu = cm.GPUS["b300"]
     payload = int(torch.randint(1, 10**6, ()))
     assert cm.collective_s("symm_", payload, 4, gpu) == pytest.approx(

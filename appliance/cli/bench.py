@@ -267,7 +267,8 @@ def _forward_table(rows: list[dict], bandwidth, counted: bool):
 @click.option("--top", type=int, default=8, show_default=True, help="kernels listed per cycle, the slowest first")
 @click.option("--allreduce", type=click.Choice(["symm", "nccl"]), default="symm", show_default=True,
               help="how the sums over ranks meet (see `serve --help`): symm, symmetric memory (the box's auto: its "
-                   "GPUs reach each other over NVLink), each a publish launch and an in-kernel wait; nccl, an "
+                   "GPUs reach each other over NVLink), each published by the kernel that makes it and waited for "
+                   "inside the kernel that uses it; nccl, an "
                    "all-gather")
 @click.option("--prefill", is_flag=True,
               help="price a prompt's prefill instead: one chunk counted at the start and one at the end of the "
@@ -352,7 +353,7 @@ def _model_table(report: dict, device, top: int):
                f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s; issue {device.issue_per_s / 1e12:.1f} T lane-instructions/s "
                f"(per weight element: {', '.join(f'{k} {v}' for k, v in c['issue_per_element'].items())}); "
                f"{c['launch_s'] * 1e6:.1f} us per launch in a graph; "
-               + (f"a sum over symmetric memory: its publish launch, a {c['symm_wait_s'] * 1e6:.0f} us wait + the "
+               + (f"a sum over symmetric memory: a {c['symm_wait_s'] * 1e6:.0f} us wait in its consumer + the "
                   "peers' partials" if report["allreduce"] == "symm" else
                   f"all-reduce {c['allreduce_latency_s'] * 1e6:.0f} us + payload")
                + f" over NVLink {device.nvlink_bytes_per_s / 1e9:.0f} GB/s; host memory over {c['host_link']}")

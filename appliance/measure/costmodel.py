@@ -33,8 +33,9 @@ Assumptions (each constant below names its source):
   32 on that e4m3 MMA).
 - A collective costs `ALLREDUCE_LATENCY_S` plus its payload over NVLink at ring efficiency
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part). A sum over
-  symmetric memory (`--allreduce symm`, the box's default; recorded "symm_" at its publish launch, which is
-  priced as a launch) costs `SYMM_WAIT_S` plus the (N-1) peers' partials each rank reads over NVLink.
+  symmetric memory (`--allreduce symm`, the box's default; recorded "symm_" at the consumer that waits for
+  it; a publish launch, where its producer does not publish, priced as a launch) costs `SYMM_WAIT_S` plus
+  the (N-1) peers' partials each rank reads over NVLink.
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
   routed experts at their mean share; where the ranks hold whole experts (expert parallelism: an expert
   too small to split in whole scale blocks) the rank holding the most of a step's selected experts reads

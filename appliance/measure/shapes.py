@@ -21,6 +21,7 @@ model holds.
 """
 
 import gc
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -121,10 +122,19 @@ class ShapeComm:
         return consume(list(self._received([self.world, *t.shape], t)))
 
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
-        """Comm.sum_produced: the producer publishes its partial itself over symmetric memory."""
-        if self.symm is not None:
-            return self.symm.produced_into(shape, produce, consume)
-        return self.sum_into(produce(None), consume)
+        """Comm.sum_produced: the producer publishes its partial itself over symmetric memory, where the
+        active Recorder counts the slot it fills as written, not read (as a gathered partial's fresh output)."""
+        if self.symm is None:
+            return self.sum_into(produce(None), consume)
+
+        def publishing(to):
+            rec = Recorder.active
+            if to is None or rec is None:
+                return produce(to)
+            with rec.writes(to.buffer, math.prod(shape) * to.buffer.element_size()):
+                return produce(to)
+
+        return self.symm.produced_into(shape, publishing, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Comm.exchange: an all-to-all of this rank's part for each rank."""

@@ -61,8 +61,8 @@ class GatherSum:
 
     def produced_into(self, shape: tuple[int, ...], produce, consume):
         """`into` of the partial of `shape` that `produce(to)` makes: `to` a kernels/rank_sum.py Publish (the
-        producer writes it into symmetric memory and returns `to`; SymmSum) or None (it returns the
-        partial, as here)."""
+        producer writes it into symmetric memory and publishes it; SymmSum) or None (it returns the partial,
+        as here)."""
         return self.into(produce(None), consume)
 
 
@@ -110,11 +110,15 @@ class SymmSum:
         n = math.prod(shape)
         if not 0 < n <= self.capacity:
             return self.into(produce(None), consume)
-        return self._given(shape, produce(self._to()), consume)
+        to = self._to()
+        produce(to)
+        return self._given(shape, to, consume)
 
     def _piece(self, t: torch.Tensor, consume):
         """One piece of at most `capacity` values: published (a launch of its own)."""
-        return self._given(t.shape, rank_sum.publish(t.reshape(-1), self._to()), consume)
+        to = self._to()
+        rank_sum.publish(t.reshape(-1), to)
+        return self._given(t.shape, to, consume)
 
     def _to(self) -> rank_sum.Publish:
         return rank_sum.Publish(self.buffers.peers[self.rank], self.flags.peers, self.rank)

@@ -80,8 +80,8 @@ class Comm:
         """The fast path's fixed-order sum over ranks of the float32 partial of `shape` that `produce(to)`
         makes, inside its consumer: `consume` gets every rank's partial in rank order and adds them as it loads
         them (its kernel's `rank_sum.rank_load`), so the sum takes no launch of its own. The producer writes
-        its partial into symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish; it
-        returns `to`), else returns it (`to` None): parallel/collectives.py `produced_into`."""
+        its partial into symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish), else
+        returns it (`to` None): parallel/collectives.py `produced_into`."""
         return self.sum.produced_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
