@@ -1,6 +1,7 @@
 """The cycle recorder and the counts built on it (appliance/measure/recorder.py, count.py): what is a launch,
 a host sync, a byte read; one decode cycle counted on the meta device; the cost model's arithmetic."""
 
+import argparse
 import dataclasses
 import json
 
@@ -556,6 +557,25 @@ def test_bench_model_prices_a_prompts_prefill_against_its_goal(released_config):
     for c in p["chunks"].values():
         assert c["chunk_s"] == pytest.approx(sum(c["terms_s"].values()))
     assert report["anchors"]["goal_855k_ttft_s"] == 8.0
+    assert report["link_floor_bytes"] > 0
+
+
+def test_the_prefill_link_floor_is_what_a_tokens_dispatch_to_its_experts_ranks_sends_at_least():
+    """costmodel.dispatch_floor_bytes against a simulation of uniform routing: a token's home on one of the
+    ranks holding its experts, its row out to each other such rank in FP8 and their output back in bfloat16."""
+    world, layers = int(torch.randint(2, 9, ())), int(torch.randint(1, 60, ()))
+    e = world * int(torch.randint(2, 64, ()))
+    k = int(torch.randint(1, min(e, 12), ()))
+    cfg = argparse.Namespace(n_routed_experts=e, n_activated_experts=k, dim=16 * int(torch.randint(8, 512, ())),
+                             act_block=32 << int(torch.randint(0, 3, ())), n_layers=layers)
+    rows = 16 * int(torch.randint(1, 1024, ()))
+    picked = torch.rand(20000, e).topk(k, dim=-1).indices // (e // world)  # each token's experts' ranks
+    remote = torch.stack([(picked == r).any(-1) for r in range(world)], -1).sum(-1).double().mean().item() - 1
+    row = cfg.dim + cfg.dim * 4 / cfg.act_block + 2 * cfg.dim
+    per_remote = rows / world * row * layers  # (k = 1: no rank but the home, up to a rounding of the count)
+    floor = cm.dispatch_floor_bytes(cfg, rows, world)
+    assert floor == pytest.approx(per_remote * remote, rel=0.03, abs=per_remote * 1e-9)
+    assert cm.dispatch_floor_bytes(cfg, rows, 1) == 0
 
 
 def test_bench_prefill_prints_each_chunks_time_beside_its_count_and_the_models_price():

@@ -410,7 +410,8 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
     report = {"model": str(model_dir or default_model_dir()), "devices": n_devices, "gpu": device.name,
               "allreduce": allreduce,
               "constants": cm.constants(device), "anchors": cm.PREFILL_ANCHORS,
-              "prefill": cm.prefill(*counts, device, n_devices, prompts)}
+              "prefill": cm.prefill(*counts, device, n_devices, prompts),
+              "link_floor_bytes": cm.dispatch_floor_bytes(cfg, chunk, n_devices)}
     if as_json:
         click.echo(json.dumps(report, indent=1, default=str))
         return
@@ -431,6 +432,8 @@ def _prefill_model(cfg, model_dir, n_devices, device, context, chunk, dtype, exp
     for q in p["prompts"]:
         click.echo(f"  {q['prompt']:>7} tokens: TTFT {q['ttft_s']:8.2f} s, {q['tokens_per_s']:>9,.0f} tok/s on "
                    f"average, the last chunk {q['last_chunk_tokens_per_s']:>9,.0f} tok/s")
+    click.echo(f"  links: at least {report['link_floor_bytes'] / 1e9:.2f} GB a rank a chunk for any split that keeps "
+               "the experts sharded (their tokens' dispatch: costmodel.dispatch_floor_bytes)")
     a = report["anchors"]
     click.echo(f"  anchor: {a['sglang_gb300_r1_128k_ttft_s']} s TTFT for a 128K prompt (SGLang, DeepSeek-R1, GB300); "
                f"goal: {a['goal_32k_ttft_s']} s at 32K, {a['goal_855k_ttft_s']} s at 855K")

@@ -47,6 +47,7 @@ accepted drafts and the token the verify adds; `speculative.mean_accepted` in th
 """
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
@@ -147,8 +148,9 @@ PREFILL_ANCHORS = {"sglang_gb300_r1_128k_ttft_s": 8.6, "goal_32k_ttft_s": 0.25, 
 # NCCL all-reduce of a small payload inside a CUDA graph on one NVLink node: about 6 us measured on 2 x
 # H100 with NVLSTree and graphs (NVIDIA/nccl issue #1259); taken for 4 GPUs of any of these generations.
 ALLREDUCE_LATENCY_S = 6.0e-6
-# A sum over symmetric memory as the cycle takes it (parallel/collectives.py SymmSum): the publish is a launch
-# of its own, priced as one; left are the consumers' wait on the peers' flags and their reads over NVLink.
+# A sum over symmetric memory as the cycle takes it (parallel/collectives.py SymmSum): the producer publishes
+# its partial (inside its own kernel, or a publish launch priced as a launch); left are the consumers' wait on
+# the peers' flags and their reads over NVLink.
 # Issue 32's survey (2026-12) puts a one-shot all-reduce over symmetric memory on B200/B300 at 3-8 us: a
 # kernel that writes, signals, waits and reads, its launch included. Its low end, 3 us, is taken for the wait
 # alone, on top of the publish's launch: an assumption until a box of several GPUs measures it (one lent GPU
@@ -434,6 +436,24 @@ def prefill(first: dict, last: dict, gpu: GPU, world: int, prompts: list[int]) -
                                    for p in c["collectives"]["payloads"]),
             "flops": c["flops"], "kernels": t["kernels"]}
     return {"chunk": chunk, "chunks": chunks, "prompts": out}
+
+
+def dispatch_floor_bytes(cfg, rows: int, world: int) -> float:
+    """The least a rank sends over the links in a prefill chunk of `rows` tokens while the ranks hold the
+    routed experts in `world` equal parts (the checkpoint's experts are far too large to move or replicate):
+    every token's row goes out to each other rank holding one of its experts and that rank's output comes
+    back. Rows out in FP8 with a scale a block (the products quantize them so anyway), outputs back in
+    bfloat16 (one per token and rank: its experts there summed first); a token's home on a rank that holds
+    one of its experts, so E[distinct ranks of its experts] - 1 go out, uniform routing (the ranks' shares
+    drawn without replacement). A floor: nothing else that crosses (keys for attention by query rows, the
+    shared expert, the head) is counted."""
+    if world <= 1:
+        return 0.0
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    missed = math.prod((e - e // world - i) / (e - i) for i in range(k))  # a rank holds none of a token's k
+    remote = world * (1.0 - missed) - 1.0
+    row = cfg.dim * (1.0 + 4.0 / cfg.act_block) + cfg.dim * 2.0
+    return rows / world * remote * row * cfg.n_layers
 
 
 def against_anchors(prediction: dict) -> dict:
