@@ -63,7 +63,7 @@ def record(s: DecodeSession, ids: list[int]):
                     continue
                 assert positions.numel() <= ring.size, f"a call of {positions.numel()} outgrows ring {name}"
                 rings[name][positions] = ring.data[positions % ring.size]
-        return Output(out.logits[-1:] if logits == "last" else out.logits, out.hidden, out.streams)
+        return Output(out.logits[-1:] if logits == "last" else out.logits, out.step, out.streams)
 
     logits_all = logits
     model.forward = spy

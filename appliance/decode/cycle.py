@@ -56,13 +56,13 @@ def reach_for(reach_list: list[int], end: int) -> int:
 class CycleBuffers:
     def __init__(self, device, block: int, vocab: int):
         long = dict(dtype=torch.long, device=device)
-        self.anchor = torch.zeros(1, **long)
+        # the anchor, then the drafts the draft step leaves for the verify step: a verify's tokens, one view
+        self.tokens = torch.zeros(1 + block, **long)
+        self.anchor, self.drafts = self.tokens[:1], self.tokens[1:]
         self.start = torch.zeros((), **long)
         self.params = torch.zeros(3, dtype=torch.float32, device=device)
         self.key = torch.zeros(2, **long)
         self.force = torch.full((), -1, **long)
-        # what the draft step leaves for the verify step
-        self.drafts = torch.zeros(block, **long)
         self.draft_logits = torch.zeros(block, vocab, dtype=torch.float32, device=device)
         self.confidence = torch.zeros(block, dtype=torch.float32, device=device)
 
@@ -127,10 +127,10 @@ class DraftStep:
 
     def __call__(self) -> dict[str, torch.Tensor]:
         spec, buf, k = self.spec, self.buf, self.k
-        N = buf.start
-        row_q = spec.rows_at((N - 1).reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
+        q = buf.start - 1
+        row_q = spec.rows_at(q.reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
         with spec.state.journal.off():  # chained rows (MTP) of N.. are speculative: rewritten before read
-            d = spec.drafter.draft(spec.state, N - 1, buf.anchor, row_q, k, buf.params, buf.key)
+            d = spec.drafter.draft(spec.state, q, buf.anchor, row_q, k, buf.params, buf.key)
         buf.drafts[:k].copy_(d.ids)
         buf.draft_logits[:k].copy_(d.logits)
         if d.confidence is not None:
@@ -154,13 +154,13 @@ class VerifyStep:
         k = self.width - 1
         N = buf.start
         drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
-        tokens = torch.cat((buf.anchor, drafts))
+        tokens = buf.tokens[:k + 1]
         # not journaled (state.py, `Journal`): the writes for rejected positions, the drafter's rows of N+j..
         # included, are rewritten before anything reads them
         with state.journal.off(), spec.state.journal.off():
             out = target.forward(tokens, "all", N, self.reach)
             rows = spec.drafter.rows(out)
-            spec.rows.write(N + torch.arange(k + 1, device=N.device), rows.reshape(k + 1, -1))
+            spec.rows.write(state.following(N, k + 1), rows.reshape(k + 1, -1))
             self.result.copy_(target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force))
             spec.drafter.commit(spec.state, rows[:k], drafts, N)
         return {"result": self.result}

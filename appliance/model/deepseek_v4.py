@@ -255,5 +255,4 @@ class V4Model:
             X = layer(X, step)
         out = self.final(X, slice(-1, None) if logits == "last" else slice(None), step)
         finish(step)
-        hidden = step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
-        return Output(out, hidden, step.gather(X) if keep_streams else None)
+        return Output(out, step, step.gather(X) if keep_streams else None)

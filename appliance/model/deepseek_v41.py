@@ -288,7 +288,7 @@ class V41Model:
         if torch.device(device) == torch.device(self.rt.device):  # not a sizing-only state of another device
             for rope in self.ropes:
                 rope.ensure(capacity, device)
-        return new_state(capacity, spare, device, [layer.attn for layer in self.layers])
+        return new_state(capacity, spare, device, [layer.attn for layer in self.layers], self.cfg.hc_mult)
 
     @property
     def ropes(self) -> list:
@@ -296,13 +296,11 @@ class V41Model:
         ropes = [self.plain_rope] + [layer.attn.rope for layer in self.layers]
         return list({id(rope): rope for rope in ropes}.values())
 
-    def embed_tokens(self, tokens: torch.Tensor):
+    def embed_tokens(self, tokens: torch.Tensor, state: DecodeState):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
         e = self.embed[tokens].to(self.rt.dtype)
         X = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(tokens.numel(), self.cfg.hc_mult, device=tokens.device)
-        pre[:, 0] = 1.0
-        return X, pre
+        return X, state.first_collapse(tokens.numel(), self.cfg.hc_mult)
 
     def engram_rows(self, step: Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Each Engram layer's looked-up rows for the step's positions (codes, scales), by layer."""
@@ -330,9 +328,8 @@ class V41Model:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
-        X, pre = self.embed_tokens(tokens[step.share])
+        X, pre = self.embed_tokens(tokens[step.share], state)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step)
         finish(step)
-        hidden = step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
-        return Output(out, hidden, step.gather(X) if keep_streams else None)
+        return Output(out, step, step.gather(X) if keep_streams else None)

@@ -68,15 +68,15 @@ class DraftAttention(AttentionProjections):
         return nope_quant(k, self.cfg.rope_head_dim) if self.v4 else q8_pow2(k, 32).to(k.dtype)
 
     def write(self, state: DecodeState, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """0731: the window keys of x [n, D] into the ring at `positions`."""
+        cos, sin = self.rope(positions)
+        state.rings[self.name].write(positions, self.window_keys(x, cos, sin))
+
+    def write_keys(self, state: DecodeState, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """V4.1: the window key projections kv [n, hd] into the ring at `positions`: kv_norm, RoPE, the FP8 fake
+        quantization and the ring write in one op (the backbone's row work, with no query heads)."""
         ring = state.rings[self.name]
-        if self.v4:
-            cos, sin = self.rope(positions)
-            ring.write(positions, self.window_keys(x, cos, sin))
-            return
-        # V4.1: kv_norm, RoPE, the FP8 fake quantization and the ring write in one op (the backbone's row
-        # work, with no query heads)
         ring.record(positions)
-        kv = self.wkv(x)
         none = kv.new_empty((kv.shape[0], 0, kv.shape[1]))
         self.rt.ops.attn_inputs(none, kv, positions, self.rope.tables, self.kv_norm.weight, self.kv_norm.eps,
                                 ring.data, True, self.rt.num.official)
@@ -84,10 +84,8 @@ class DraftAttention(AttentionProjections):
     def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
         """[B, W + B]: for every query, the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then
         the block rows (in the [ring, block] keys, block row i is ring.size + i)."""
-        c, ring = self.cfg, step.state.rings[self.name]
-        t = step.q - (c.window_size - 1) + torch.arange(c.window_size, device=step.positions.device)
-        ring_rows = torch.where(t >= 0, torch.remainder(t, ring.size), -1)
-        rows = torch.cat((ring_rows, ring.size + torch.arange(B, device=step.positions.device)))
+        ring = step.state.rings[self.name]  # its reach: the window
+        rows = torch.cat((ring.window_slots(step.q), step.state.following(ring.size, B)))
         return rows.unsqueeze(0).expand(B, -1).contiguous()
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
@@ -138,7 +136,10 @@ class DSpark:
         self.norm = RMSNorm.load(rt, ckpt, f"{last}.norm.weight", c.dim, c.norm_eps)
         self.hc_head = None if self.v41 else HyperHead(rt, c, ckpt, f"{last}.")
         embed_name, head_name = ("embed", "head") if self.v41 else ("markov_w1", "markov_w2")
-        self.markov_embed = ckpt.tensor(f"{last}.markov_head.{embed_name}.weight", (c.vocab_size, d.markov_rank))
+        markov = ckpt.tensor(f"{last}.markov_head.{embed_name}.weight", (c.vocab_size, d.markov_rank))
+        # the rows each Markov step reads, in float32 of the activation dtype's values: cast once here, not
+        # twice a step
+        self.markov_embed = None if markov is None else markov.to(rt.dtype).float()
         self.markov_head = Dense.load(rt, ckpt, f"{last}.markov_head.{head_name}.weight", c.vocab_size, d.markov_rank)
         self.confidence = Dense.load(rt, ckpt, f"{last}.confidence_head.proj.weight", 1, c.dim + d.markov_rank)
 
@@ -148,7 +149,7 @@ class DSpark:
         device = device or self.rt.device
         if self.v41 and torch.device(device) == torch.device(self.rt.device):  # not a sizing-only state
             self.rope.ensure(capacity + self.block_size, device)
-        return new_state(capacity, spare, device, [stage.attn for stage in self.stages])
+        return new_state(capacity, spare, device, [stage.attn for stage in self.stages], self.cfg.hc_mult)
 
     @staticmethod
     def rows(out) -> torch.Tensor:
@@ -163,10 +164,17 @@ class DSpark:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
         the state's length advances) or a device scalar (a captured cycle: the host counts): step.count."""
         n = rows.shape[0]
-        m = self.main_norm(self.main_proj(rows.to(self.rt.dtype)))
-        positions = start + torch.arange(n, device=rows.device)
-        for stage in self.stages:
-            stage.attn.write(state, m, positions)
+        h = self.main_proj(rows.to(self.rt.dtype))
+        positions = state.following(start, n)
+        if self.v41:  # every stage's key projection of m in one launch, m's RMSNorm inside it
+            keys = [Product(s.attn.wkv.weight, s.attn.wkv.act_block, self.rt.dtype) for s in self.stages]
+            kvs = self.rt.ops.linear_multi(h, keys, (self.main_norm.weight, self.main_norm.eps))
+            for stage, kv in zip(self.stages, kvs, strict=True):
+                stage.attn.write_keys(state, kv, positions)
+        else:
+            m = self.main_norm(h)
+            for stage in self.stages:
+                stage.attn.write(state, m, positions)
         state.write_tokens(positions, tokens_next[:n])
         count(state, start, n)
 
@@ -179,12 +187,12 @@ class DSpark:
         B = self.block_size
         ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
         X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        step = DraftBlock(state, q, q + 1 + torch.arange(B, device=anchor.device), ids)
-        step.cos, step.sin = self.rope(step.positions)
+        step = DraftBlock(state, q, state.following(q, B + 1)[1:], ids)
+        # V4.1: cos and sin read from the tables the fused ops read (the same values: rope.py `_compute`)
+        step.cos, step.sin = [t[step.positions] for t in self.rope.tables] if self.v41 else self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
         if self.v41:
-            pre = torch.zeros(B, c.hc_mult, device=anchor.device)
-            pre[:, 0] = 1.0
+            pre = state.first_collapse(B, c.hc_mult)
             for stage in self.stages:
                 X, pre = stage(X, pre, step)
             x = ops.hc_collapse(X, pre)
@@ -196,11 +204,11 @@ class DSpark:
         out_ids, logits, marks = [], [], []
         y = anchor
         for i in range(k):  # the Markov chain: strictly sequential
-            mu = self.markov_embed[y].to(self.rt.dtype)  # [1, rank]
-            li = base[i:i + 1] + self.markov_head(mu.float(), torch.float32)
+            mu = self.markov_embed[y]  # [1, rank]
+            li = base[i:i + 1] + self.markov_head(mu, torch.float32)
             logits.append(li)
             marks.append(mu)
             y = self.rt.ops.sample(li, params, key)
             out_ids.append(y)
-        conf = self.confidence(torch.cat((x[:k].float(), torch.cat(marks).float()), dim=-1), torch.float32)[:, 0]
+        conf = self.confidence(torch.cat((x[:k].float(), torch.cat(marks)), dim=-1), torch.float32)[:, 0]
         return Draft(torch.cat(out_ids), torch.cat(logits), conf)

@@ -25,6 +25,10 @@ import torch
 
 from appliance.errors import StateError
 
+# positions a call at a device-scalar start takes from a state's `offsets` with one add: a verify's rows, a
+# draft block's, a draft window's keys (128 in V4.1)
+FOLLOWING = 512
+
 
 class Journal:
     """Overwritten values, per written position, for the last `keep` positions, for host-driven rewinds of
@@ -100,6 +104,7 @@ class PositionRing:
         self.journal = journal
         self.fill = fill
         self.data = torch.full((size, width), fill, dtype=dtype, device=device)
+        self.back = torch.arange(1 - self.reach, 1, device=device)  # `window_slots`' offsets, made before a capture
         self.tap = None  # set while a state is `tapping`: sees each write before it lands (RingTaps)
 
     def slot_positions(self, start: int) -> torch.Tensor:
@@ -107,6 +112,12 @@ class PositionRing:
         s = torch.arange(self.size, device=self.data.device)
         q = (start - 1) - torch.remainder(start - 1 - s, self.size)
         return torch.where(q >= 0, q, torch.full_like(q, -1))
+
+    def window_slots(self, last) -> torch.Tensor:
+        """The slots of positions last - reach + 1 .. last [reach], oldest first, -1 for those before 0
+        (`last` a device scalar: no host read)."""
+        t = last + self.back
+        return torch.where(t >= 0, torch.remainder(t, self.size), -1)
 
     def reachable(self, length: int) -> torch.Tensor:
         """The rows a reader at `length` can reach, oldest first: positions max(0, length - reach) .. length-1."""
@@ -190,7 +201,7 @@ class RowCache:
 class DecodeState:
     """One request's decode state for one model. `length` = positions committed so far."""
 
-    def __init__(self, capacity: int, spare: int, device):
+    def __init__(self, capacity: int, spare: int, device, streams: int = 0):
         self.capacity = capacity
         self.spare = spare
         self.device = device
@@ -199,6 +210,11 @@ class DecodeState:
         self.journal_floor = 0  # the journal holds every write since this position (a restore, a prefill)
         self.journal = Journal(spare)
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        # constants a captured call reads, made here (before any graph is captured): `following`'s offsets;
+        # the one-hot first collapse of `streams` identical mHC streams (`first_collapse`)
+        self.offsets = torch.arange(FOLLOWING, device=device)
+        self.first = torch.zeros(FOLLOWING, streams, device=device)
+        self.first[:, :1] = 1.0
         self.rings: dict[str, PositionRing] = {}
         self.rows: dict[str, RowCache] = {}
 
@@ -223,6 +239,22 @@ class DecodeState:
                              field="position", value=position)
         self.journal.undo(position)
         self.length = position
+
+    def following(self, start, n: int) -> torch.Tensor:
+        """Positions start .. start + n - 1 [n] (`start` a host int or a device scalar): one add, where n
+        fits `offsets` (a captured cycle's calls: no arange launch)."""
+        if n <= FOLLOWING:
+            return start + self.offsets[:n]
+        return start + torch.arange(n, device=self.tokens.device)
+
+    def first_collapse(self, n: int, streams: int) -> torch.Tensor:
+        """[n, streams] float32: weight 1 on the first of `streams` identical streams, 0 on the rest (read
+        only): the state's constant where it has them."""
+        if n <= FOLLOWING and self.first.shape[1] == streams:
+            return self.first[:n]
+        first = torch.zeros(n, streams, device=self.tokens.device)
+        first[:, 0] = 1.0
+        return first
 
     def write_tokens(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """Token history at `positions` (journaled like every other write)."""
@@ -338,10 +370,10 @@ class DecodeState:
                 + sum(r.nbytes for r in self.rows.values()))
 
 
-def new_state(capacity: int, spare: int, device, attentions) -> DecodeState:
-    """A model's decode state: each attention of `attentions` adds its buffers (`init_state`). `device`
-    "meta" sizes the state without allocating it."""
-    state = DecodeState(capacity, spare, device)
+def new_state(capacity: int, spare: int, device, attentions, streams: int = 0) -> DecodeState:
+    """A model's decode state: each attention of `attentions` adds its buffers (`init_state`); `streams`,
+    its mHC streams (`first_collapse`). `device` "meta" sizes the state without allocating it."""
+    state = DecodeState(capacity, spare, device, streams)
     for attn in attentions:
         attn.init_state(state, spare)
     return state

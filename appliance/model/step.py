@@ -58,7 +58,7 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, boun
         positions = torch.arange(start, start + T, device=tokens.device)
         bound = start + T - 1
     else:
-        positions = start + torch.arange(T, device=tokens.device)
+        positions = state.following(start, T)
         bound = state.capacity - 1 if bound is None else bound
         if not 0 <= bound < state.capacity:
             raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
@@ -82,8 +82,15 @@ def count(state: DecodeState, start, n: int) -> None:
 @dataclass
 class Output:
     logits: torch.Tensor  # [R, V] float32 (R = T, or 1 with logits="last")
-    hidden: torch.Tensor | None  # [T, n_targets * D]: DSpark inputs (captured target-layer streams)
+    step: Step  # the call's (its captures: `hidden`)
     streams: torch.Tensor | None = None  # [T, hc, D] final residual streams (V4's MTP head reads them)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[T, n_targets * D]: DSpark inputs (the captured target-layer streams), made where they are read
+        (a plain cycle reads none: no launch)."""
+        step = self.step
+        return step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
 
 
 @dataclass
