@@ -136,3 +136,27 @@ def test_on_the_block_scaled_mma_a_prefill_of_long_calls_does_not_depend_on_its_
         assert torch.equal(got, whole), f"chunk {chunk}: max |delta| {(got - whole).abs().max():.3g}"
     short = decode(lm.model, tokens, PROMPT, PROMPT, lm.model.new_state(64))
     assert (short.float() - whole.float()).abs().max() <= 0.05 * short.float().abs().max()
+
+
+def test_a_states_constants_give_what_the_aranges_they_replace_give():
+    """DecodeState.following, first_collapse and PositionRing.window_slots (a captured cycle's positions, the
+    first mHC collapse, a DSpark window's slots) against what they replace, fresh sizes and starts each run:
+    past the constants' length they make the same values fresh."""
+    from appliance.model.state import FOLLOWING, DecodeState
+
+    streams = int(torch.randint(1, 6, ()))
+    state = DecodeState(64, int(torch.randint(0, 8, ())), "cpu", streams)
+    start = torch.randint(0, 1 << 20, ())
+    for n in (1, int(torch.randint(2, FOLLOWING + 1, ())), FOLLOWING + int(torch.randint(1, 64, ()))):
+        assert torch.equal(state.following(start, n), start + torch.arange(n))
+        assert torch.equal(state.following(int(start), n), torch.arange(int(start), int(start) + n))
+        first = torch.zeros(n, streams)
+        first[:, 0] = 1
+        assert torch.equal(state.first_collapse(n, streams), first)
+    assert torch.equal(state.first_collapse(3, streams + 1)[:, 0], torch.ones(3))
+    size = int(torch.randint(2, 200, ()))
+    spare = int(torch.randint(0, size, ()))
+    ring = DecodeState(64, spare, "cpu").ring("r", size, 4, torch.float32)
+    for last in (int(torch.randint(0, size - spare, ())), int(torch.randint(size, 10 * size, ()))):
+        want = [p % size if p >= 0 else -1 for p in range(last - ring.reach + 1, last + 1)]
+        assert ring.window_slots(torch.tensor(last)).tolist() == want
