@@ -81,6 +81,26 @@ def test_a_query_does_not_depend_on_the_other_queries_or_on_how_its_keys_are_sto
     assert torch.equal(bits(attend(moved, wmoved, idx)), bits(base)), f"moving the window keys changed the output {ctx}"
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_keys_listed_second_equal_the_same_keys_listed_last_in_the_window(dt):
+    """A DSpark block's form: every query sees the ring's window and every block row. The block rows listed
+    as the second list (comp_kv, comp_index; the views of one row for all queries, stride 0) give the bits of
+    the ring and the block concatenated with the block rows listed after the window, kernel and reference."""
+    s = seed()
+    b, h, d, size, w = int(torch.randint(2, 7, ())), 4, 64, 24, 16
+    q = torch.randn(b, h, d, device=DEVICE).to(dt)
+    ring, block = (torch.randn(n, d, device=DEVICE).to(dt) for n in (size, b))
+    t = int(torch.randint(0, 3 * size, ())) - (w - 1) + torch.arange(w, device=DEVICE)
+    slots = torch.where(t >= 0, t % size, -1)
+    sink = torch.randn(h, device=DEVICE)
+    joined = torch.cat((slots, size + torch.arange(b, device=DEVICE))).expand(b, -1).contiguous()
+    every = torch.arange(b, device=DEVICE).expand(b, -1)
+    for op in (attention.reference, attention.fast):
+        one = run(op, q, torch.cat((ring, block)), joined, None, None, sink, d**-0.5, None)
+        two = run(op, q, ring, slots.expand(b, -1), block, every, sink, d**-0.5, None)
+        assert torch.equal(bits(one), bits(two)), f"{op.__name__} (seed {s}, {dt}, B={b})"
+
+
 def by_position(t, start, h, d, size, window, nc, k, dt, device=DEVICE):
     q = torch.randn(t, h, d, device=device).to(dt)
     ring = torch.randn(size, d, device=device).to(dt)

@@ -37,8 +37,8 @@ class DraftBlock:
     positions: torch.Tensor
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
-    # what every stage shares, made once a draft: cos/sin of the block's positions, and the rows of
-    # [ring, block] each query attends to (`DraftAttention.rows`)
+    # what every stage shares, made once a draft: cos/sin of the block's positions, and the ring slots each
+    # query attends to (`DraftAttention.rows`; every query attends to every block row too)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
@@ -82,11 +82,9 @@ class DraftAttention(AttentionProjections):
                                 ring.data, True, self.rt.num.official)
 
     def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
-        """[B, W + B]: for every query, the ring's positions q - W + 1 .. q (oldest first, -1 before 0), then
-        the block rows (in the [ring, block] keys, block row i is ring.size + i)."""
-        ring = step.state.rings[self.name]  # its reach: the window
-        rows = torch.cat((ring.window_slots(step.q), step.state.following(ring.size, B)))
-        return rows.unsqueeze(0).expand(B, -1).contiguous()
+        """[B, W] (one row for all, its view): for every query, the ring slots of positions q - W + 1 .. q
+        (oldest first, -1 before 0)."""
+        return step.state.rings[self.name].window_slots(step.q).unsqueeze(0).expand(B, -1)  # its reach: W
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
         B = x.shape[0]
@@ -102,8 +100,10 @@ class DraftAttention(AttentionProjections):
                                  (self.q_norm.weight, self.q_norm.eps))[0].view(B, self.heads, self.cfg.head_dim)
             q, block, _, _ = ops.attn_inputs(q, ys[1], step.positions, self.rope.tables, self.kv_norm.weight,
                                              self.kv_norm.eps, ring.data, False, self.rt.num.official)
-        kv = torch.cat((ring.data.to(block.dtype), block))
-        return self.attend(q, kv, step.rows, None, None, step.cos, step.sin)
+        # the ring's window, then every block row (as the attention's second list: the same keys in the same
+        # order as the ring and the block concatenated, read where they are)
+        every = step.state.offsets[:B].unsqueeze(0).expand(B, -1)
+        return self.attend(q, ring.data, step.rows, block, every, step.cos, step.sin)
 
 
 class DSpark:
