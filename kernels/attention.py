@@ -59,10 +59,12 @@ def window_mask(window_index: torch.Tensor, n_window: int) -> torch.Tensor:
 
 def reference(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
               comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
-              p_dtype: torch.dtype | None = None) -> torch.Tensor:
+              p_dtype: torch.dtype | None = None, positions: torch.Tensor | None = None,
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [M, H, d]; window_kv [Nw, d]; window_index [M, W] int64 (the window rows each query sees, by
     position; -1 = none); comp_kv [Nc, d]; comp_index [M, K] int64 (-1 = none); sink [H] -> o [M, H, d]
-    in q.dtype.
+    in q.dtype; with `rope` (cos, sin) tables [P, r/2], the inverse RoPE of o at the queries' `positions`
+    [M] (each head's last r dims), as `attend_reference` rotates.
 
     Bytes moved: q + o + window_kv once + K gathered rows per query (d elements each)."""
     mask = window_mask(window_index, window_kv.shape[0])
@@ -84,7 +86,10 @@ def reference(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tens
     if p_dtype is not None:
         p = p.to(p_dtype).double()
     o = torch.einsum("mhn,mnd->mhd", p, v) / z
-    return o.to(q.dtype)
+    if rope is None:
+        return o.to(q.dtype)
+    cos, sin = rope[0][positions], rope[1][positions]
+    return rope_op.reference(o.to(q.dtype), cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
 
 
 def attend_reference(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,
@@ -100,9 +105,7 @@ def attend_reference(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, po
     kv = torch.cat((ring.to(keys.dtype), keys), dim=0)
     t = positions.unsqueeze(1) - (window - 1) + torch.arange(window, device=positions.device)
     row = torch.where(t >= start, ring.shape[0] + (t - start), torch.remainder(t, ring.shape[0]))
-    o = reference(q, kv, torch.where(t >= 0, row, -1), comp_kv, comp_index, sink, scale, p_dtype)
-    cos, sin = rope[0][positions], rope[1][positions]
-    return rope_op.reference(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    return reference(q, kv, torch.where(t >= 0, row, -1), comp_kv, comp_index, sink, scale, p_dtype, positions, rope)
 
 
 # --- Triton kernel ---------------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
     m = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
-    pos = tl.load(pos_ptr + m) if BY_POSITION else 0
+    pos = tl.load(pos_ptr + m) if BY_POSITION or ROPE else 0
     start = tl.load(pos_ptr) if BY_POSITION else 0
     lrow = l_ptr + (m * H + heads) * NT
     mx = tl.full((BH,), float("-inf"), dtype=tl.float32)
@@ -294,8 +297,10 @@ def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, rope, s
 
 def fast(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
          comp_kv: torch.Tensor | None, comp_index: torch.Tensor | None, sink: torch.Tensor, scale: float,
-         p_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The kernel for `reference` (same signature; results within the stated tolerance): one launch."""
+         p_dtype: torch.dtype | None = None, positions: torch.Tensor | None = None,
+         rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The kernel for `reference` (same signature; results within the stated tolerance, with `rope` that of
+    `fast_attend`): one launch."""
     require_dtype(q, "q", (torch.float32, torch.bfloat16))
     require(q.dim() == 3, "q.dim()", q.dim(), "must be 3 ([M, H, d])")
     m, h, d = q.shape
@@ -308,9 +313,14 @@ def fast(q: torch.Tensor, window_kv: torch.Tensor, window_index: torch.Tensor,
     require_rows(window_kv, "window_kv")
     require_rows(window_index, "window_index")
     comp_kv, comp_index = _check_comp(q, comp_kv, comp_index, d, m)
-    device_of(q, window_kv, window_index, comp_kv, comp_index, sink)
-    return _launch(q, window_kv, window_kv, comp_kv, window_index, comp_index, None, None, sink, scale, p_dtype,
-                   window_index.shape[1], False)
+    if rope is not None:
+        check_rope(rope, d)
+        require(positions is not None and tuple(positions.shape) == (m,) and positions.dtype == torch.int64,
+                "positions", None if positions is None else f"{tuple(positions.shape)} {positions.dtype}",
+                f"must be [{m}] int64 with rope")
+    device_of(q, window_kv, window_index, comp_kv, comp_index, sink, positions, *(rope or ()))
+    return _launch(q, window_kv, window_kv, comp_kv, window_index, comp_index, positions if rope else None, rope,
+                   sink, scale, p_dtype, window_index.shape[1], False)
 
 
 def fast_attend(q: torch.Tensor, ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, window: int,

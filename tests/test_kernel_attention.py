@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import attention
+from kernels import rope as rope_op
 
 from .kernel_check import DEVICE, assert_close, assert_rows_invariant, bits, requires_cuda, rope_tables, run, seed
 
@@ -99,6 +100,27 @@ def test_keys_listed_second_equal_the_same_keys_listed_last_in_the_window(dt):
         one = run(op, q, torch.cat((ring, block)), joined, None, None, sink, d**-0.5, None)
         two = run(op, q, ring, slots.expand(b, -1), block, every, sink, d**-0.5, None)
         assert torch.equal(bits(one), bits(two)), f"{op.__name__} (seed {s}, {dt}, B={b})"
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_attention_with_the_inverse_rope_by_position_matches_the_reference(dt):
+    """The plain form with the output's inverse RoPE (a DSpark stage's): the kernel within `fast_attend`'s
+    tolerance, fresh positions each run; the reference rotates its rounded output as the RoPE op would."""
+    s = seed()
+    m, h, d, nw = int(torch.randint(1, 7, ())), 4, 64, 40
+    q = torch.randn(m, h, d, device=DEVICE).to(dt)
+    win = torch.randn(nw, d, device=DEVICE).to(dt)
+    wrows = window_rows(m, nw, 16, DEVICE)
+    positions = torch.randint(0, 100, (m,), device=DEVICE)
+    rope = rope_tables(101, 8, device=DEVICE)
+    sink = torch.randn(h, device=DEVICE)
+    p_dtype = torch.bfloat16 if dt == torch.bfloat16 else None
+    want = attention.reference(q, win, wrows, None, None, sink, d**-0.5, p_dtype, positions, rope)
+    plain = attention.reference(q, win, wrows, None, None, sink, d**-0.5, p_dtype)
+    cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)
+    assert torch.equal(want, rope_op.reference(plain, cos, sin, inverse=True))
+    got = run(attention.fast, q, win, wrows, None, None, sink, d**-0.5, p_dtype, positions, rope)
+    assert_close("o", want, got, TOL[dt], context=f"(seed {s}, M={m} {dt})")
 
 
 def by_position(t, start, h, d, size, window, nc, k, dt, device=DEVICE):

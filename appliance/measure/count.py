@@ -143,9 +143,11 @@ class DeclaredReads:
             yield
 
     def _attention(self, attention):
-        def call(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype=None):
-            with self._rows_read(comp_kv, comp_index):
-                return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype)
+        def call(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype=None, positions=None,
+                 rope=None):
+            with self._rows_read(comp_kv, comp_index), self._table_rows(rope, q.shape[0]) if rope else ExitStack():
+                return attention(q, window_kv, window_mask, comp_kv, comp_index, sink, scale, p_dtype, positions,
+                                 rope)
 
         return call
 

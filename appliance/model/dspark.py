@@ -37,8 +37,9 @@ class DraftBlock:
     positions: torch.Tensor
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
-    # what every stage shares, made once a draft: cos/sin of the block's positions, and the ring slots each
-    # query attends to (`DraftAttention.rows`; every query attends to every block row too)
+    # what every stage shares, made once a draft: cos/sin of the block's positions (0731's stages; V4.1's
+    # read the RoPE tables inside their ops), and the ring slots each query attends to
+    # (`DraftAttention.rows`; every query attends to every block row too)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
@@ -103,7 +104,12 @@ class DraftAttention(AttentionProjections):
         # the ring's window, then every block row (as the attention's second list: the same keys in the same
         # order as the ring and the block concatenated, read where they are)
         every = step.state.offsets[:B].unsqueeze(0).expand(B, -1)
-        return self.attend(q, ring.data, step.rows, block, every, step.cos, step.sin)
+        if self.v4:
+            return self.attend(q, ring.data, step.rows, block, every, step.cos, step.sin)
+        # V4.1: the output's inverse RoPE inside the attention's launch, from the tables (as the backbone's)
+        o = self.rt.ops.attention(q, ring.data, step.rows, block, every, self.sink, self.cfg.head_dim**-0.5,
+                                  self.p_dtype, step.positions, self.rope.tables)
+        return self.out.project(o)
 
 
 class DSpark:
@@ -188,8 +194,8 @@ class DSpark:
         ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
         X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = DraftBlock(state, q, state.following(q, B + 1)[1:], ids)
-        # V4.1: cos and sin read from the tables the fused ops read (the same values: rope.py `_compute`)
-        step.cos, step.sin = [t[step.positions] for t in self.rope.tables] if self.v41 else self.rope(step.positions)
+        if not self.v41:  # V4.1's stages rotate by the tables inside their ops
+            step.cos, step.sin = self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
