@@ -180,7 +180,7 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
     m = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
-    pos = tl.load(pos_ptr + m) if BY_POSITION or ROPE else 0
+    pos = tl.load(pos_ptr + m) if BY_POSITION else 0
     start = tl.load(pos_ptr) if BY_POSITION else 0
     lrow = l_ptr + (m * H + heads) * NT
     mx = tl.full((BH,), float("-inf"), dtype=tl.float32)
@@ -225,7 +225,8 @@ def _kernel(q_ptr,      # q [M, H, d] (float32 / bfloat16), contiguous
             o = round_out(o, OUT_BF16).to(tl.float32)
             j = dcols - (d - 2 * HALF)
             rot = (j >= 0) & (dcols < d)
-            pair = pos * HALF + tl.where(rot, j // 2, 0)
+            at = pos if BY_POSITION else tl.load(pos_ptr + m)  # loaded here: nothing held across the loops
+            pair = at * HALF + tl.where(rot, j // 2, 0)
             c = tl.load(cos_ptr + pair, mask=rot, other=1.0)[None, :]
             sn = tl.load(sin_ptr + pair, mask=rot, other=0.0)[None, :]
             a, b = tl.split(tl.reshape(o, (BH, BDV // 2, 2)))
@@ -278,6 +279,8 @@ def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, rope, s
     comp = win if comp_kv is None else comp_kv
     qk_bf16 = q.dtype == win.dtype == comp.dtype == torch.bfloat16
     bh, bn, bd, bdv = blocks(h, qk_bf16)
+    if rope is not None and not by_position:  # the window's indices and the rotation: half the P.V tile fits
+        bdv //= 2
     if rope is not None:
         require(bdv % 2 == 0 and (d - 2 * rope[0].shape[1]) % 2 == 0, "rope", tuple(rope[0].shape),
                 "must rotate whole pairs")
