@@ -18,9 +18,9 @@ sums, as in the official code).
 Batch invariance by construction: one program per query row; a query's keys are reduced in the order of
 its key list, whose window part is canonical (by position: a key reads the same whether it came from the
 ring or from the same call, so a verify block of k+1 rows equals k+1 single steps); key blocks (BN) and
-splits are at fixed absolute key indices, tile shapes fixed by (H, d) only; a block or split whose keys are
-all invalid adds exactly zero (the max is global, so nothing is rescaled), so extra -1 entries (a longer
-reach) change nothing. Offsets that multiply a row index are int64.
+splits are at fixed absolute key indices, tile shapes fixed by (H, d) and the launch's form only; a block
+or split whose keys are all invalid adds exactly zero (the max is global, so nothing is rescaled), so
+extra -1 entries (a longer reach) change nothing. Offsets that multiply a row index are int64.
 Tolerance against `reference` (relative to the largest |o|): float32 q: 2^-18 (float32 logits, exp and
 sums: a few ulps, amplified by |l| at most ~2^4 in exp); bfloat16 q: one bfloat16 rounding of o plus,
 where a float32 P sits at a bfloat16 rounding boundary, one bfloat16 ulp of that P term: 2^-7.
@@ -279,8 +279,8 @@ def _launch(q, win, chunk, comp_kv, window_index, comp_index, positions, rope, s
     comp = win if comp_kv is None else comp_kv
     qk_bf16 = q.dtype == win.dtype == comp.dtype == torch.bfloat16
     bh, bn, bd, bdv = blocks(h, qk_bf16)
-    if rope is not None and not by_position:  # the window's indices and the rotation: half the P.V tile fits
-        bdv //= 2
+    if rope is not None and not by_position:  # the window's index loads and the rotation together spilled at
+        bdv //= 2                                # the full P.V tile on sm_90 and sm_103: half of it
     if rope is not None:
         require(bdv % 2 == 0 and (d - 2 * rope[0].shape[1]) % 2 == 0, "rope", tuple(rope[0].shape),
                 "must rotate whole pairs")

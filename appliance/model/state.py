@@ -213,8 +213,8 @@ class DecodeState:
         # constants a captured call reads, made here (before any graph is captured): `following`'s offsets;
         # the one-hot first collapse of `streams` identical mHC streams (`first_collapse`)
         self.offsets = torch.arange(FOLLOWING, device=device)
-        self.first = torch.zeros(FOLLOWING, streams, device=device)
-        self.first[:, :1] = 1.0
+        self.first_rows = torch.zeros(FOLLOWING, streams, device=device)
+        self.first_rows[:, :1] = 1.0
         self.rings: dict[str, PositionRing] = {}
         self.rows: dict[str, RowCache] = {}
 
@@ -250,8 +250,8 @@ class DecodeState:
     def first_collapse(self, n: int, streams: int) -> torch.Tensor:
         """[n, streams] float32: weight 1 on the first of `streams` identical streams, 0 on the rest (read
         only): the state's constant where it has them."""
-        if n <= FOLLOWING and self.first.shape[1] == streams:
-            return self.first[:n]
+        if n <= FOLLOWING and self.first_rows.shape[1] == streams:
+            return self.first_rows[:n]
         first = torch.zeros(n, streams, device=self.tokens.device)
         first[:, 0] = 1.0
         return first

@@ -87,8 +87,8 @@ class Output:
 
     @property
     def hidden(self) -> torch.Tensor | None:
-        """[T, n_targets * D]: DSpark inputs (the captured target-layer streams), made where they are read
-        (a plain cycle reads none: no launch)."""
+        """[T, n_targets * D]: DSpark inputs (the captured target-layer streams), made at each read (a
+        rank-split call's a gather: the callers read once; a plain cycle reads none, no launch)."""
         step = self.step
         return step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
 
