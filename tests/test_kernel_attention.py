@@ -165,9 +165,34 @@ def test_attention_kernel_refuses_a_window_index_for_other_rows():
                        torch.zeros(4, device=DEVICE), 0.125)
 
 
+def dspark_stage(device, b=5, h=64, d=512, half=32, w=128):
+    """A DSpark stage's attention (V4.1 shapes by default) against the reference: the ring's window as one row
+    of slots for every query, the block rows as the second list, the output rotated back by position."""
+    s = seed()
+    size = w + 16
+    q = torch.randn(b, h, d, device=device).bfloat16()
+    ring, block = (torch.randn(n, d, device=device).bfloat16() for n in (size, b))
+    last = int(torch.randint(0, 4 * size, ()))
+    t = last - (w - 1) + torch.arange(w, device=device)
+    slots = torch.where(t >= 0, t % size, -1).expand(b, -1)
+    every = torch.arange(b, device=device).expand(b, -1)
+    positions = last + 1 + torch.arange(b, device=device)
+    args = (q, ring, slots, block, every, torch.randn(h, device=device), d**-0.5, torch.bfloat16, positions,
+            rope_tables(last + b + 1, half, device=device))
+    assert_close("o", attention.reference(*args), run(attention.fast, *args), TOL[torch.bfloat16],
+                 context=f"(seed {s}, last {last})")
+
+
+def test_a_dspark_stages_attention_matches_the_reference():
+    dspark_stage(DEVICE, b=3, h=4, d=64, half=8, w=16)
+
+
 @requires_cuda
 class TestAttentionAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
     def test_attention_kernel_matches_the_reference_at_v41_shapes(self, m):
         check(m, 64, 512, 128 + m, 8192, 512, torch.bfloat16, torch.bfloat16, torch.device("cuda"), False)
         check(m, 64, 512, 128 + m, 20000, 2048, torch.float32, None, torch.device("cuda"), False)
+
+    def test_a_dspark_stages_attention_matches_the_reference_at_v41_shapes(self):
+        dspark_stage(torch.device("cuda"))
