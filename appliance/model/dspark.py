@@ -38,11 +38,12 @@ class DraftBlock:
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
     # what every stage shares, made once a draft: cos/sin of the block's positions (0731's stages; V4.1's
-    # read the RoPE tables inside their ops), and the ring slots each query attends to
-    # (`DraftAttention.rows`; every query attends to every block row too)
+    # read the RoPE tables inside their ops), the ring slots each query attends to (`DraftAttention.rows`)
+    # and the block rows, every one of which each query attends to too (the attention's second list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
+    block_rows: torch.Tensor | None = None
 
     @staticmethod
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -103,12 +104,11 @@ class DraftAttention(AttentionProjections):
                                              self.kv_norm.eps, ring.data, False, self.rt.num.official)
         # the ring's window, then every block row (as the attention's second list: the same keys in the same
         # order as the ring and the block concatenated, read where they are)
-        every = step.state.offsets[:B].unsqueeze(0).expand(B, -1)
         if self.v4:
-            return self.attend(q, ring.data, step.rows, block, every, step.cos, step.sin)
+            return self.attend(q, ring.data, step.rows, block, step.block_rows, step.cos, step.sin)
         # V4.1: the output's inverse RoPE inside the attention's launch, from the tables (as the backbone's)
-        o = self.rt.ops.attention(q, ring.data, step.rows, block, every, self.sink, self.cfg.head_dim**-0.5,
-                                  self.p_dtype, step.positions, self.rope.tables)
+        o = self.rt.ops.attention(q, ring.data, step.rows, block, step.block_rows, self.sink,
+                                  self.cfg.head_dim**-0.5, self.p_dtype, step.positions, self.rope.tables)
         return self.out.project(o)
 
 
@@ -197,6 +197,7 @@ class DSpark:
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
             step.cos, step.sin = self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
+        step.block_rows = state.offsets[:B].unsqueeze(0).expand(B, -1)  # one row viewed by every query
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
             for stage in self.stages:

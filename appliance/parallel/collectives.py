@@ -110,24 +110,20 @@ class SymmSum:
         n = math.prod(shape)
         if not 0 < n <= self.capacity:
             return self.into(produce(None), consume)
-        to = self._to()
-        produce(to)
-        return self._given(shape, to, consume)
+        return self._published(shape, produce, consume)
 
     def _piece(self, t: torch.Tensor, consume):
         """One piece of at most `capacity` values: published (a launch of its own)."""
-        to = self._to()
-        rank_sum.publish(t.reshape(-1), to)
-        return self._given(t.shape, to, consume)
+        return self._published(t.shape, lambda to: rank_sum.publish(t.reshape(-1), to), consume)
 
-    def _to(self) -> rank_sum.Publish:
-        return rank_sum.Publish(self.buffers.peers[self.rank], self.flags.peers, self.rank)
-
-    def _given(self, shape, published: rank_sum.Publish, consume):
-        """Every rank's slot given to `consume` in rank order (views in `shape` of their first slot: the
-        kernel adds the call's) with the publish it waits on."""
+    def _published(self, shape, produce, consume):
+        """`produce(to)` publishes this rank's partial of `shape` (`to`: this rank's buffer, every rank's
+        flags); every rank's slot is given to `consume` in rank order (views in `shape` of their first slot:
+        the kernel adds the call's) with the publish it waits on."""
+        to = rank_sum.Publish(self.buffers.peers[self.rank], self.flags.peers, self.rank)
+        produce(to)
         n = math.prod(shape)
-        return consume(rank_sum.Partials([p[:n].view(shape) for p in self.buffers.peers], published))
+        return consume(rank_sum.Partials([p[:n].view(shape) for p in self.buffers.peers], to))
 
 
 class PeerMemory:
