@@ -307,8 +307,11 @@ def _bench_small(s, m, dev, dt, iters, tiny):
     out.append(("mhc collapse", f"hc={s.hc} D={s.dim}", t, m * n * dt.itemsize + m * s.dim * dt.itemsize))
     y = torch.randn(m, s.dim, device=dev).to(dt)
     comb = torch.rand(m, s.hc, s.hc, device=dev)
-    t = _time(lambda X: mhc.fast_expand(y, X, pre, comb), sets, iters, cuda)
-    out.append(("mhc expand", f"hc={s.hc} D={s.dim}", t, 2 * m * n * dt.itemsize + m * s.dim * dt.itemsize))
+    nw = torch.rand(s.dim, device=dev)
+    t = _time(lambda X: mhc.fast_expand_pre(y, X, pre, comb, pre, fn, base, scale, 1e-20, 1e-6, 20, nw, 1e-6), sets,
+              iters, cuda)
+    out.append(("mhc expand + site", f"hc={s.hc} D={s.dim}", t,
+                2 * m * n * dt.itemsize + 2 * m * s.dim * dt.itemsize + fn.numel() * 4))
     w = torch.rand(s.dim, device=dev)
     xs = [(torch.randn(m, s.dim, device=dev).to(dt),) for _ in range(4)]
     t = _time(lambda x: rmsnorm.fast(x, w, 1e-20), xs, iters, cuda)

@@ -9,8 +9,8 @@ coeffs: from one site's parameters (fn [hc*(2+hc), hc*D], base, scale [3]) compu
 collapse: x = sum_j pre_j X_j.   expand: X'_k = post_k y + sum_j comb[j, k] X_j (comb transposed).
 Reference: all interior arithmetic in float64, coefficients returned as float32, streams rounded once.
 
-Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_expand`), float32 throughout (the official
-code's float32 interior):
+Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_pre`, `fast_expand_pre`), float32 throughout
+(the official code's float32 interior):
 - coeffs / head pre: the projection fn . X and the sum of squares in fixed column chunks (from hc*D only),
   each chunk one program that walks the rows one at a time with the same tile shapes (a row's sums never
   share a reduction with another row), partials added in chunk order; then per row sigmoid, softmax and
@@ -19,8 +19,14 @@ code's float32 interior):
   normalizations, which contract errors rather than grow them).
 - collapse / expand: elementwise float32 accumulation over the hc copies in copy order (a few roundings:
   within hc 2^-23 of the largest term, plus one rounding of X's dtype).
+- a sub-block's input (`fast_pre`): the coefficients, the collapse and the RMSNorm in one launch; with the
+  previous sub-block's expand in front (`fast_expand_pre`: each program expands the columns it projects,
+  the ranks' partials added in rank order as it loads them, and stores them for the collapse). A product's
+  expand alone is its product's epilogue (`fast_product_expand`), the MoE's its combine's.
 All batch invariant: no reduction mixes rows.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -96,6 +102,15 @@ def expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Te
         y = rank_sum.reference(y, X.dtype)
     mixed = torch.matmul(comb.double().transpose(-1, -2), X.double())
     return (post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed).to(X.dtype)
+
+
+def expand_pre(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, rms_eps: float):
+    """A sub-block's output expanded into the streams, then the next site's `pre` of them: X' = expand(y, X,
+    post, comb) -> (X', x, pre, post', comb') (`pre`'s results but the copies' mean)."""
+    Xn = expand(y, X, post, comb)
+    return (Xn, *pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps)[:4])
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -238,44 +253,22 @@ def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.jit
-def _expand_kernel(y_parts,   # sub-block output [M, D]: WORLD float32 partials (a tuple), or one of any float dtype
-                   x_ptr,     # X [M, hc, D], contiguous
-                   post_ptr,  # float32 [M, hc]
-                   comb_ptr,  # float32 [M, hc, hc]
-                   out_ptr,   # out [M, hc, D] in X's dtype
-                   M, hc, D, flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
-                   WORLD: tl.constexpr,
-                   Y_ROUND: tl.constexpr,  # y a sum of the ranks' partials: rounded to X's dtype
-                   OUT_BF16: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr, WAIT: tl.constexpr,
-                   PDL: tl.constexpr):
-    dependent_launch(PDL)
-    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < M
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    cmask = rmask[:, None] & (cols[None, :] < D)
-    k = tl.arange(0, BHC)
-    kmask = rmask[:, None] & (k[None, :] < hc)
-    r64 = rows.to(tl.int64)
-    y = rank_load(y_parts, base + r64[:, None] * D + cols[None, :], cmask, WORLD)
-    if Y_ROUND:
-        y = round_out(y, OUT_BF16).to(tl.float32)
-    post = tl.load(post_ptr + rows[:, None] * hc + k[None, :], mask=kmask, other=0.0)
-    mixed = tl.zeros((BM, BHC, BD), dtype=tl.float32)
-    for j in range(hc):  # out stream k takes column k of comb
-        cj = tl.load(comb_ptr + (rows[:, None] * hc + j) * hc + k[None, :], mask=kmask, other=0.0)
-        xj = tl.load(x_ptr + (r64[:, None] * hc + j) * D + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-        mixed += cj[:, :, None] * xj[:, None, :]
-    out = post[:, :, None] * y[:, None, :] + mixed
-    tl.store(out_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
-             round_out(out, OUT_BF16), mask=kmask[:, :, None] & cmask[:, None, :])
+class _Front(NamedTuple):
+    """An expand's inputs as its kernels take them: y's parts (a tuple), the wait for published partials
+    (kernels/rank_sum.py arrival_args) and whether y is a sum to round, X, post, comb (contiguous)."""
+
+    parts: tuple
+    wait: tuple
+    waits: bool
+    y_round: bool
+    X: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
 
 
-def fast_expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-                ) -> torch.Tensor:
-    """The kernel for `expand` (same signature and result): the partials of a list added in rank order where
-    the kernel loads y (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel)."""
+def _front(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+           ) -> _Front:
+    """`expand`'s arguments checked (fast_expand_pre)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
     m, hc, d = X.shape
@@ -290,17 +283,8 @@ def fast_expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: tor
     require_dtype(comb, "comb", (torch.float32,))
     device_of(*parts, X, post, comb)
     wait, waits = rank_sum.arrival_args(parts)
-    parts = tuple(p.contiguous() for p in parts)
-    X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
-    out = torch.empty_like(X)
-    if m and d:
-        bd = min(pow2(d), 4096 if INTERPRET else 512)
-        bm = max(1, min(pow2(m), 16384 // (bd * pow2(hc)))) if INTERPRET else 1
-        _expand_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd))](parts, X, post, comb, out, m, hc, d, *wait,
-                                                                 WORLD=len(parts), Y_ROUND=isinstance(y, list),
-                                                                 OUT_BF16=X.dtype == torch.bfloat16, BM=bm,
-                                                                 BHC=pow2(hc), BD=bd, WAIT=waits, **pdl(X.device))
-    return out
+    return _Front(tuple(p.contiguous() for p in parts), wait, waits, isinstance(y, list), X.contiguous(),
+                  post.contiguous(), comb.contiguous())
 
 
 def product_expand(x: torch.Tensor, weight, act_block: int | None, X: torch.Tensor, post: torch.Tensor,
@@ -393,8 +377,28 @@ def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, row
     return p
 
 
+@device_function
+def _expanded(y_parts, ybase, xo_ptr, post_ptr, comb_ptr, m, cols, cmask, hc, D, WORLD: tl.constexpr,
+              Y_ROUND: tl.constexpr, OUT_BF16: tl.constexpr, BHC: tl.constexpr):
+    """Row m of the expanded streams X' at flat columns `cols` of [hc, D] (stream j = cols // D, column d):
+    post[j] y[d] + sum_i comb[i, j] X[i, d] (the copies in order), in X's dtype; y the ranks' partials' sum in
+    rank order, rounded to X's dtype (Y_ROUND)."""
+    j, d, m64 = cols // D, cols % D, as_int64(m)
+    y = rank_load(y_parts, ybase + m64 * D + d, cmask, WORLD)
+    if Y_ROUND:
+        y = round_out(y, OUT_BF16).to(tl.float32)
+    post = tl.load(post_ptr + m * hc + j, mask=cmask, other=0.0)
+    mixed = tl.zeros(cols.shape, dtype=tl.float32)
+    for i in tl.static_range(BHC):  # unrolled, copies past hc masked (a loop over hc spilled on sm_90)
+        im = cmask & (j * 0 + i < hc)
+        ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=im, other=0.0)
+        mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=im, other=0.0).to(tl.float32)
+    return round_out(post * y + mixed, OUT_BF16)
+
+
 @triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
-def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contiguous
+def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32 partials (a tuple) or one tensor
+                x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contiguous
                 w_ptr,      # float32 [M, hc] collapse weights (OWN == 0)
                 fn_ptr,     # float32 [J, hc*D] projection (COEFFS)
                 base_ptr, scale_ptr,
@@ -404,10 +408,14 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
                 pre_ptr, post_ptr, comb_ptr,  # float32 coefficients out (COEFFS)
                 y_ptr,      # out [M, D] in X's dtype: the normed collapse
                 mean_ptr,   # out [M, D] in X's dtype: the mean over the copies (MEAN)
+                xo_ptr,     # EXPAND: the streams before the expand [M, hc, D]; X (x_ptr) is written from them
+                xpost_ptr, xcomb_ptr,  # EXPAND: float32 [M, hc], [M, hc, hc], the expand's coefficients
+                flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
                 M, hc, D, iters, chunk, RB,  # chunk: projection columns per split; RB: rows per block
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
-                OUT_BF16: tl.constexpr,
+                OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr, Y_ROUND: tl.constexpr,
+                WAIT: tl.constexpr,
                 BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
                 PDL: tl.constexpr):
     dependent_launch(PDL)
@@ -424,6 +432,16 @@ def _pre_kernel(x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contigu
         jmask = js < J
         c_lo = pid_s * chunk
         c_end = tl.minimum(n, c_lo + chunk)
+        if EXPAND:  # this chunk of X made here first, stored: read back below and by the collapse
+            ybase = rank_arrive(flags, rank, capacity, WAIT, WORLD)
+            for m in range(r_lo, r_hi):
+                for c0 in range(c_lo, c_end, BC):
+                    cols = c0 + tl.arange(0, BC)
+                    cmask = cols < c_end
+                    xv = _expanded(y_parts, ybase, xo_ptr, xpost_ptr, xcomb_ptr, m, cols, cmask, hc, D, WORLD,
+                                   Y_ROUND, OUT_BF16, BHC)
+                    tl.store(x_ptr + as_int64(m) * n + cols, xv, mask=cmask)
+            tl.debug_barrier()  # the block's stores are visible to all its threads before they read them
         for m in range(r_lo, r_hi):
             dots = tl.zeros((BJ,), dtype=tl.float32)
             ss = tl.zeros((1,), dtype=tl.float32)
@@ -492,6 +510,27 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
              rms_eps: float, capture: bool = False):
     """The kernel for `pre` (same signature; results within the stated tolerances of `coeffs`, `collapse`
     and RMSNorm): one launch."""
+    return _pre(X, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture)
+
+
+def fast_expand_pre(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, rms_eps: float):
+    """The kernel for `expand_pre` (same signature; the site's results the same bits as fast_pre's of the X' it
+    returns; X' within the expand's tolerance): one launch,
+    the pre kernel's, each program expanding the columns it projects (the ranks' partials of y added in
+    rank order as it loads them, waited for inside it) and storing them for the collapse."""
+    require(fn is not None and iters >= 1, "iters", iters, "must be >= 1: the expanded streams feed a site's "
+            "coefficients")
+    front = _front(y, X, post, comb)
+    Xn = torch.empty_like(front.X)
+    return (Xn, *_pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, False,
+                      front)[:4])
+
+
+def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: float, iters: int,
+         norm_weight: torch.Tensor, rms_eps: float, capture: bool, front: _Front | None = None):
+    """fast_pre's launch; with `front`, X is written by the launch itself: the expand of `front` (_Front)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
     m, hc, d = X.shape
@@ -536,10 +575,13 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
     cnt = counters(dev, blocks)
     part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev) if coeff else y
     w = weights if weights is not None else y
+    f = front or _Front((y,), (y, 0, 0), False, False, X, y, y)  # no expand: placeholders, never read
     _pre_kernel[(splits, blocks)](
-        X, w, fn if coeff else y, base if coeff else y, scale if coeff else y, norm_weight, part, cnt,
+        f.parts, X, w, fn if coeff else y, base if coeff else y, scale if coeff else y, norm_weight, part, cnt,
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
-        mean if capture else y, m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
+        mean if capture else y, f.X, f.post, f.comb, *f.wait, m, hc, d, max(iters, 1), chunk, rb,
+        float(norm_eps), float(hc_eps), float(rms_eps),
         COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
+        EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean

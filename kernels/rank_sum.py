@@ -6,8 +6,8 @@ same float32 adds in the same order per element (no contraction, no reassociatio
 reference, then rounded once where the caller asks (a split linear's output dtype, the indexer's bfloat16
 scores kept as float32); each partial given by its own pointer, so a rank's gathered rows [world, n] and
 peers' buffers in symmetric memory (one tensor each, on as many devices) are read in place. A consumer of
-the sum (the mHC expand of the attention's output, the MoE's combine) takes the partials itself and adds
-them where it loads its input (`rank_load`): the same adds, no launch of their own.
+the sum (the next mHC site, which expands the attention's output; the MoE's combine) takes the partials
+itself and adds them where it loads its input (`rank_load`): the same adds, no launch of their own.
 
 Over symmetric memory nothing waits outside the kernels: the kernel that makes a rank's partial writes it
 into its buffer's slot (`publish_slot`) and, its last program, stores the rank's count of published calls

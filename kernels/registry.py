@@ -25,7 +25,7 @@ class Ops:
     hc_coeffs: Callable
     hc_head_pre: Callable
     hc_collapse: Callable
-    hc_expand: Callable
+    hc_expand_pre: Callable
     hc_pre: Callable
     attention: Callable
     attn_inputs: Callable
@@ -66,7 +66,7 @@ REFERENCE = Ops(
     hc_coeffs=mhc.coeffs,
     hc_head_pre=mhc.head_pre,
     hc_collapse=mhc.collapse,
-    hc_expand=mhc.expand,
+    hc_expand_pre=mhc.expand_pre,
     hc_pre=mhc.pre,
     attention=attention.reference,
     attn_inputs=attn_inputs.reference,
@@ -91,7 +91,7 @@ FAST = Ops(
     hc_coeffs=mhc.fast_coeffs,
     hc_head_pre=mhc.fast_head_pre,
     hc_collapse=mhc.fast_collapse,
-    hc_expand=mhc.fast_expand,
+    hc_expand_pre=mhc.fast_expand_pre,
     hc_pre=mhc.fast_pre,
     attention=attention.fast,
     attn_inputs=attn_inputs.fast,

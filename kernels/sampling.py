@@ -13,16 +13,17 @@ E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with 
 min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
 draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
 
-Kernels (`fast_distribution`, `fast_sample`, `fast_draw`, `fast_accept`), float32 only (no float64 in a
+Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), float32 only (no float64 in a
 kernel or a torch operation), one program per row, looping over the vocab in blocks of a fixed width (each
 block one reduction, blocks added in order: a row's sums do not depend on the other rows): softmax in
 float32; top-k and top-p thresholds by radix search on the float bit patterns (32 counting passes each; the
-top-p mass sums in float32), so no sort. `fast_sample` is two launches: the distribution, then the race
-kernel, which draws the generator's values itself (integer mixing per entry, the exponential in float32),
-takes the greedy argmax of the logits beside the race (ties to the lowest id), selects one by the
-temperature, and advances the counter (the last of its programs, once every program has read it).
-`fast_accept` is three launches a verify: the distribution kernel over the target's rows (their logits'
-argmax beside it) and over the drafter's, then the accept kernel: one program per verify row draws that
+top-p mass sums in float32), so no sort. `fast_sample` is one launch: the distribution kernel races over
+each block of the row as its last pass stores it, drawing the generator's values itself (integer mixing
+per entry, the exponential in float32), takes the greedy argmax of the logits beside it (ties to the lowest
+id), selects one by the temperature, and advances the counter (the last of its programs, once every
+program has read it).
+`fast_accept` is one launch a verify: one program per verify row makes its row's distributions (the
+target's, its logits' argmax beside it, and the drafter's: the distribution kernel's code) and draws that
 row's candidate next token (the residual max(0, p - r) renormalized, or p for the last row) as the race does,
 and the last program to finish makes the acceptance tests u * r < p in float32 over the generator's values,
 picks the first miss, and writes the cycle's result and the advanced counter (the forced count too, for
@@ -107,19 +108,29 @@ def draw(p: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return (p.double() / e).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """Greedy when params[0] (temperature) is 0, else a draw: both computed, one selected (no branch on a
-    device value)."""
+    device value). -> int64 [R], written into `out` where given (a caller's buffer: no copy after)."""
     greedy = logits.argmax(-1)
     drawn = draw(distribution(logits, params), key)
-    return torch.where(params[0] == 0, greedy, drawn)
+    return _into(out, torch.where(params[0] == 0, greedy, drawn))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, or `out` holding it where a caller gave its buffer (the fast ops write theirs in place)."""
+    if out is None:
+        return result
+    require(out.shape == result.shape, "out.shape", tuple(out.shape), f"must be {tuple(result.shape)}")
+    return out.copy_(result)
 
 
 def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
-           key: torch.Tensor, force: torch.Tensor) -> torch.Tensor:
+           key: torch.Tensor, force: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """target logits [k+1, V], drafts [k], draft_logits [k, V], force [] int64 (benchmarks: accept exactly
     min(force, k) drafts, then the target's argmax; -1: off) -> int64 [k+3]: the tokens produced j+1, the
-    accepted drafts j, then k+1 ids (the j accepted drafts, the next token b, zeros): the decode cycle's result."""
+    accepted drafts j, then k+1 ids (the j accepted drafts, the next token b, zeros): the decode cycle's result,
+    written into `out` where given."""
     k = drafts.numel()
     # greedy
     best = target.argmax(-1)
@@ -147,7 +158,7 @@ def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tenso
     idx = torch.arange(k + 1, device=drafts.device)
     padded = torch.cat((drafts, torch.zeros(1, dtype=drafts.dtype, device=drafts.device)))
     ids = torch.where(idx < j, padded, torch.where(idx == j, b, torch.zeros_like(b)))
-    return torch.cat(((j + 1).view(1), j.view(1), ids))
+    return _into(out, torch.cat(((j + 1).view(1), j.view(1), ids)))
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -159,19 +170,15 @@ def _key(v):
     return v.to(tl.int32, bitcast=True).to(tl.int64)
 
 
-@triton.jit
-def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
-                         p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
-                         params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
-                         best_ptr,  # out int64 [R]: the argmax of each row's logits (ARGMAX)
-                         V, stride_l, ARGMAX: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch(PDL)
-    r = tl.program_id(0).to(tl.int64)
+@device_function
+def _row_distribution(lrow, prow, params_ptr, V, seed, base, TOP: tl.constexpr, DRAW: tl.constexpr,
+                      BV: tl.constexpr):
+    """One row's truncated, renormalized distribution: the logits at `lrow` (any float dtype) -> float32 [V]
+    stored at `prow`. Returns (the argmax of the logits themselves (TOP), the exponential race's draw over
+    the row as its last pass stores it (DRAW: the generator's values at counters base.., `seed`))."""
     temperature = tl.maximum(tl.load(params_ptr), 1e-5)
     top_p = tl.load(params_ptr + 1)
     top_k = tl.load(params_ptr + 2).to(tl.int64)
-    lrow = l_ptr + r * stride_l
-    prow = p_ptr + r * V
     # softmax of logits / temperature (the division in float32, as the reference does it)
     mx = tl.full((1,), float("-inf"), dtype=tl.float32)
     top = tl.full((1,), float("-inf"), dtype=tl.float32)
@@ -181,10 +188,8 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         raw = tl.load(lrow + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         x = raw / temperature
         mx = tl.maximum(mx, tmax(x, axis=0))
-        if ARGMAX:  # of the logits themselves: a division can round two of them to one value
+        if TOP:  # of the logits themselves: a division can round two of them to one value
             top, top_i = _block_argmax(raw, cols, V, BV, top, top_i)
-    if ARGMAX:
-        tl.store(best_ptr + r + tl.arange(0, 1), top_i)
     tot = tl.zeros((1,), dtype=tl.float32)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
@@ -231,27 +236,70 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
         kept += tsum(tl.where(_key(p) >= thr, p, 0.0), axis=0)
+    # the kept entries renormalized; DRAW: the exponential race argmax(p / E) over them as they are stored
+    best = tl.full((1,), float("-inf"), dtype=tl.float32)
+    best_i = tl.zeros((1,), dtype=tl.int64)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         p = tl.load(prow + cols, mask=cols < V, other=0.0)
-        tl.store(prow + cols, tl.where(_key(p) >= thr, p, 0.0) / kept, mask=cols < V)
+        p = tl.where(_key(p) >= thr, p, 0.0) / kept
+        tl.store(prow + cols, p, mask=cols < V)
+        if DRAW:
+            best, best_i = _block_argmax(p / _exponential(seed, base + cols), cols, V, BV, best, best_i)
+    return top_i, best_i
 
 
-def fast_distribution(logits: torch.Tensor, params: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel for `distribution` (same signature and result, see the tolerance above); with `best` (int64
-    [R]), the argmax of each row's logits written into it in the same launch."""
-    require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
-    require_dtype(logits, "logits", (torch.float32, torch.bfloat16, torch.float16))
-    require_rows(logits, "logits")
+@triton.jit
+def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
+                         p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
+                         params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
+                         key_ptr,  # int64 [2]: seed, counter (DRAW: advanced by R * V, by the last program)
+                         cnt_ptr,  # int32 counter of finished programs, zero between launches (DRAW)
+                         out_ptr,  # out int64 [R]: each row's token (DRAW)
+                         V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    seed = tl.zeros((1,), dtype=tl.int64)
+    base = seed
+    if DRAW:  # the counter as every program reads it, before the last one advances it
+        seed = tl.load(key_ptr + tl.arange(0, 1))
+        base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
+    top_i, best_i = _row_distribution(l_ptr + r * stride_l, p_ptr + r * V, params_ptr, V, seed, base,
+                                      DRAW, DRAW, BV)
+    if DRAW:  # the greedy token where the temperature is 0
+        best_i = tl.where(tl.load(params_ptr + tl.arange(0, 1)) == 0, top_i, best_i)
+        tl.store(out_ptr + r + tl.arange(0, 1), best_i)
+        # the counter moves once every program has read it
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(key_ptr + 1 + tl.arange(0, 1), tl.load(key_ptr + 1 + tl.arange(0, 1)) + tl.num_programs(0) * V)
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (a graph replays this one)
+
+
+def fast_distribution(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The kernel for `distribution` (same signature and result, see the tolerance above)."""
+    return _distribution(logits, params)
+
+
+def _check_logits(logits: torch.Tensor, name: str, params: torch.Tensor) -> None:
+    require(logits.dim() == 2, f"{name}.dim()", logits.dim(), "must be 2 ([R, V])")
+    require_dtype(logits, name, (torch.float32, torch.bfloat16, torch.float16))
+    require_rows(logits, name)
     require_dtype(params, "params", (torch.float32,))
     require(tuple(params.shape) == (3,), "params.shape", tuple(params.shape), "must be (3,): temperature, top_p, top_k")
-    dev = device_of(logits, params)
+
+
+def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """fast_distribution's launch; with `key`, each row's token drawn in it too (fast_sample) into `out`."""
+    _check_logits(logits, "logits", params)
+    dev = device_of(logits, params, key)
     r, v = logits.shape
     p = torch.empty((r, v), dtype=torch.float32, device=dev)
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        _distribution_kernel[(r,)](logits, p, params, p if best is None else best, v, logits.stride(0),
-                                   ARGMAX=best is not None, BV=bv, **pdl(logits.device))
+        draw = key is not None
+        _distribution_kernel[(r,)](logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
+                                   out if draw else p, v, logits.stride(0), DRAW=draw, BV=bv, **pdl(logits.device))
     return p
 
 
@@ -295,81 +343,38 @@ def _block_argmax(x, cols, V, BV: tl.constexpr, best, best_i):
     return tl.where(better, cmax, best), tl.where(better, ci, best_i)
 
 
-@triton.jit
-def _race_kernel(p_ptr,       # [R, V] probabilities (RACE) or values to take the argmax of, row stride stride_p
-                 g_ptr,       # [R, V] logits, row stride stride_g (GREEDY)
-                 key_ptr,     # int64 [2]: seed, counter (RACE: advanced by R * V, by the last program)
-                 params_ptr,  # float32 [3]: temperature first (GREEDY: 0 selects the greedy token)
-                 cnt_ptr,     # int32 counter of finished programs (zero between launches)
-                 out_ptr,     # out int64 [R]
-                 V, stride_p, stride_g, RACE: tl.constexpr, GREEDY: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    if RACE:
-        seed = tl.load(key_ptr + tl.arange(0, 1))
-        base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
-    best = tl.full((1,), float("-inf"), dtype=tl.float32)
-    best_i = tl.zeros((1,), dtype=tl.int64)
-    top = tl.full((1,), float("-inf"), dtype=tl.float32)
-    top_i = tl.zeros((1,), dtype=tl.int64)
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        x = tl.load(p_ptr + r * stride_p + cols, mask=cols < V, other=0.0).to(tl.float32)
-        if RACE:
-            x = x / _exponential(seed, base + cols)
-        best, best_i = _block_argmax(x, cols, V, BV, best, best_i)
-        if GREEDY:
-            g = tl.load(g_ptr + r * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
-            top, top_i = _block_argmax(g, cols, V, BV, top, top_i)
-    if GREEDY:
-        best_i = tl.where(tl.load(params_ptr + tl.arange(0, 1)) == 0, top_i, best_i)
-    tl.store(out_ptr + r + tl.arange(0, 1), best_i)
-    if RACE:
-        # the counter moves once every program has read it
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.store(key_ptr + 1 + tl.arange(0, 1), tl.load(key_ptr + 1 + tl.arange(0, 1)) + tl.num_programs(0) * V)
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (a graph replays this one)
-
-
-def _race(p: torch.Tensor, logits: torch.Tensor | None, params: torch.Tensor | None, key: torch.Tensor | None
-          ) -> torch.Tensor:
-    """One launch over rows of p [R, V]: with a key, the exponential race argmax(p / E) (advancing the key's
-    counter by R * V); without, argmax(p); with logits too, their argmax where params[0] (temperature) is 0.
-    Ties to the lowest index."""
-    r, v = p.shape
-    out = (torch.empty if v else torch.zeros)(r, dtype=torch.int64, device=p.device)  # every row stored
-    if r and v:
-        bv = min(pow2(v), 4096 if INTERPRET else 2048)
-        g = p if logits is None else logits
-        _race_kernel[(r,)](p, g, p if key is None else key, p if params is None else params, counters(p.device, 1),
-                           out, v, p.stride(0), g.stride(0), RACE=key is not None, GREEDY=logits is not None, BV=bv,
-                           **pdl(p.device))
+def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The kernel for `sample` (same signature): one launch, the distribution kernel drawing from each row as
+    it stores it (the race in float32 over the reference's counter values: the same draws except where two
+    entries' p / E are within a few float32 ulps, the tolerance above), the greedy argmax of the logits
+    beside it, one selected by the temperature on the device; the ids written into `out` where given."""
+    _check_logits(logits, "logits", params)
+    r, v = logits.shape
+    if out is None:
+        out = (torch.empty if v else torch.zeros)(r, dtype=torch.int64, device=logits.device)  # every row stored
+    else:
+        _check_out(out, r, logits.device)
+        if not v:
+            out.zero_()
+    _distribution(logits, params, key, out)
     return out
 
 
-def fast_draw(p: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The kernel for `draw` (same signature): the race in float32 over the same counter values, so the same
-    draws except where two entries' p / E are within a few float32 ulps (the tolerance above)."""
-    require(p.dim() == 2, "p.dim()", p.dim(), "must be 2 ([R, V])")
-    require_dtype(p, "p", (torch.float32,))
-    require_rows(p, "p")
-    device_of(p, key)
-    return _race(p, None, None, key)
-
-
-def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The kernels for `sample` (same signature), two launches: the distribution kernel's p, then the race
-    over it with the greedy argmax of the logits beside it, one selected by the temperature on the device."""
-    require(logits.dim() == 2, "logits.dim()", logits.dim(), "must be 2 ([R, V])")
-    require_rows(logits, "logits")
-    device_of(logits, params, key)
-    return _race(fast_distribution(logits, params), logits, params, key)
+def _check_out(out: torch.Tensor, n: int, device: torch.device) -> None:
+    """A caller's buffer for n ids, where the kernel can store them."""
+    require(tuple(out.shape) == (n,), "out.shape", tuple(out.shape), f"must be ({n},)")
+    require_dtype(out, "out", (torch.int64,))
+    require(out.is_contiguous(), "out.stride", out.stride(), "must be contiguous")
+    require(out.device == device, "out.device", str(out.device), f"must be {device}")
 
 
 @triton.jit
-def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributions
-                   r_ptr,       # float32 [K, V]: the drafter's
-                   best_ptr,    # int64 [K+1]: the argmax of each target row's logits
+def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
+                   dl_ptr,      # [K, V] the drafter's, row stride stride_d
+                   p_ptr,       # float32 [K+1, V] scratch: the target rows' distributions
+                   r_ptr,       # float32 [K, V] scratch: the drafter's
+                   best_ptr,    # int64 [K+1] scratch: the argmax of each target row's logits
                    d_ptr,       # int64 [K]: the drafts
                    key_ptr,     # int64 [2]: seed, counter (advanced by K + (K+1) V, by the last program)
                    params_ptr,  # float32 [3]: temperature first (0: greedy)
@@ -377,7 +382,7 @@ def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributio
                    draws_ptr,   # int64 [K+1] scratch: row i's draw, the next token if i is the first miss
                    cnt_ptr,     # int32 counter of finished programs (zero between launches)
                    out_ptr,     # out int64 [K+3]: j+1, j, the K+1 ids (accept's result)
-                   K, V, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     i = tl.program_id(0).to(tl.int64)
     seed = tl.load(key_ptr + tl.arange(0, 1))
@@ -385,6 +390,12 @@ def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributio
     base = counter + K + i * V  # the acceptance tests take the first K values, the rows' races the next
     prow, rrow = p_ptr + i * V, r_ptr + i * V
     residual = i < K  # rows below K draw from normalize(max(0, p - r)) (p where that is all zero)
+    # this row's distributions first: the target's (its logits' argmax beside it), the drafter's below K
+    top_i, _ = _row_distribution(t_ptr + i * stride_t, prow, params_ptr, V, seed, base, True, False, BV)
+    tl.store(best_ptr + i + tl.arange(0, 1), top_i)
+    if residual:
+        _row_distribution(dl_ptr + i * stride_d, rrow, params_ptr, V, seed, base, False, False, BV)
+    tl.debug_barrier()  # the rows are stored before this program reads them back
     total = tl.zeros((1,), dtype=tl.float32)
     if residual:
         for v0 in range(0, V, BV):
@@ -432,9 +443,10 @@ def _accept_kernel(p_ptr,       # float32 [K+1, V]: the target rows' distributio
 
 
 def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
-                key: torch.Tensor, force: torch.Tensor) -> torch.Tensor:
-    """The kernels for `accept` (same signature and result), three launches: the distributions of the
-    target's rows (with their logits' argmax) and of the drafter's, then the accept kernel."""
+                key: torch.Tensor, force: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for `accept` (same signature and result), one launch: each program makes its row's
+    distributions (the target's, with its logits' argmax, and the drafter's) and draws from them; the last to
+    finish accepts (writing `out` where given)."""
     require(target.dim() == 2, "target.dim()", target.dim(), "must be 2 ([k+1, V])")
     k, v = drafts.numel(), target.shape[1]
     require(tuple(target.shape) == (k + 1, v), "target.shape", tuple(target.shape), f"must be ({k + 1}, V): k+1 rows")
@@ -442,13 +454,19 @@ def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.
             f"must be ({k}, {v}): a row per draft")
     require_dtype(drafts, "drafts", (torch.int64,))
     require_dtype(force, "force", (torch.int64,))
+    _check_logits(target, "target", params)
+    _check_logits(draft_logits, "draft_logits", params)
     dev = device_of(target, drafts, draft_logits, params, key, force)
     best = torch.empty(k + 1, dtype=torch.int64, device=dev)
-    p = fast_distribution(target, params, best)
-    r = fast_distribution(draft_logits, params)
+    p = torch.empty((k + 1, v), dtype=torch.float32, device=dev)
+    r = torch.empty((k, v), dtype=torch.float32, device=dev)
     draws = torch.empty(k + 1, dtype=torch.int64, device=dev)
-    out = torch.empty(k + 3, dtype=torch.int64, device=dev)
+    if out is None:
+        out = torch.empty(k + 3, dtype=torch.int64, device=dev)
+    else:
+        _check_out(out, k + 3, dev)
     bv = min(pow2(v), 4096 if INTERPRET else 2048)
-    _accept_kernel[(k + 1,)](p, r, best, drafts, key, params, force, draws, counters(dev, 1), out, k, v,
-                             KB=pow2(k + 1), BV=bv, **pdl(dev))
+    _accept_kernel[(k + 1,)](target, draft_logits, p, r, best, drafts, key, params, force, draws, counters(dev, 1),
+                             out, k, v, target.stride(0), draft_logits.stride(0) if k else v, KB=pow2(k + 1), BV=bv,
+                             **pdl(dev))
     return out

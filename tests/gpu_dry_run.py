@@ -397,6 +397,7 @@ def drive_split_specializations(failures: list):
                          torch.rand(m // 4, 4), torch.rand(m // 4, 4, 4), reduce=shares)
     except Exception:
         failures.append({"case": "a long call's sums by rows", "error": traceback.format_exc()[-2000:]})
+    site = (torch.randn(24, 4 * s.dim), torch.randn(24), torch.rand(3))  # an mHC site's fn, base, scale (hc 4)
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
             try:
@@ -408,7 +409,8 @@ def drive_split_specializations(failures: list):
                     post, comb = torch.rand(m, 4), torch.rand(m, 4, 4)
                     # a product published as the attention's output product is (RowParallel.into)
                     linear.fast(x, shared[0], s.block, torch.float32, publish=to(m * quarter))
-                    sum_into(y, lambda parts, X=X, post=post, comb=comb: mhc.fast_expand(parts, X, post, comb))
+                    sum_into(y, lambda parts, X=X, post=post, comb=comb: mhc.fast_expand_pre(
+                        parts, X, post, comb, None, *site, 1e-20, 1e-6, 20, torch.rand(s.dim), 1e-6))
                     sum_into(y, lambda parts, dt=dt: rank_sum.fast(parts, dt))
             except Exception:
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
@@ -471,7 +473,8 @@ def main() -> int:
     def run(fn, *a, grid, warmup, **k):
         compiler(fn, *a, grid=grid, warmup=warmup, **k)
         if fn.fn.__name__ == "_accept_kernel":  # the one output the host reads to go on: a verify's result,
-            a[9][0] = 1  # whose count of tokens produced is at least one (zeros elsewhere: `torch.empty` below)
+            a[fn.arg_names.index("out_ptr")][0] = 1  # whose count of tokens produced is at least one (zeros
+            # elsewhere: `torch.empty` below)
 
     jit.JITFunction.run = run
 

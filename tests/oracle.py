@@ -38,7 +38,7 @@ class OracleDrafter:
         if isinstance(start, int):
             state.advance(n)
 
-    def draft(self, state, q, anchor, row_q, k, params, key):
+    def draft(self, state, q, anchor, row_q, k, params, key, out=None):
         q = int(q)
         self.commit(state, row_q.unsqueeze(0), anchor, q if isinstance(q, torch.Tensor) else torch.tensor(q))
         history = torch.cat((self.target_state.tokens[: q + 1], anchor))
@@ -52,4 +52,7 @@ class OracleDrafter:
                 token = (token + 1 + self.rng.randrange(self.cfg.vocab_size - 1)) % self.cfg.vocab_size
             ids.append(token)
             logits = self.model.forward(token, self.mstate, logits="last").logits
-        return Draft(torch.cat(ids), torch.cat(rows))
+        out = out or Draft.empty(k, self.cfg.vocab_size, anchor.device, confidence=False)
+        torch.cat(ids, out=out.ids)
+        torch.cat(rows, out=out.logits)
+        return out

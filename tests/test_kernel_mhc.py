@@ -1,4 +1,5 @@
-"""The mHC kernels (coeffs with Sinkhorn, V4's head pre, collapse, expand) against their references.
+"""The mHC kernels (coeffs with Sinkhorn, V4's head pre, collapse, a sub-block's input with the expand before
+it) against their references.
 
 Tolerance (kernels/mhc.py): coefficients within 2^-16 of the largest (float32 projection and Sinkhorn);
 streams within 2^-20 of the largest for float32 and one bfloat16 rounding for bfloat16. Rows together equal
@@ -34,11 +35,7 @@ def check(m, hc, d, dt, device=DEVICE):
     hfn, hbase, hscale = params(hc, d, device, head=True)
     assert_close("head pre", mhc.head_pre(X, hfn, hbase, hscale, 1e-20, 1e-6),
                  run(mhc.fast_head_pre, X, hfn, hbase, hscale, 1e-20, 1e-6), COEFF_TOL, context=ctx)
-    pre, post, comb = want
-    assert_close("collapse", mhc.collapse(X, pre), run(mhc.fast_collapse, X, pre), TOL[dt], context=ctx)
-    y = torch.randn(m, d, device=device).to(dt)
-    assert_close("expand", mhc.expand(y, X, post, comb), run(mhc.fast_expand, y, X, post, comb), TOL[dt],
-                 context=ctx)
+    assert_close("collapse", mhc.collapse(X, want[0]), run(mhc.fast_collapse, X, want[0]), TOL[dt], context=ctx)
 
 
 @pytest.mark.parametrize("m,hc,d,dt", [(1, 4, 48, torch.float32), (7, 4, 100, torch.bfloat16),
@@ -62,7 +59,10 @@ def test_mhc_rows_do_not_depend_on_the_other_rows(dt):
     pre, post, comb = mhc.coeffs(X, fn, base, scale, 1e-20, 1e-6, 20)
     y = torch.randn(6, 40, device=DEVICE).to(dt)
     assert_rows_invariant("collapse", lambda sl: run(mhc.fast_collapse, X[sl], pre[sl]), context=ctx)
-    assert_rows_invariant("expand", lambda sl: run(mhc.fast_expand, y[sl], X[sl], post[sl], comb[sl]), context=ctx)
+    norm = torch.rand(40, device=DEVICE)
+    for i, name in enumerate(("expanded X", "x", "pre", "post", "comb")):
+        assert_rows_invariant(name, lambda sl, i=i: run(mhc.fast_expand_pre, y[sl], X[sl], post[sl], comb[sl], pre[sl],
+                                                        fn, base, scale, 1e-20, 1e-6, 20, norm, 1e-6)[i], context=ctx)
 
 
 def test_mhc_coeffs_refuse_a_projection_of_the_wrong_shape():
@@ -87,21 +87,38 @@ def test_a_product_and_the_mhc_expand_in_one_launch_match_the_two_references():
                           context=ctx)
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_the_expand_adds_the_ranks_partials_as_the_rank_order_sum_does(dt):
-    """A split output's partials given to the expand (appliance/parallel: the sum inside its consumer): the
-    bits of the rank-order sum (torch's adds) rounded to X's dtype, then the expand; near the reference's."""
+def check_expand_pre(m, hc, d, dt, world, device=DEVICE):
+    """fast_expand_pre: its streams X' near the reference's expand; the site's results the bits of fast_pre's of
+    X' and near the reference's `pre` of X'; given the ranks' partials (world > 1), the bits it gives their
+    rank-order sum (torch's adds) rounded to X's dtype."""
     s = seed()
-    m, hc, d = 5, 4, 70
-    X = (torch.randn(m, hc, d, device=DEVICE) * 2).to(dt)
-    post, comb = torch.rand(m, hc, device=DEVICE) * 2, torch.rand(m, hc, hc, device=DEVICE)
-    for world in (2, 4):
-        parts = [torch.randn(m, d, device=DEVICE) * 3 for _ in range(world)]
-        ctx = f"(seed {s}, {dt}, {world} ranks)"
-        summed = rank_sum.reference(parts, dt)
-        got = run(mhc.fast_expand, parts, X, post, comb)
-        assert_equal("expand of the partials", run(mhc.fast_expand, summed, X, post, comb), got, ctx)
-        assert_close("expand", mhc.expand(parts, X, post, comb), got, TOL[dt], context=ctx)
+    kind = "staggered" if torch.rand(()) < 0.5 else "site"
+    ctx = f"(seed {s}, M={m} hc={hc} D={d} {dt} {kind}, {world} ranks)"
+    X, weights, *site = pre_args(m, hc, d, dt, kind, device)
+    post, comb = torch.rand(m, hc, device=device) * 2, torch.rand(m, hc, hc, device=device)
+    y = ([torch.randn(m, d, device=device) * 3 for _ in range(world)] if world > 1
+         else torch.randn(m, d, device=device).to(dt))
+    got = run(mhc.fast_expand_pre, y, X, post, comb, weights, *site)
+    if world > 1:
+        summed = run(mhc.fast_expand_pre, rank_sum.reference(y, dt), X, post, comb, weights, *site)
+        for name, w, g in zip(("X'", "x", "pre", "post", "comb"), summed, got):
+            assert_equal(f"{name} of the partials", w, g, ctx)
+    assert_close("X'", mhc.expand(y, X, post, comb), got[0], TOL[dt], context=ctx)
+    for name, w, g in zip(("x", "pre", "post", "comb"), run(mhc.fast_pre, got[0], weights, *site), got[1:]):
+        assert_equal(f"{name} of X'", w, g, ctx)
+    want = mhc.pre(got[0], weights, *site)
+    assert_close("x", want[0], got[1], TOL[dt], context=ctx)
+    for name, w, g in zip(("pre", "post", "comb"), want[1:4], got[2:]):
+        assert_close(name, w, g, COEFF_TOL, context=ctx)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_an_expand_inside_the_next_sites_launch_matches_the_expand_and_the_site(dt):
+    """hc_expand_pre: a sub-block's output (one tensor, or the ranks' partials) expanded by the next site's own
+    launch as it reads the streams, fresh shapes."""
+    for world in (1, 2, 4):
+        check_expand_pre(int(torch.randint(1, 8, ())), int(torch.randint(2, 5, ())), int(torch.randint(20, 140, ())),
+                         dt, world)
 
 
 @requires_cuda
@@ -109,6 +126,10 @@ class TestMhcAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
     def test_mhc_kernels_match_the_references_at_v41_shapes(self, m):
         check(m, 4, 5120, torch.bfloat16, torch.device("cuda"))
+
+    @pytest.mark.parametrize("m", [1, 6])
+    def test_an_expand_inside_the_next_sites_launch_at_v41_shapes(self, m):
+        check_expand_pre(m, 4, 5120, torch.bfloat16, 4, torch.device("cuda"))
 
 
 PRE_CASES = [(1, 4, 48, torch.float32, "site"), (7, 4, 100, torch.bfloat16, "staggered"),

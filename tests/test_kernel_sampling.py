@@ -1,9 +1,9 @@
 """The sampling kernels: the truncated distribution (temperature, top-k, top-p, read from a device tensor),
-the draw of the shared counter RNG over it (the race kernel: the generator's values drawn inside it, in
-float32), and greedy argmax. Tolerance (kernels/sampling.py): probabilities within 2^-20 of the largest
-(float32 exp and sums in another order than torch's), the same entries kept, the same draws except where
-the reference's race values of the two entries are within 2^-18 of each other. Rows together equal rows one
-at a time, bit for bit."""
+the draw of the shared counter RNG over it (the race in the distribution's launch: the generator's values
+drawn inside it, in float32), and greedy argmax. Tolerance (kernels/sampling.py): probabilities within
+2^-20 of the largest (float32 exp and sums in another order than torch's), the same entries kept, the same
+draws except where the reference's race values of the two entries are within 2^-18 of each other. Rows
+together equal rows one at a time, bit for bit."""
 
 import pytest
 import torch
@@ -52,18 +52,20 @@ def test_sampling_kernels_match_the_reference(temperature, top_k, top_p):
     check(3, 1000, temperature, top_k, top_p)
 
 
-def test_the_race_kernel_draws_the_references_draws_with_its_own_generator_values():
+def test_the_sample_kernel_draws_the_references_draws_with_its_own_generator_values():
+    """The race inside the distribution's launch over 48 rows, entries without mass among them: the
+    reference's draws (but near ties), never an entry without mass, the counter advanced as the reference's."""
     s = seed()
-    p = torch.softmax(torch.randn(48, 1500, device=DEVICE) * 2, -1)
-    p[:, ::7] = 0.0  # truncated entries are never drawn
-    p /= p.sum(-1, keepdim=True)
+    logits = torch.randn(48, 1500, device=DEVICE) * 2
+    logits[:, ::7] = float("-inf")  # no mass: never drawn
+    params = params_of(1.0, 0, 1.0, DEVICE)
     key = torch.tensor([s, s % 1000], device=DEVICE)
     k1, k2 = key.clone(), key.clone()
-    want, got = sampling.draw(p, k1), run(sampling.fast_draw, p, k2)
-    assert_same_draws(p, key, want, got, f"(seed {s})")
+    want, got = sampling.sample(logits, params, k1), run(sampling.fast_sample, logits, params, k2)
+    assert_same_draws(sampling.distribution(logits, params), key, want, got, f"(seed {s})")
     assert_equal("counter", k1, k2, f"(seed {s})")
-    assert (got % 7 != 0).all(), f"a truncated entry was drawn (seed {s})"
-    again = run(sampling.fast_draw, p, k2)
+    assert (got % 7 != 0).all(), f"an entry without mass was drawn (seed {s})"
+    again = run(sampling.fast_sample, logits, params, k2)
     assert not torch.equal(again, got), f"the advanced counter drew the same 48 tokens again (seed {s})"
 
 
@@ -147,3 +149,28 @@ class TestSamplingAtV41ShapesOnCuda:
     def test_sampling_kernels_match_the_reference_at_v41_shapes(self, m):
         check(m, 129280, 0.8, 0, 0.95, torch.device("cuda"))
         check(m, 129280, 1.0, 40, 1.0, torch.device("cuda"))
+
+
+def test_sample_and_accept_write_a_callers_buffer_and_name_a_wrong_one():
+    """`out`: the ids land in the caller's buffer (a view into a larger one, as the decode cycle's result), the
+    op returns that buffer, the same ids as without it, the neighbours untouched; a wrong buffer is refused
+    naming `out`, on both paths."""
+    s = seed()
+    k, vocab = int(torch.randint(1, 5, ())), int(torch.randint(50, 400, ()))
+    logits, draft_logits = torch.randn(k + 1, vocab, device=DEVICE) * 2, torch.randn(k, vocab, device=DEVICE) * 2
+    drafts = torch.randint(0, vocab, (k,), device=DEVICE)
+    params, f = params_of(0.8, 0, 0.9, DEVICE), torch.tensor(-1, device=DEVICE)
+    for sample, accept in ((sampling.sample, sampling.accept), (sampling.fast_sample, sampling.fast_accept)):
+        key = torch.tensor([s, 7], device=DEVICE)
+        fresh = run(sample, logits, params, key.clone())
+        buf = torch.full((k + 5,), -7, dtype=torch.long, device=DEVICE)
+        got = run(sample, logits, params, key.clone(), buf[2:k + 3])
+        assert got.data_ptr() == buf[2:].data_ptr() and torch.equal(got, fresh), f"(seed {s}) {sample.__name__}"
+        assert (buf[:2] == -7).all() and (buf[k + 3:] == -7).all(), f"(seed {s}) {sample.__name__} wrote outside out"
+        fresh = run(accept, logits, drafts, draft_logits, params, key.clone(), f)
+        got = run(accept, logits, drafts, draft_logits, params, key.clone(), f, buf[1:k + 4])
+        assert got.data_ptr() == buf[1:].data_ptr() and torch.equal(got, fresh), f"(seed {s}) {accept.__name__}"
+        with pytest.raises(ValueError, match="out.shape"):
+            run(sample, logits, params, key.clone(), buf[:k])
+        with pytest.raises(ValueError, match="out.shape"):
+            run(accept, logits, drafts, draft_logits, params, key.clone(), f, buf[:k])

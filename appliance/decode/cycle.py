@@ -10,10 +10,11 @@ Inputs (`CycleBuffers`, device tensors written in place by the host before a run
 Output: result [width + 2] = count (tokens produced), accepted drafts, then the tokens.
 
 Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
-  1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B;
+  1. draft (`DraftStep`): the drafter writes its ring row of N-1 and proposes d_1..d_B for N+1..N+B, writing
+     them (with their distributions and confidences) into the buffers;
   2. verify (`VerifyStep`, width k+1): one target forward over [anchor, d_1..d_k] at positions N..N+k;
   3. accept: j drafts and the next token b (kernels.sampling: greedy prefix, or min(1, p/r)), the op
-     writing the result (three launches on the fast path);
+     writing the result (one launch on the fast path);
   4. commit: the drafter's rows of N..N+k-1 are written; the host then counts N+j+1 positions. The writes
      for rejected positions stay where no reader reaches them (appliance/model/state.py, `Journal`):
      nothing is copied or rolled back, as in a plain cycle.
@@ -33,6 +34,8 @@ capacity) and the host picks the smallest reach that holds every position the cy
 from dataclasses import dataclass
 
 import torch
+
+from appliance.model.step import Draft
 
 
 def reaches(capacity: int, floor: int) -> list[int]:
@@ -112,7 +115,7 @@ class PlainCycle:
         target, buf = self.target, self.buf
         with target.state.journal.off():  # a cycle's writes are not journaled (state.py, `Journal`)
             out = target.forward(buf.anchor, "last", buf.start, self.reach)
-        self.result[2:].copy_(target.ops.sample(out.logits[-1:], buf.params, buf.key))
+        target.ops.sample(out.logits[-1:], buf.params, buf.key, self.result[2:])
         return {"result": self.result}
 
 
@@ -129,12 +132,9 @@ class DraftStep:
         spec, buf, k = self.spec, self.buf, self.k
         q = buf.start - 1
         row_q = spec.rows_at(q.reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
+        into = Draft(buf.drafts[:k], buf.draft_logits[:k], buf.confidence[:k])  # written in place: no copies
         with spec.state.journal.off():  # chained rows (MTP) of N.. are speculative: rewritten before read
-            d = spec.drafter.draft(spec.state, q, buf.anchor, row_q, k, buf.params, buf.key)
-        buf.drafts[:k].copy_(d.ids)
-        buf.draft_logits[:k].copy_(d.logits)
-        if d.confidence is not None:
-            buf.confidence[:k].copy_(d.confidence)
+            spec.drafter.draft(spec.state, q, buf.anchor, row_q, k, buf.params, buf.key, into)
         return {"confidence": buf.confidence}
 
 
@@ -160,8 +160,8 @@ class VerifyStep:
         with state.journal.off(), spec.state.journal.off():
             out = target.forward(tokens, "all", N, self.reach)
             rows = spec.drafter.rows(out)
-            spec.rows.write(state.following(N, k + 1), rows.reshape(k + 1, -1))
-            self.result.copy_(target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force))
+            spec.rows.write(out.step.positions, rows.reshape(k + 1, -1))  # N .. N + k
+            target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force, self.result)
             spec.drafter.commit(spec.state, rows[:k], drafts, N)
         return {"result": self.result}
 

@@ -84,8 +84,8 @@ _METADATA = {aten.detach.default, aten.alias.default, aten.set_.source_Storage,
 # copies that may cross between host and device
 _COPIES = {aten._to_copy.default, aten.to.device, aten.to.dtype_layout, aten.to.other, aten.copy_.default}
 # gathers: the source (argument 0) is read at the gathered elements only
-_GATHERS = {aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default,
-            aten.take.default}
+_GATHERS = {aten.index.Tensor, aten.index_select.default, aten.index_select.out, aten.gather.default,
+            aten.embedding.default, aten.take.default}
 # overwriting operations: argument 0 (or `out`) is written, not read
 _OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
                aten.index_put_.default, aten._index_put_impl_.default, aten.index_copy_.default,

@@ -83,6 +83,14 @@ class HyperSite:
         return self.rt.ops.hc_pre(X, weights, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters,
                                   norm.weight, norm.eps, capture)
 
+    def expand_pre(self, y, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, weights: torch.Tensor | None,
+                   norm: "RMSNorm"):
+        """The previous sub-block's output y (a sum over ranks: its partials) expanded into the streams X by
+        (post, comb), then this site's `pre` of the result -> (X', x, pre, post, comb): one launch on the fast
+        path, the expand done where the site reads the streams."""
+        return self.rt.ops.hc_expand_pre(y, X, post, comb, weights, self.fn, self.base, self.scale, self.norm_eps,
+                                         self.hc_eps, self.iters, norm.weight, norm.eps)
+
 
 class MoE:
     """Routed experts (FP4 or FP8) + shared expert, score routing (sqrt-softplus + bias) or hash routing."""
@@ -122,6 +130,12 @@ class MoE:
         return X
 
 
+def embed_copies(embed: torch.Tensor, tokens: torch.Tensor, copies: int, dtype: torch.dtype) -> torch.Tensor:
+    """tokens [T] -> [T, copies, D]: each token's embedding row in `copies` identical streams, gathered
+    straight into them (one launch: the index is the tokens viewed `copies` times)."""
+    return embed[tokens.unsqueeze(1).expand(-1, copies)].to(dtype)
+
+
 def window_gather(ring: PositionRing, start, keys: torch.Tensor, positions: torch.Tensor,
                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key set for the window part of attention over a chunk of consecutive positions.
@@ -158,18 +172,22 @@ class GroupedOutput:
         t = o.shape[0]
         return self.rt.ops.linear(o.reshape(t, -1), self.wo_a, None, self.rt.dtype, groups=self.groups)
 
-    def expand(self, u: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """wo_b(u) [T, D] added to the residual streams X [T, hc, D] by the mHC expand: one launch on the fast
-        path (the expand is the product's epilogue), unless wo_b's sum is split over ranks: then two, the
-        product's partial and the expand, which adds the ranks' partials as it loads them (RowParallel.into).
-        Split, a long call holds a share of the rows' streams (fewer rows than u: Step.share) and takes wo_b
-        whole for those rows (sharding.RowParallel.exchange): one launch again."""
-        wo_b = self.wo_b
-        if isinstance(wo_b, Linear):
-            return self.rt.ops.linear_expand(u, wo_b.weight, wo_b.act_block, X, post, comb)
-        if X.shape[0] != u.shape[0]:
-            return self.rt.ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
-        return wo_b.into(u, lambda y: self.rt.ops.hc_expand(y, X, post, comb))
+    def expand_pre(self, u: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                   site: HyperSite, weights: torch.Tensor | None, norm: RMSNorm):
+        """wo_b(u) [T, D] added to the residual streams X [T, hc, D] by the mHC expand, then the next site's
+        `pre` of them -> (X', x, pre, post, comb). Split over ranks (a decode step on the box), the site's launch
+        adds the ranks' partials of wo_b(u) and expands them as it reads the streams (RowParallel.into,
+        HyperSite.expand_pre): one launch after the product. Whole, the expand is the product's epilogue, the
+        site a launch of its own; split, a long call holds a share of the rows' streams (fewer rows than u:
+        Step.share) and takes wo_b whole for those rows (sharding.RowParallel.exchange), as a whole one."""
+        wo_b, ops = self.wo_b, self.rt.ops
+        if isinstance(wo_b, Linear) or X.shape[0] != u.shape[0]:
+            if isinstance(wo_b, Linear):
+                X = ops.linear_expand(u, wo_b.weight, wo_b.act_block, X, post, comb)
+            else:
+                X = ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
+            return (X, *site.pre(X, weights, norm)[:4])
+        return wo_b.into(u, lambda y: site.expand_pre(y, X, post, comb, weights, norm))
 
 
 def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
@@ -236,7 +254,7 @@ class AttentionProjections:
     def attend(self, q, kv, window_index, comp_kv, index, cos, sin) -> torch.Tensor:
         """Attention over window keys `kv` (`window_index`: the rows each query sees, by position) and
         compressed rows `comp_kv` (`index`: the rows each query reads, ascending; -1 = none), the sink,
-        inverse RoPE on the output, the grouped projection (the block's `out.expand` finishes it)."""
+        inverse RoPE on the output, the grouped projection (the block's `out.expand_pre` finishes it)."""
         ops = self.rt.ops
         o = ops.attention(q, kv, window_index, comp_kv, index, self.sink, self.cfg.head_dim**-0.5, self.p_dtype)
         return self.out.project(ops.rope(o, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True))

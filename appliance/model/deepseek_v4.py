@@ -16,7 +16,7 @@ import torch
 
 from kernels.formats import q4_e8m0, q8_pow2
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, embed_copies
 from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
@@ -173,8 +173,8 @@ class PlainBlock:
         x, _, post, comb, mean = self.hc_attn.pre(X, None, self.attn_norm, self.captured)
         if self.captured:  # DSpark (0731) reads the stream entering this layer, averaged over the copies
             step.captures.append(mean)
-        X = self.attn.out.expand(self.attn(step.gather(x), step), X, post, comb)
-        x, _, post, comb, _ = self.hc_ffn.pre(X, None, self.ffn_norm)
+        X, x, _, post, comb = self.attn.out.expand_pre(self.attn(step.gather(x), step), X, post, comb, self.hc_ffn,
+                                                       None, self.ffn_norm)
         X = self.ffn.expand(step.gather(x), X, post, comb, step.tokens)
         return X
 
@@ -236,8 +236,7 @@ class V4Model:
         return new_state(capacity, spare, device or self.rt.device, [layer.attn for layer in self.layers])
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        e = self.embed[tokens].to(self.rt.dtype)
-        return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        return embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
 
     def final(self, X: torch.Tensor, rows: slice, step) -> torch.Tensor:
         """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split)."""

@@ -21,7 +21,7 @@ import torch
 
 from kernels.linear import Product
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, embed_copies
 from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
@@ -71,7 +71,7 @@ class V41Attention(AttentionProjections):
     # --- forward -------------------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, D] -> the grouped output projection u [T, G r] (the block's `out.expand` finishes it).
+        """x [T, D] -> the grouped output projection u [T, G r] (the block's `out.expand_pre` finishes it).
 
         On the fast path four launches before the indexer and one after: the products of x (queries' LoRA,
         window key, compressor, index head weights), the products of q_norm(c_q) (queries, index queries),
@@ -242,8 +242,8 @@ class StaggeredBlock:
         xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
         if self.captured:
             step.captures.append(mean)
-        X = self.attn.out.expand(self.attn(step.gather(xa), step), X, a_post, a_comb)
-        xf, f_pre, f_post, f_comb, _ = self.hc_ffn.pre(X, a_pre, self.ffn_norm)
+        X, xf, f_pre, f_post, f_comb = self.attn.out.expand_pre(self.attn(step.gather(xa), step), X, a_post, a_comb,
+                                                                 self.hc_ffn, a_pre, self.ffn_norm)
         X = self.ffn.expand(step.gather(xf), X, f_post, f_comb)
         return X, f_pre
 
@@ -298,8 +298,7 @@ class V41Model:
 
     def embed_tokens(self, tokens: torch.Tensor, state: DecodeState):
         """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
-        e = self.embed[tokens].to(self.rt.dtype)
-        X = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        X = embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
         return X, state.first_collapse(tokens.numel(), self.cfg.hc_mult)
 
     def engram_rows(self, step: Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -321,7 +320,8 @@ class V41Model:
         n, split = self.norm, step is not None and step.split
         mine = slice(None) if split else rows
         z = self.rt.ops.hc_pre(X[mine], pre[mine], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
-        return self.head((step.gather(z)[rows] if split else z).float(), torch.float32)
+        # the head takes z as it is: a bfloat16 row is its own float32 value (no cast launch, one MMA part)
+        return self.head(step.gather(z)[rows] if split else z, torch.float32)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
                 keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:

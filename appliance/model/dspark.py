@@ -18,7 +18,7 @@ import torch
 from kernels.formats import q8_pow2
 from kernels.linear import Product
 
-from .blocks import AttentionProjections, Dense, Linear, RMSNorm
+from .blocks import AttentionProjections, Dense, Linear, RMSNorm, embed_copies
 from .config import ModelConfig, V41Config
 from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
 from .deepseek_v41 import StaggeredBlock, moe_for
@@ -85,7 +85,7 @@ class DraftAttention(AttentionProjections):
 
     def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
         """[B, W] (one row for all, its view): for every query, the ring slots of positions q - W + 1 .. q
-        (oldest first, -1 before 0)."""
+        (oldest first, negative before 0: none)."""
         return step.state.rings[self.name].window_slots(step.q).unsqueeze(0).expand(B, -1)  # its reach: W
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
@@ -123,7 +123,9 @@ class DSpark:
         c = cfg
         self.cfg, self.rt, self.embed, self.head, self.rope = cfg, rt, embed, head, rope
         self.v41 = isinstance(cfg, V41Config)
-        self.block_size, self.noise = d.block_size, d.noise_token_id
+        self.block_size = d.block_size
+        # a draft block's ids after its anchor: the noise token, a constant made here
+        self.noise_ids = torch.full((d.block_size - 1,), d.noise_token_id, dtype=torch.long, device=rt.device)
         n_targets = len(d.target_layer_ids)
         self.main_proj = Linear.load(rt, ckpt, "mtp.0.main_proj.weight", c.dim, c.dim * n_targets,
                                      c.weight_block, c.act_block)
@@ -168,10 +170,15 @@ class DSpark:
 
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
-        the state's length advances) or a device scalar (a captured cycle: the host counts): step.count."""
+        the state's length advances) or a device scalar (a captured cycle: the host counts): step.count.
+        `tokens_next` is not written: nothing reads a DSpark state's token history (its stages take a block's
+        ids as they are; the target's state keeps the history)."""
+        self._commit(state, rows, start, state.following(start, rows.shape[0]))
+
+    def _commit(self, state: DecodeState, rows: torch.Tensor, start, positions: torch.Tensor) -> None:
+        """`commit` at `positions` (start .. start+n-1, made by the caller where it has them)."""
         n = rows.shape[0]
         h = self.main_proj(rows.to(self.rt.dtype))
-        positions = state.following(start, n)
         if self.v41:  # every stage's key projection of m in one launch, m's RMSNorm inside it
             keys = [Product(s.attn.wkv.weight, s.attn.wkv.act_block, self.rt.dtype) for s in self.stages]
             kvs = self.rt.ops.linear_multi(h, keys, (self.main_norm.weight, self.main_norm.eps))
@@ -181,19 +188,20 @@ class DSpark:
             m = self.main_norm(h)
             for stage in self.stages:
                 stage.attn.write(state, m, positions)
-        state.write_tokens(positions, tokens_next[:n])
         count(state, start, n)
 
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
-              params: torch.Tensor, key: torch.Tensor) -> Draft:
+              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None) -> Draft:
         """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
-        sampled with `params` / `key` (kernels.sampling). `q` may be a device scalar: no host reads."""
+        sampled with `params` / `key` (kernels.sampling), into `out` (a captured cycle's buffers; by default
+        fresh ones). `q` may be a device scalar: no host reads."""
         c, ops = self.cfg, self.rt.ops
-        self.commit(state, row_q.unsqueeze(0), anchor, q)
         B = self.block_size
-        ids = torch.cat((anchor, torch.full((B - 1,), self.noise, dtype=anchor.dtype, device=anchor.device)))
-        X = self.embed[ids].to(self.rt.dtype).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        step = DraftBlock(state, q, state.following(q, B + 1)[1:], ids)
+        positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
+        self._commit(state, row_q.unsqueeze(0), q, positions[:1])
+        ids = torch.cat((anchor, self.noise_ids))
+        X = embed_copies(self.embed, ids, c.hc_mult, self.rt.dtype)
+        step = DraftBlock(state, q, positions[1:], ids)
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
             step.cos, step.sin = self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
@@ -207,15 +215,16 @@ class DSpark:
             for stage in self.stages:
                 X = stage(X, step)
             x = self.hc_head(X)
-        base = self.head(self.norm(x).float(), torch.float32)  # [B, V]
-        out_ids, logits, marks = [], [], []
+        base = self.head(self.norm(x), torch.float32)  # [B, V]
+        out = out or Draft.empty(k, c.vocab_size, x.device, confidence=True)
+        # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
+        # (the Markov step reads its row from here)
+        features = torch.empty(k, c.dim + self.markov_embed.shape[1], dtype=torch.float32, device=x.device)
+        features[:, :c.dim].copy_(x[:k])
         y = anchor
         for i in range(k):  # the Markov chain: strictly sequential
-            mu = self.markov_embed[y]  # [1, rank]
-            li = base[i:i + 1] + self.markov_head(mu, torch.float32)
-            logits.append(li)
-            marks.append(mu)
-            y = self.rt.ops.sample(li, params, key)
-            out_ids.append(y)
-        conf = self.confidence(torch.cat((x[:k].float(), torch.cat(marks)), dim=-1), torch.float32)[:, 0]
-        return Draft(torch.cat(out_ids), torch.cat(logits), conf)
+            mu = torch.index_select(self.markov_embed, 0, y, out=features[i:i + 1, c.dim:])  # [1, rank]
+            torch.add(base[i:i + 1], self.markov_head(mu, torch.float32), out=out.logits[i:i + 1])
+            y = self.rt.ops.sample(out.logits[i:i + 1], params, key, out.ids[i:i + 1])
+        out.confidence.copy_(self.confidence(features, torch.float32)[:, 0])
+        return out

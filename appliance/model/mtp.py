@@ -66,17 +66,19 @@ class MTP:
         self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
 
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
-              params: torch.Tensor, key: torch.Tensor) -> Draft:
+              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None) -> Draft:
         """Position q from the target's streams and the anchor; then k-1 chained steps at q+1.. . The chained
         steps write ring rows of speculative positions: the caller runs this in a state transaction and
-        rolls back from q+1."""
+        rolls back from q+1. The draft is written into `out` (a captured cycle's buffers; by default fresh
+        ones)."""
+        out = out or Draft.empty(k, self.cfg.vocab_size, anchor.device, confidence=False)
         streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
-        ids, logits = [], []
+        logits = []
         for i in range(k):
             Y = self._forward(state, streams, token, q + i)
-            li = self.head(self.hc_head.normed(Y, self.norm).float(), torch.float32)
-            token = self.rt.ops.sample(li, params, key)
-            ids.append(token)
+            li = self.head(self.hc_head.normed(Y, self.norm), torch.float32)
+            token = self.rt.ops.sample(li, params, key, out.ids[i:i + 1])
             logits.append(li)
             streams = Y
-        return Draft(torch.cat(ids), torch.cat(logits))
+        torch.cat(logits, out=out.logits)
+        return out

@@ -114,10 +114,10 @@ class PositionRing:
         return torch.where(q >= 0, q, torch.full_like(q, -1))
 
     def window_slots(self, last) -> torch.Tensor:
-        """The slots of positions last - reach + 1 .. last [reach], oldest first, -1 for those before 0
-        (`last` a device scalar: no host read)."""
-        t = last + self.back
-        return torch.where(t >= 0, torch.remainder(t, self.size), -1)
+        """The slots of positions last - reach + 1 .. last [reach], oldest first, negative (none) for those
+        before 0 (`last` a device scalar: no host read). Two launches: the truncated remainder keeps a position
+        before 0 negative (|p| < reach <= size), and readers take a negative row as none."""
+        return torch.fmod(last + self.back, self.size)
 
     def reachable(self, length: int) -> torch.Tensor:
         """The rows a reader at `length` can reach, oldest first: positions max(0, length - reach) .. length-1."""

@@ -98,3 +98,11 @@ class Draft:
     ids: torch.Tensor  # [k] int64: proposed tokens for positions q+2 .. q+1+k
     logits: torch.Tensor  # [k, V] float32: the distribution each draft was drawn from (before sampling)
     confidence: torch.Tensor | None = None  # [k] raw logits of the confidence head (DSpark)
+
+    @classmethod
+    def empty(cls, k: int, vocab: int, device, confidence: bool) -> "Draft":
+        """Uninitialized buffers for a draft of `k` tokens, for a drafter called without its caller's (a
+        captured cycle passes views of its buffers, so that the draft needs no copy into them)."""
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(k, dtype=torch.long, device=device), torch.empty(k, vocab, **f32),
+                   torch.empty(k, **f32) if confidence else None)
