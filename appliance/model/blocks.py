@@ -181,13 +181,13 @@ class GroupedOutput:
         site a launch of its own; split, a long call holds a share of the rows' streams (fewer rows than u:
         Step.share) and takes wo_b whole for those rows (sharding.RowParallel.exchange), as a whole one."""
         wo_b, ops = self.wo_b, self.rt.ops
-        if isinstance(wo_b, Linear) or X.shape[0] != u.shape[0]:
-            if isinstance(wo_b, Linear):
-                X = ops.linear_expand(u, wo_b.weight, wo_b.act_block, X, post, comb)
-            else:
-                X = ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
-            return (X, *site.pre(X, weights, norm)[:4])
-        return wo_b.into(u, lambda y: site.expand_pre(y, X, post, comb, weights, norm))
+        if isinstance(wo_b, Linear):
+            X = ops.linear_expand(u, wo_b.weight, wo_b.act_block, X, post, comb)
+        elif X.shape[0] != u.shape[0]:
+            X = ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
+        else:
+            return wo_b.into(u, lambda y: site.expand_pre(y, X, post, comb, weights, norm))
+        return (X, *site.pre(X, weights, norm)[:4])
 
 
 def q_renorm(q: torch.Tensor, eps: float, official: bool) -> torch.Tensor:
