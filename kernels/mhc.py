@@ -326,8 +326,9 @@ def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, 
 
 
 # One launch: programs (split s, row block b). Each computes its column chunk's projection partials for the
-# block's rows (one row at a time, as _project_kernel); the last program of a row block to finish (a
-# counter per block, reset by that program) adds the partials in split order and computes the block's
+# block's rows (one row at a time, as _project_kernel; EXPAND: it first makes and stores those columns of
+# the streams from the previous sub-block's output); the last program of a row block to finish (a counter
+# per block, reset by that program) adds the partials in split order and computes the block's
 # coefficients, then the collapse and the RMSNorm of each row. Nothing mixes rows: batch invariant.
 
 
