@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import linear, rank_sum
+from . import _triton, linear, rank_sum
 from ._triton import (
     INTERPRET,
     as_int64,
@@ -380,7 +380,7 @@ def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, row
 
 @device_function
 def _expanded(y_parts, ybase, xo_ptr, post_ptr, comb_ptr, m, cols, cmask, hc, D, WORLD: tl.constexpr,
-              Y_ROUND: tl.constexpr, OUT_BF16: tl.constexpr, BHC: tl.constexpr):
+              Y_ROUND: tl.constexpr, OUT_BF16: tl.constexpr, BHC: tl.constexpr, UNROLL: tl.constexpr):
     """Row m of the expanded streams X' at flat columns `cols` of [hc, D] (stream j = cols // D, column d):
     post[j] y[d] + sum_i comb[i, j] X[i, d] (the copies in order), in X's dtype; y the ranks' partials' sum in
     rank order, rounded to X's dtype (Y_ROUND)."""
@@ -390,10 +390,15 @@ def _expanded(y_parts, ybase, xo_ptr, post_ptr, comb_ptr, m, cols, cmask, hc, D,
         y = round_out(y, OUT_BF16).to(tl.float32)
     post = tl.load(post_ptr + m * hc + j, mask=cmask, other=0.0)
     mixed = tl.zeros(cols.shape, dtype=tl.float32)
-    for i in tl.static_range(BHC):  # unrolled, copies past hc masked (a loop over hc spilled on sm_90)
-        im = cmask & (j * 0 + i < hc)
-        ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=im, other=0.0)
-        mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=im, other=0.0).to(tl.float32)
+    if UNROLL:  # copies past hc masked: on sm_90 the loop spills, on sm_100 and later the unrolled form
+        for i in tl.static_range(BHC):
+            im = cmask & (j * 0 + i < hc)
+            ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=im, other=0.0)
+            mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=im, other=0.0).to(tl.float32)
+    else:
+        for i in range(hc):
+            ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=cmask, other=0.0)
+            mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=cmask, other=0.0).to(tl.float32)
     return round_out(post * y + mixed, OUT_BF16)
 
 
@@ -416,7 +421,7 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
                 OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr, Y_ROUND: tl.constexpr,
-                WAIT: tl.constexpr,
+                WAIT: tl.constexpr, UNROLL: tl.constexpr,
                 BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
                 PDL: tl.constexpr):
     dependent_launch(PDL)
@@ -440,7 +445,7 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                     cols = c0 + tl.arange(0, BC)
                     cmask = cols < c_end
                     xv = _expanded(y_parts, ybase, xo_ptr, xpost_ptr, xcomb_ptr, m, cols, cmask, hc, D, WORLD,
-                                   Y_ROUND, OUT_BF16, BHC)
+                                   Y_ROUND, OUT_BF16, BHC, UNROLL)
                     tl.store(x_ptr + as_int64(m) * n + cols, xv, mask=cmask)
             tl.debug_barrier()  # the block's stores are visible to all its threads before they read them
         for m in range(r_lo, r_hi):
@@ -584,5 +589,6 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
         float(norm_eps), float(hc_eps), float(rms_eps),
         COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
         EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits,
+        UNROLL=front is not None and _triton.capability(dev) < 100,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean
