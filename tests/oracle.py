@@ -34,13 +34,13 @@ class OracleDrafter:
 
     def commit(self, state, rows, tokens_next, start):
         n = rows.shape[0]
-        state.write_tokens(start + torch.arange(n), tokens_next[:n])
+        state.write_tokens(state.following(start, n), tokens_next[:n])
         if isinstance(start, int):
             state.advance(n)
 
-    def draft(self, state, q, anchor, row_q, k, params, key, out=None):
-        q = int(q)
-        self.commit(state, row_q.unsqueeze(0), anchor, q if isinstance(q, torch.Tensor) else torch.tensor(q))
+    def draft(self, state, q, anchor, row_q, k, params, key, out=None, window=None):
+        q = int(q[0] if isinstance(q, torch.Tensor) and q.dim() == 1 else q)  # a cycle's: its positions from q
+        self.commit(state, row_q.unsqueeze(0), anchor, torch.tensor(q))
         history = torch.cat((self.target_state.tokens[: q + 1], anchor))
         self.mstate.reset()
         logits = self.model.forward(history, self.mstate, logits="last").logits

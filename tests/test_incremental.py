@@ -161,3 +161,33 @@ def test_a_states_constants_give_what_the_aranges_they_replace_give():
         want = [p % size if p >= 0 else -1 for p in range(last - ring.reach + 1, last + 1)]
         got = ring.window_slots(torch.tensor(last)).tolist()
         assert [g if g >= 0 else -1 for g in got] == want  # a negative slot is none (attention.window_mask)
+
+
+def test_a_cycles_buffers_hold_the_positions_and_slots_the_cycle_launched_for():
+    """CycleBuffers.load: the positions N-1 .. N+B the host makes, their slots in the speculator's rows ring
+    and a DSpark window's slots equal what a cycle made in launches before (following, the remainder,
+    window_slots), fresh sizes and N each run; the drafts a draft step left stay; a static call given the
+    positions reads views of them."""
+    from appliance.decode.cycle import CycleBuffers
+    from appliance.model.state import DecodeState, shifted
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, ()))
+
+    block, rows_ring, size = rand(1, 9), rand(2, 40), rand(2, 200)
+    state = DecodeState(64, rand(0, size), "cpu")
+    ring = state.ring("w", size, 4, torch.float32)
+    buf = CycleBuffers("cpu", block, 7, rows_ring, (ring.size, ring.reach))
+    for N in (1, rand(2, size + 1), rand(size + 1, 1 << 20)):
+        anchor, force, drafts = rand(0, 7), rand(-1, block + 1), torch.randint(0, 7, (block,))
+        buf.drafts.copy_(drafts)
+        buf.load(anchor, N, force)
+        q = torch.tensor(N - 1)
+        assert torch.equal(buf.positions, state.following(q, block + 2))
+        assert (int(buf.start), int(buf.anchor[0]), int(buf.force)) == (N, anchor, force)
+        assert torch.equal(buf.drafts, drafts)
+        assert torch.equal(buf.row_slots, buf.positions % rows_ring)
+        assert torch.equal(buf.window, ring.window_slots(q))
+        given = state.following(buf.positions[1:], block)
+        assert given.data_ptr() == buf.positions[1:].data_ptr() and torch.equal(given, state.following(N, block))
+        assert torch.equal(shifted(buf.positions, 2), buf.positions[2:]) and int(shifted(q, 2)) == N + 1

@@ -2,11 +2,15 @@
 replay it with one small device-to-host copy of the result.
 
 Inputs (`CycleBuffers`, device tensors written in place by the host before a run):
-    anchor [1]   the token for position N, not processed yet
-    start  []    N
-    params [3]   temperature, top_p, top_k (kernels.sampling)
-    key    [2]   seed and counter of the device RNG (the counter advances inside the cycle)
-    force  []    benchmarks: accept exactly this many drafts (-1: off)
+    anchor    [1]     the token for position N, not processed yet
+    positions [B + 2] N - 1 .. N + B (start = positions[1]: N)
+    row_slots [B + 2] their slots in the speculator's ring of target rows (with a drafter)
+    window    [W]     DSpark: its stages' ring slots of positions N - W .. N - 1 (negative: none)
+    params    [3]     temperature, top_p, top_k (kernels.sampling)
+    key       [2]     seed and counter of the device RNG (the counter advances inside the cycle)
+    force     []      benchmarks: accept exactly this many drafts (-1: off)
+The host makes the positions and slots with N (`CycleBuffers.load`: a few host operations and one copy with
+the anchor and force), so that a cycle launches no index arithmetic.
 Output: result [width + 2] = count (tokens produced), accepted drafts, then the tokens.
 
 Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
@@ -56,21 +60,50 @@ def reach_for(reach_list: list[int], end: int) -> int:
     raise ValueError(f"positions up to {end - 1} exceed the largest reach {reach_list[-1]}")
 
 
+NO_MODULUS = 1 << 62  # a position's: fmod leaves it as it is
+
+
 class CycleBuffers:
-    def __init__(self, device, block: int, vocab: int):
-        long = dict(dtype=torch.long, device=device)
-        # the anchor, then the drafts the draft step leaves for the verify step: a verify's tokens, one view
-        self.tokens = torch.zeros(1 + block, **long)
+    def __init__(self, device, block: int, vocab: int, rows_ring: int = 0, window_ring: tuple[int, int] = (0, 0)):
+        """`block`: the most drafts a cycle verifies (1 without a drafter); `rows_ring`: the size of the
+        speculator's ring of target rows (0: no drafter); `window_ring`: (size, reach) of a DSpark's stage
+        rings ((0, 0): none)."""
+        # what the host computes from N: each entry fmod(N - 1 + offset, modulus) (fmod keeps a position
+        # before 0 negative: none to a window's reader)
+        n = block + 2
+        size, reach = window_ring
+        offsets = [range(n), range(n) if rows_ring else (), range(1 - reach, 1)]
+        moduli = [NO_MODULUS, rows_ring, size]
+        self._offsets = torch.tensor([o for part in offsets for o in part], dtype=torch.long)
+        self._moduli = torch.tensor([m for part, m in zip(offsets, moduli) for _ in part], dtype=torch.long)
+        made = len(self._offsets)
+        # one int64 buffer so that one copy writes what the host gives: the made entries, force, then the
+        # anchor and the drafts the draft step leaves for the verify step (a verify's tokens, one view)
+        self._host = torch.zeros(made + 2, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+        self._given = torch.zeros(made + 2 + block, dtype=torch.long, device=device)
+        ends = [0, *torch.tensor([len(o) for o in offsets]).cumsum(0).tolist()]
+        self.positions, self.row_slots, self.window = (self._given[a:b] for a, b in zip(ends, ends[1:]))
+        self.start = self.positions[1]  # N, a view
+        self.force = self._given[made]
+        self.tokens = self._given[made + 1:]
         self.anchor, self.drafts = self.tokens[:1], self.tokens[1:]
-        self.start = torch.zeros((), **long)
         self.params = torch.zeros(3, dtype=torch.float32, device=device)
-        self.key = torch.zeros(2, **long)
-        self.force = torch.full((), -1, **long)
+        self.key = torch.zeros(2, dtype=torch.long, device=device)
         self.draft_logits = torch.zeros(block, vocab, dtype=torch.float32, device=device)
         self.confidence = torch.zeros(block, dtype=torch.float32, device=device)
 
+    def load(self, anchor: int, start: int, force: int = -1) -> None:
+        """What the host writes before a cycle: the anchor for position N = `start` (>= 1), the positions
+        and slots made from N, and `force`. The copy is asynchronous from pinned memory on CUDA: the host
+        writes the staging buffer again only after it read the cycle's result (a synchronization)."""
+        host, made = self._host, len(self._offsets)
+        torch.fmod(torch.add(self._offsets, start - 1, out=host[:made]), self._moduli, out=host[:made])
+        host[made], host[made + 1] = force, anchor
+        self._given[:made + 2].copy_(host, non_blocking=True)
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(vars(self))
+        """The device buffers a step reads or writes, by name (graphs/runner.py checks they stay put)."""
+        return {name: t for name, t in vars(self).items() if not name.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -114,7 +147,7 @@ class PlainCycle:
     def __call__(self) -> dict[str, torch.Tensor]:
         target, buf = self.target, self.buf
         with target.state.journal.off():  # a cycle's writes are not journaled (state.py, `Journal`)
-            out = target.forward(buf.anchor, "last", buf.start, self.reach)
+            out = target.forward(buf.anchor, "last", buf.positions[1:], self.reach)
         target.ops.sample(out.logits[-1:], buf.params, buf.key, self.result[2:])
         return {"result": self.result}
 
@@ -130,11 +163,11 @@ class DraftStep:
 
     def __call__(self) -> dict[str, torch.Tensor]:
         spec, buf, k = self.spec, self.buf, self.k
-        q = buf.start - 1
-        row_q = spec.rows_at(q.reshape(1))[0]  # [1]: indexing by a 0-dim tensor would read it on the host
+        row_q = spec.rows_at(buf.positions[:1], buf.row_slots[:1])[0]  # q = N - 1
         into = Draft(buf.drafts[:k], buf.draft_logits[:k], buf.confidence[:k])  # written in place: no copies
         with spec.state.journal.off():  # chained rows (MTP) of N.. are speculative: rewritten before read
-            spec.drafter.draft(spec.state, q, buf.anchor, row_q, k, buf.params, buf.key, into)
+            spec.drafter.draft(spec.state, buf.positions, buf.anchor, row_q, k, buf.params, buf.key, into,
+                               buf.window)
         return {"confidence": buf.confidence}
 
 
@@ -152,7 +185,7 @@ class VerifyStep:
         target, spec, buf = self.target, self.spec, self.buf
         state = target.state
         k = self.width - 1
-        N = buf.start
+        N = buf.positions[1:]  # N .. N + B
         drafts, draft_logits = buf.drafts[:k], buf.draft_logits[:k]
         tokens = buf.tokens[:k + 1]
         # not journaled (state.py, `Journal`): the writes for rejected positions, the drafter's rows of N+j..
@@ -160,7 +193,7 @@ class VerifyStep:
         with state.journal.off(), spec.state.journal.off():
             out = target.forward(tokens, "all", N, self.reach)
             rows = spec.drafter.rows(out)
-            spec.rows.write(out.step.positions, rows.reshape(k + 1, -1))  # N .. N + k
+            spec.rows.write(out.step.positions, rows.reshape(k + 1, -1), buf.row_slots[1:k + 2])  # N .. N + k
             target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force, self.result)
             spec.drafter.commit(spec.state, rows[:k], drafts, N)
         return {"result": self.result}

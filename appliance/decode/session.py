@@ -73,7 +73,9 @@ class DecodeSession:
         self.stats = DraftStats(options.draft, options.draft_tokens)
         keep_streams = self.spec is not None and self.spec.drafter.kind == "mtp"
         self.target = Target(self.model, self.state, lm.runtime.ops, options.index_keys, keep_streams)
-        self.buffers = CycleBuffers(self.device, self.spec.block if self.spec else 1, self.cfg.vocab_size)
+        spec = self.spec
+        rings = {} if spec is None else {"rows_ring": spec.rows.size, "window_ring": spec.window_ring()}
+        self.buffers = CycleBuffers(self.device, spec.block if spec else 1, self.cfg.vocab_size, **rings)
         self.reaches = reaches(self.capacity, reach_floor)
         self.graphs = GraphSet(self.device, options.graphs, check_inputs=check_graph_inputs)
         if self.graphs.capturing and lm.capture_blockers:
@@ -114,7 +116,7 @@ class DecodeSession:
         """Make (on CUDA: capture) every cycle step, then reset the states: warm-up and capture run real
         cycles, and what they wrote must not survive."""
         self.start_sampling_params(0.0, 1.0, 0, 0)
-        self.buffers.start.fill_(1)
+        self.buffers.load(0, 1)
         steps = {key: self._step(*key) for key in self.cycle_steps()}
         self.graphs.build(steps, size=lambda key: (key[1], key[2] or 0))
         self.reset()
@@ -392,13 +394,12 @@ class DecodeSession:
         adaptive draft: two, and the length rank 0 picks, shared through `steer`)."""
         buf, spec = self.buffers, self.spec
         N = self.state.length
-        buf.anchor.fill_(token)
-        buf.start.fill_(N)
         if spec is None:
+            buf.load(token, N)
             result = self.graphs.run(("plain", 0, reach_for(self.reaches, N + 1)))["result"]
             drafted = 0
         else:
-            buf.force.fill_(-1 if spec.force_accept is None else spec.force_accept)
+            buf.load(token, N, -1 if spec.force_accept is None else spec.force_accept)
             if spec.adaptive:
                 confidence = self.graphs.run(("draft", spec.block, None))["confidence"]
                 drafted = spec.adaptive_length(confidence.cpu())

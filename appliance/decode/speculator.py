@@ -68,6 +68,14 @@ class Speculator:
     def inputs(self) -> dict[str, torch.Tensor]:
         return {f"draft.{name}": t for name, t in self.state.buffers().items()}
 
+    def window_ring(self) -> tuple[int, int]:
+        """(size, reach) of a DSpark's stage rings (every stage's alike: `DraftAttention.rows`); (0, 0) for
+        MTP, whose head gathers its window itself."""
+        if self.drafter.kind != "dspark":
+            return 0, 0
+        ring = self.state.rings[self.drafter.stages[0].attn.name]
+        return ring.size, ring.reach
+
     def reset(self) -> None:
         self.state.reset()
 
@@ -108,9 +116,11 @@ class Speculator:
         kept[fresh] = rows.reshape(n, *self.row_shape)[positions[fresh] - start].to(kept.dtype)
         self.drafter.commit(self.state, kept, nxt, first)
 
-    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The kept target rows of `positions` [n] (a device tensor) -> [n, *row_shape]."""
-        return self.rows.data[positions % self.rows.size].reshape(len(positions), *self.row_shape)
+    def rows_at(self, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The kept target rows of `positions` [n] (a device tensor; `slots`: their ring slots where the caller
+        made them) -> [n, *row_shape]."""
+        slots = positions % self.rows.size if slots is None else slots
+        return self.rows.data[slots].reshape(len(positions), *self.row_shape)
 
     def calibrate(self, model, repeats: int = 5) -> list[float]:
         """Measure the target `model`'s verify cost per width (1 .. block + 1 rows) on this device, in ms

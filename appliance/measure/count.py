@@ -427,9 +427,7 @@ def count_cycle(session, context: int | None = None, world: int = 1, seed: int =
             rec.recording = recording
             for key in keys:
                 with rec.pause():  # what the host writes before a replay
-                    buf.anchor.fill_(1)
-                    buf.start.fill_(context)
-                    buf.force.fill_(-1)
+                    buf.load(1, context)
                 rec.label = key[0]
                 session.graphs.runners[key].step()
     s = rec.summary()

@@ -44,6 +44,7 @@ class DraftBlock:
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     block_rows: torch.Tensor | None = None
+    window: torch.Tensor | None = None  # [W] the ring slots of positions q - W + 1 .. q, where the caller made them
 
     @staticmethod
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,9 @@ class DraftAttention(AttentionProjections):
 
     def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
         """[B, W] (one row for all, its view): for every query, the ring slots of positions q - W + 1 .. q
-        (oldest first, negative before 0: none)."""
-        return step.state.rings[self.name].window_slots(step.q).unsqueeze(0).expand(B, -1)  # its reach: W
+        (oldest first, negative before 0: none): the step's where its caller made them."""
+        window = step.window if step.window is not None else step.state.rings[self.name].window_slots(step.q)
+        return window.unsqueeze(0).expand(B, -1)  # its reach: W
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
         B = x.shape[0]
@@ -191,17 +193,19 @@ class DSpark:
         count(state, start, n)
 
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
-              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None) -> Draft:
+              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None, window=None) -> Draft:
         """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
         sampled with `params` / `key` (kernels.sampling), into `out` (a captured cycle's buffers; by default
-        fresh ones). `q` may be a device scalar: no host reads."""
+        fresh ones). `q` may be a device scalar or the positions from q (`DecodeState.following`): no host
+        reads; `window`: the stages' ring slots of positions q - W + 1 .. q where the caller made them (a
+        cycle's host: `DraftAttention.rows`)."""
         c, ops = self.cfg, self.rt.ops
         B = self.block_size
         positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
         self._commit(state, row_q.unsqueeze(0), q, positions[:1])
         ids = torch.cat((anchor, self.noise_ids))
         X = embed_copies(self.embed, ids, c.hc_mult, self.rt.dtype)
-        step = DraftBlock(state, q, positions[1:], ids)
+        step = DraftBlock(state, positions[0], positions[1:], ids, window=window)
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
             step.cos, step.sin = self.rope(step.positions)
         step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size

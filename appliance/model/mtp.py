@@ -8,7 +8,7 @@ from .blocks import Dense, Linear, RMSNorm
 from .config import ModelConfig
 from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, v4_moe
 from .runtime import Runtime
-from .state import DecodeState, new_state
+from .state import DecodeState, new_state, shifted
 from .step import Draft, begin, finish
 
 MAX_DRAFTS = 8  # the most drafts a chain of the one-layer head proposes a cycle (its errors compound)
@@ -66,16 +66,17 @@ class MTP:
         self._forward(state, rows.to(self.rt.dtype), tokens_next[: rows.shape[0]], start)
 
     def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
-              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None) -> Draft:
+              params: torch.Tensor, key: torch.Tensor, out: Draft | None = None, window=None) -> Draft:
         """Position q from the target's streams and the anchor; then k-1 chained steps at q+1.. . The chained
         steps write ring rows of speculative positions: the caller runs this in a state transaction and
         rolls back from q+1. The draft is written into `out` (a captured cycle's buffers; by default fresh
-        ones)."""
+        ones). `window` is not read: a DSpark drafter's (its stages' window slots); the head's attention
+        gathers its window itself."""
         out = out or Draft.empty(k, self.cfg.vocab_size, anchor.device, confidence=False)
         streams, token = row_q.unsqueeze(0).to(self.rt.dtype), anchor
         logits = []
         for i in range(k):
-            Y = self._forward(state, streams, token, q + i)
+            Y = self._forward(state, streams, token, shifted(q, i))
             li = self.head(self.hc_head.normed(Y, self.norm), torch.float32)
             token = self.rt.ops.sample(li, params, key, out.ids[i:i + 1])
             logits.append(li)

@@ -124,13 +124,15 @@ class PositionRing:
         positions = torch.arange(max(0, length - self.reach), length, device=self.data.device)
         return self.data[positions % self.size]
 
-    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Write rows for consecutive positions (only the last `size` can survive)."""
+    def write(self, positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Write rows for consecutive positions (only the last `size` can survive); `slots`: their slots where
+        the caller made them (a cycle's host: no launch for the remainder), at most `size` of them."""
         if self.tap is not None:
             self.tap(self, positions, values)
         if positions.numel() > self.size:
             positions, values = positions[-self.size:], values[-self.size:]
-        slots = positions % self.size
+        if slots is None:
+            slots = positions % self.size
         self.journal.record(self.data, slots, positions)
         self.data[slots] = values.to(self.data.dtype)
 
@@ -241,8 +243,13 @@ class DecodeState:
         self.length = position
 
     def following(self, start, n: int) -> torch.Tensor:
-        """Positions start .. start + n - 1 [n] (`start` a host int or a device scalar): one add, where n
-        fits `offsets` (a captured cycle's calls: no arange launch)."""
+        """Positions start .. start + n - 1 [n]. `start` a host int or a device scalar: one add, where n fits
+        `offsets` (no arange launch); or the positions themselves, a device vector from start that the caller
+        made (a cycle's, written by the host: appliance/decode/cycle.py): its first n, a view, no launch."""
+        if isinstance(start, torch.Tensor) and start.dim() == 1:
+            if start.numel() < n:
+                raise ValueError(f"following(start, {n}): the given positions hold only {start.numel()}")
+            return start[:n]
         if n <= FOLLOWING:
             return start + self.offsets[:n]
         return start + torch.arange(n, device=self.tokens.device)
@@ -368,6 +375,14 @@ class DecodeState:
     def nbytes(self) -> int:
         return (self.tokens.numel() * 8 + sum(r.nbytes for r in self.rings.values())
                 + sum(r.nbytes for r in self.rows.values()))
+
+
+def shifted(start, i: int):
+    """Position start + i, `start` as `DecodeState.following` takes it: a host int or a device scalar plus i
+    (a scalar's: one add), or a positions vector's view from its i-th (no launch)."""
+    if isinstance(start, torch.Tensor) and start.dim() == 1:
+        return start[i:]
+    return start + i
 
 
 def new_state(capacity: int, spare: int, device, attentions, streams: int = 0) -> DecodeState:

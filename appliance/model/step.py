@@ -14,7 +14,7 @@ class Step:
 
     state: DecodeState
     tokens: torch.Tensor  # [T] int64
-    start: int | torch.Tensor  # host int (eager) or a device scalar (a capturable cycle)
+    start: int | torch.Tensor  # host int (eager) or a device scalar (a capturable cycle; a view of its positions)
     positions: torch.Tensor  # [T] int64
     index_keys: str  # "own" | "reference"
     bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: the cycle's reach - 1)
@@ -47,8 +47,9 @@ class Step:
 def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, bound: int | None = None,
           comm=None) -> Step:
     """Start a forward over `tokens`. Eager (`start` None): at the state's length, with exact shapes; `finish`
-    advances the length after. Static (`start` a device scalar): no host value is read, so the call
-    can be captured in a CUDA graph; the visible rows are bounded by `bound` (default: the capacity), a
+    advances the length after. Static (`start` a device scalar, or the call's positions as a device vector
+    from start, `DecodeState.following`): no host value is read, so the call can be captured in a CUDA
+    graph; the visible rows are bounded by `bound` (default: the capacity), a
     promise that no position of the call exceeds it, which the caller keeps. `comm`: the ranks a long call's
     streams are split over by rows (None: held whole)."""
     T = tokens.numel()
@@ -59,6 +60,7 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, boun
         bound = start + T - 1
     else:
         positions = state.following(start, T)
+        start = positions[0]  # a device scalar either way (a view of the given positions: no launch)
         bound = state.capacity - 1 if bound is None else bound
         if not 0 <= bound < state.capacity:
             raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
