@@ -9,8 +9,8 @@ Inputs (`CycleBuffers`, device tensors written in place by the host before a run
     params    [3]     temperature, top_p, top_k (kernels.sampling)
     key       [2]     seed and counter of the device RNG (the counter advances inside the cycle)
     force     []      benchmarks: accept exactly this many drafts (-1: off)
-The host makes the positions and slots with N (`CycleBuffers.load`: a few host operations and one copy with
-the anchor and force), so that a cycle launches no index arithmetic.
+The host makes the positions and slots with N (`CycleBuffers.load`: two numpy operations over a small table
+and one copy with the anchor and force), so that a cycle launches no index arithmetic.
 Output: result [width + 2] = count (tokens produced), accepted drafts, then the tokens.
 
 Without a drafter (`PlainCycle`, width 1): process the anchor, sample the next token. With one:
@@ -37,6 +37,7 @@ capacity) and the host picks the smallest reach that holds every position the cy
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from appliance.model.step import Draft
@@ -74,12 +75,15 @@ class CycleBuffers:
         size, reach = window_ring
         offsets = [range(n), range(n) if rows_ring else (), range(1 - reach, 1)]
         moduli = [NO_MODULUS, rows_ring, size]
-        self._offsets = torch.tensor([o for part in offsets for o in part], dtype=torch.long)
-        self._moduli = torch.tensor([m for part, m in zip(offsets, moduli) for _ in part], dtype=torch.long)
+        self._offsets = np.array([o for part in offsets for o in part], dtype=np.int64)
+        self._moduli = np.array([m for part, m in zip(offsets, moduli) for _ in part], dtype=np.int64)
         made = len(self._offsets)
         # one int64 buffer so that one copy writes what the host gives: the made entries, force, then the
-        # anchor and the drafts the draft step leaves for the verify step (a verify's tokens, one view)
+        # anchor and the drafts the draft step leaves for the verify step (a verify's tokens, one view); the
+        # host writes its staging through numpy (a torch operation on the host costs microseconds, this
+        # runs between a cycle's result and the next replay)
         self._host = torch.zeros(made + 2, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+        self._staged = self._host.numpy()
         self._given = torch.zeros(made + 2 + block, dtype=torch.long, device=device)
         ends = [0, *torch.tensor([len(o) for o in offsets]).cumsum(0).tolist()]
         self.positions, self.row_slots, self.window = (self._given[a:b] for a, b in zip(ends, ends[1:]))
@@ -96,10 +100,10 @@ class CycleBuffers:
         """What the host writes before a cycle: the anchor for position N = `start` (>= 1), the positions
         and slots made from N, and `force`. The copy is asynchronous from pinned memory on CUDA: the host
         writes the staging buffer again only after it read the cycle's result (a synchronization)."""
-        host, made = self._host, len(self._offsets)
-        torch.fmod(torch.add(self._offsets, start - 1, out=host[:made]), self._moduli, out=host[:made])
-        host[made], host[made + 1] = force, anchor
-        self._given[:made + 2].copy_(host, non_blocking=True)
+        staged, made = self._staged, len(self._offsets)
+        np.fmod(np.add(self._offsets, start - 1, out=staged[:made]), self._moduli, out=staged[:made])
+        staged[made], staged[made + 1] = force, anchor
+        self._given[:made + 2].copy_(self._host, non_blocking=True)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The device buffers a step reads or writes, by name (graphs/runner.py checks they stay put)."""
