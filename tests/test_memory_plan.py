@@ -110,8 +110,8 @@ def _holds_its_plan(rank: dict) -> None:
 
 @pytest.mark.slow
 def test_a_load_and_a_long_prefill_hold_what_the_plan_with_its_chunk_says_within_five_percent():
-    """One rank, a 128-token prompt in chunks of 64 (the last chunk's indexer scores the widest)."""
-    _holds_its_plan(prefill_footprint(None, 128, 64, random.randrange(1 << 30)))
+    """One rank, a 96-token prompt in chunks of 48 (the last chunk's indexer scores the widest)."""
+    _holds_its_plan(prefill_footprint(None, 96, 48, random.randrange(1 << 30)))
 
 
 @pytest.mark.slow
