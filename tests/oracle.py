@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from appliance.model.state import DecodeState
+from appliance.model.state import DecodeState, given_positions
 from appliance.model.step import Draft
 from kernels import sampling as sampler
 
@@ -39,7 +39,7 @@ class OracleDrafter:
             state.advance(n)
 
     def draft(self, state, q, anchor, row_q, k, params, key, out=None, window=None):
-        q = int(q[0] if isinstance(q, torch.Tensor) and q.dim() == 1 else q)  # a cycle's: its positions from q
+        q = int(q[0] if given_positions(q) else q)  # a cycle's: its positions from q
         self.commit(state, row_q.unsqueeze(0), anchor, torch.tensor(q))
         history = torch.cat((self.target_state.tokens[: q + 1], anchor))
         self.mstate.reset()

@@ -185,7 +185,7 @@ def test_a_cycles_buffers_hold_the_positions_and_slots_the_cycle_launched_for():
         buf.load(anchor, N, force)
         q = torch.tensor(N - 1)
         assert torch.equal(buf.positions, state.following(q, block + 2))
-        assert (int(buf.start), int(buf.anchor[0]), int(buf.force)) == (N, anchor, force)
+        assert (int(buf.positions[1]), int(buf.anchor[0]), int(buf.force)) == (N, anchor, force)
         assert torch.equal(buf.drafts, drafts)
         assert torch.equal(buf.row_slots, buf.positions % rows_ring)
         assert torch.equal(buf.window, ring.window_slots(q))

@@ -3,7 +3,7 @@ replay it with one small device-to-host copy of the result.
 
 Inputs (`CycleBuffers`, device tensors written in place by the host before a run):
     anchor    [1]     the token for position N, not processed yet
-    positions [B + 2] N - 1 .. N + B (start = positions[1]: N)
+    positions [B + 2] N - 1 .. N + B (a static call takes its positions as its start: model/step.py)
     row_slots [B + 2] their slots in the speculator's ring of target rows (with a drafter)
     window    [W]     DSpark: its stages' ring slots of positions N - W .. N - 1 (negative: none)
     params    [3]     temperature, top_p, top_k (kernels.sampling)
@@ -87,7 +87,6 @@ class CycleBuffers:
         self._given = torch.zeros(made + 2 + block, dtype=torch.long, device=device)
         ends = [0, *torch.tensor([len(o) for o in offsets]).cumsum(0).tolist()]
         self.positions, self.row_slots, self.window = (self._given[a:b] for a, b in zip(ends, ends[1:]))
-        self.start = self.positions[1]  # N, a view
         self.force = self._given[made]
         self.tokens = self._given[made + 1:]
         self.anchor, self.drafts = self.tokens[:1], self.tokens[1:]

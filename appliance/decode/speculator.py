@@ -69,7 +69,7 @@ class Speculator:
         return {f"draft.{name}": t for name, t in self.state.buffers().items()}
 
     def window_ring(self) -> tuple[int, int]:
-        """(size, reach) of a DSpark's stage rings (every stage's alike: `DraftAttention.rows`); (0, 0) for
+        """(size, reach) of a DSpark's stage rings (every stage's alike: `DSpark.draft`'s window); (0, 0) for
         MTP, whose head gathers its window itself."""
         if self.drafter.kind != "dspark":
             return 0, 0

@@ -33,18 +33,17 @@ class DraftBlock:
     """One DSpark draft: the block's rows sit at positions q+1 .. q+B."""
 
     state: DecodeState
-    q: int | torch.Tensor
     positions: torch.Tensor
     tokens: torch.Tensor | None = None  # the block's ids (V4 blocks pass them to the MoE)
     captures: list = field(default_factory=list)
     # what every stage shares, made once a draft: cos/sin of the block's positions (0731's stages; V4.1's
-    # read the RoPE tables inside their ops), the ring slots each query attends to (`DraftAttention.rows`)
-    # and the block rows, every one of which each query attends to too (the attention's second list)
+    # read the RoPE tables inside their ops), the ring slots each query attends to (the window's of q, one
+    # row for all) and the block rows, every one of which each query attends to too (the attention's second
+    # list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     block_rows: torch.Tensor | None = None
-    window: torch.Tensor | None = None  # [W] the ring slots of positions q - W + 1 .. q, where the caller made them
 
     @staticmethod
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -83,12 +82,6 @@ class DraftAttention(AttentionProjections):
         none = kv.new_empty((kv.shape[0], 0, kv.shape[1]))
         self.rt.ops.attn_inputs(none, kv, positions, self.rope.tables, self.kv_norm.weight, self.kv_norm.eps,
                                 ring.data, True, self.rt.num.official)
-
-    def rows(self, step: DraftBlock, B: int) -> torch.Tensor:
-        """[B, W] (one row for all, its view): for every query, the ring slots of positions q - W + 1 .. q
-        (oldest first, negative before 0: none): the step's where its caller made them."""
-        window = step.window if step.window is not None else step.state.rings[self.name].window_slots(step.q)
-        return window.unsqueeze(0).expand(B, -1)  # its reach: W
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
         B = x.shape[0]
@@ -172,7 +165,8 @@ class DSpark:
 
     def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
-        the state's length advances) or a device scalar (a captured cycle: the host counts): step.count.
+        the state's length advances), or a device scalar or the positions from it (a captured cycle: the host
+        counts): step.count.
         `tokens_next` is not written: nothing reads a DSpark state's token history (its stages take a block's
         ids as they are; the target's state keeps the history)."""
         self._commit(state, rows, start, state.following(start, rows.shape[0]))
@@ -197,18 +191,20 @@ class DSpark:
         """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
         sampled with `params` / `key` (kernels.sampling), into `out` (a captured cycle's buffers; by default
         fresh ones). `q` may be a device scalar or the positions from q (`DecodeState.following`): no host
-        reads; `window`: the stages' ring slots of positions q - W + 1 .. q where the caller made them (a
-        cycle's host: `DraftAttention.rows`)."""
+        reads; `window`: the stages' ring slots of positions q - W + 1 .. q (oldest first, negative before 0:
+        none) where the caller made them (a cycle's host), else made here."""
         c, ops = self.cfg, self.rt.ops
         B = self.block_size
         positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
         self._commit(state, row_q.unsqueeze(0), q, positions[:1])
         ids = torch.cat((anchor, self.noise_ids))
         X = embed_copies(self.embed, ids, c.hc_mult, self.rt.dtype)
-        step = DraftBlock(state, positions[0], positions[1:], ids, window=window)
+        step = DraftBlock(state, positions[1:], ids)
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
             step.cos, step.sin = self.rope(step.positions)
-        step.rows = self.stages[0].attn.rows(step, B)  # every stage's ring has the same size
+        if window is None:  # every stage's ring has the same size
+            window = state.rings[self.stages[0].attn.name].window_slots(positions[0])
+        step.rows = window.unsqueeze(0).expand(B, -1)  # one row viewed by every query (its reach: W)
         step.block_rows = state.offsets[:B].unsqueeze(0).expand(B, -1)  # one row viewed by every query
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)

@@ -246,7 +246,7 @@ class DecodeState:
         """Positions start .. start + n - 1 [n]. `start` a host int or a device scalar: one add, where n fits
         `offsets` (no arange launch); or the positions themselves, a device vector from start that the caller
         made (a cycle's, written by the host: appliance/decode/cycle.py): its first n, a view, no launch."""
-        if isinstance(start, torch.Tensor) and start.dim() == 1:
+        if given_positions(start):
             if start.numel() < n:
                 raise ValueError(f"following(start, {n}): the given positions hold only {start.numel()}")
             return start[:n]
@@ -377,12 +377,16 @@ class DecodeState:
                 + sum(r.nbytes for r in self.rows.values()))
 
 
+def given_positions(start) -> bool:
+    """Whether a static call's `start` is its positions themselves (a device vector from start, made by the
+    caller) rather than a host int or a device scalar."""
+    return isinstance(start, torch.Tensor) and start.dim() == 1
+
+
 def shifted(start, i: int):
     """Position start + i, `start` as `DecodeState.following` takes it: a host int or a device scalar plus i
     (a scalar's: one add), or a positions vector's view from its i-th (no launch)."""
-    if isinstance(start, torch.Tensor) and start.dim() == 1:
-        return start[i:]
-    return start + i
+    return start[i:] if given_positions(start) else start + i
 
 
 def new_state(capacity: int, spare: int, device, attentions, streams: int = 0) -> DecodeState:
