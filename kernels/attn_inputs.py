@@ -11,6 +11,9 @@ fl32(position * f_i), as the official code precomputes them; no transcendental f
 `quant` False skips the fake quantizations (plain numerics). Reference: the torch ops the model ran before
 this fusion, in the same order (rope, rmsnorm and formats references).
 
+`window_keys`: several attentions' window keys of the same rows (DSpark's stages), each into its ring; its
+kernel (`fast_window_keys`) one launch of programs (row, attention), each the window-key part of `fast`.
+
 Kernel (`fast`): programs (row, part): part 0 the window key and head weights, parts 1.. blocks of query heads
 (rotated in place: the nope dims of a query are not touched, so the query buffer is the projection's) and of
 index heads. float32 throughout; everything is per row: batch invariant. Tolerance against the reference
@@ -66,6 +69,15 @@ def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: 
             qi = q4_e8m0(qi, 32).to(qi.dtype)
         iw = (iw.float() * torch.tensor(iw_scale, dtype=torch.float32)).to(iw.dtype)
     return q, k, qi, iw
+
+
+def window_keys(kvs: list[torch.Tensor], positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_norms: list[torch.Tensor], eps: float, rings: list[torch.Tensor], quant: bool) -> None:
+    """Several attentions' window keys at the same positions, each into its own ring (DSpark's stages: every
+    stage's key of the same rows): `reference` with no query heads, one attention after another (kvs[i] [T,
+    hd], kv_norms[i] [hd], rings[i] [S, hd] written in place)."""
+    for kv, norm, ring in zip(kvs, kv_norms, rings, strict=True):
+        reference(kv.new_empty((kv.shape[0], 0, kv.shape[1])), kv, positions, rope, norm, eps, ring, True, quant)
 
 
 # --- Triton kernel ---------------------------------------------------------------------------------------
@@ -130,6 +142,29 @@ def q4_e8m0_tile(x, BR: tl.constexpr, BC: tl.constexpr):
     return tl.reshape(e2m1_rne(xb / s) * s, (BR, BC))
 
 
+@device_function
+def _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE: tl.constexpr,
+                QUANT: tl.constexpr, OUT_BF16: tl.constexpr, HALF: tl.constexpr, BHD: tl.constexpr):
+    """Row t's window key into k [T, hd] (and the ring, WRITE): RMSNorm of kv's row, RoPE at `pos`, the FP8
+    fake quantization (QUANT)."""
+    cols = tl.arange(0, BHD)
+    cm = cols < hd
+    x = tl.load(kv_ptr + t * hd + cols, mask=cm, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tsum(x * x, axis=0) / hd + eps)
+    w = tl.load(nw_ptr + cols, mask=cm, other=0.0)
+    tl.store(k_ptr + t * hd + cols, round_out(w * (x * r), OUT_BF16), mask=cm)
+    tl.debug_barrier()  # the normed key is re-read below by the rotation's partner loads
+    k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)  # [1, BHD]
+    tl.debug_barrier()
+    if QUANT:
+        k = quant_tile(k, 1, BHD, 32)
+    k = round_out(k, OUT_BF16)
+    tl.store(k_ptr + t * hd + cols[None, :], k, mask=cm[None, :])
+    if WRITE:
+        if t >= T - S:  # only the last S rows of a call survive in the ring
+            tl.store(ring_ptr + (pos % S) * hd + cols[None, :], k, mask=cm[None, :])
+
+
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
             kv_ptr,     # [T, hd] window key projection
@@ -151,22 +186,8 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
     if part == 0:  # the window key (and the index head weights)
-        cols = tl.arange(0, BHD)
-        cm = cols < hd
-        x = tl.load(kv_ptr + t * hd + cols, mask=cm, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt_rn(tsum(x * x, axis=0) / hd + eps)
-        w = tl.load(nw_ptr + cols, mask=cm, other=0.0)
-        tl.store(k_ptr + t * hd + cols, round_out(w * (x * r), OUT_BF16), mask=cm)
-        tl.debug_barrier()  # the normed key is re-read below by the rotation's partner loads
-        k = _rotate(k_ptr, t, 1, hd, tl.arange(0, 1), cols, pos, cos_ptr, sin_ptr, HALF, OUT_BF16)  # [1, BHD]
-        tl.debug_barrier()
-        if QUANT:
-            k = quant_tile(k, 1, BHD, 32)
-        k = round_out(k, OUT_BF16)
-        tl.store(k_ptr + t * hd + cols[None, :], k, mask=cm[None, :])
-        if WRITE:
-            if t >= T - S:  # only the last S rows of a call survive in the ring
-                tl.store(ring_ptr + (pos % S) * hd + cols[None, :], k, mask=cm[None, :])
+        _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE, QUANT, OUT_BF16,
+                    HALF, BHD)
         if INDEX:
             heads = tl.arange(0, BNH)
             hm = heads < nh
@@ -239,3 +260,53 @@ def fast(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple
                         OUT_BF16=q.dtype == torch.bfloat16, HALF=half, BHD=pow2(hd), BQH=bqh, BIH=bih,
                         BDI=pow2(di), BNH=pow2(nh), **pdl(q.device))
     return q, k, qo, wo
+
+
+@triton.jit(do_not_specialize=["T"])
+def _keys_kernel(kvs,       # ATTNS [T, hd] window key projections (a tuple)
+                 pos_ptr,   # int64 [T]
+                 cos_ptr, sin_ptr,  # float32 [P, HALF] RoPE tables
+                 nws,       # ATTNS float32 [hd] kv_norm weights (a tuple)
+                 rings,     # ATTNS [S, hd] window rings (a tuple)
+                 k_ptr,     # scratch [ATTNS, T, hd]: the keys before their ring write
+                 T, hd, S, eps,
+                 ATTNS: tl.constexpr, QUANT: tl.constexpr, OUT_BF16: tl.constexpr, HALF: tl.constexpr,
+                 BHD: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    a = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    for i in tl.static_range(ATTNS):  # a tuple's entries are chosen at compile time
+        if a == i:
+            _window_key(kvs[i], nws[i], rings[i], k_ptr + i * T * hd, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, True,
+                        QUANT, OUT_BF16, HALF, BHD)
+
+
+def fast_window_keys(kvs: list[torch.Tensor], positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv_norms: list[torch.Tensor], eps: float, rings: list[torch.Tensor], quant: bool) -> None:
+    """The kernel for `window_keys` (same signature; each ring the same bits as `fast` writes it): one launch,
+    programs (row, attention)."""
+    n = len(kvs)
+    require(1 <= n == len(kv_norms) == len(rings), "kvs", n, "must be one or more, one per kv_norm and ring")
+    t, hd = kvs[0].shape
+    size = rings[0].shape[0]
+    require(tuple(positions.shape) == (t,) and positions.dtype == torch.int64, "positions",
+            f"{tuple(positions.shape)} {positions.dtype}", f"must be [{t}] int64")
+    half = check_rope(rope, hd)
+    for i, (kv, norm, ring) in enumerate(zip(kvs, kv_norms, rings)):
+        require(tuple(kv.shape) == (t, hd) and kv.dtype in (torch.float32, torch.bfloat16), f"kvs[{i}]",
+                f"{tuple(kv.shape)} {kv.dtype}", f"must be [{t}, {hd}] float32 or bfloat16")
+        require(kv.dtype == kvs[0].dtype, f"kvs[{i}].dtype", kv.dtype, f"must be kvs[0]'s {kvs[0].dtype}")
+        require(tuple(norm.shape) == (hd,), f"kv_norms[{i}].shape", tuple(norm.shape), f"must be ({hd},)")
+        require_dtype(norm, f"kv_norms[{i}]", (torch.float32,))
+        require(tuple(ring.shape) == (size, hd) and ring.dtype == kv.dtype and ring.is_contiguous(), f"rings[{i}]",
+                f"{tuple(ring.shape)} {ring.dtype}", f"must be a contiguous [{size}, {hd}] {kv.dtype}")
+    require(not quant or hd % 32 == 0, "hd", hd, "must be a multiple of 32 (the FP8 blocks)")
+    dev = device_of(*kvs, positions, *rope, *kv_norms, *rings)
+    if t == 0:
+        return
+    kvs = tuple(kv.contiguous() for kv in kvs)
+    k = torch.empty((n, t, hd), dtype=kvs[0].dtype, device=dev)
+    _keys_kernel[(t, n)](kvs, positions, *rope, tuple(kv_norms), tuple(rings), k, t, hd, size, float(eps), ATTNS=n,
+                         QUANT=quant, OUT_BF16=kvs[0].dtype == torch.bfloat16, HALF=half, BHD=pow2(hd),
+                         **pdl(dev))

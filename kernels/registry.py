@@ -29,6 +29,7 @@ class Ops:
     hc_pre: Callable
     attention: Callable
     attn_inputs: Callable
+    window_keys: Callable
     attend: Callable
     compress: Callable
     index_scores: Callable
@@ -70,6 +71,7 @@ REFERENCE = Ops(
     hc_pre=mhc.pre,
     attention=attention.reference,
     attn_inputs=attn_inputs.reference,
+    window_keys=attn_inputs.window_keys,
     attend=attention.attend_reference,
     compress=compress.reference,
     index_scores=indexer.scores,
@@ -95,6 +97,7 @@ FAST = Ops(
     hc_pre=mhc.fast_pre,
     attention=attention.fast,
     attn_inputs=attn_inputs.fast,
+    window_keys=attn_inputs.fast_window_keys,
     attend=attention.fast_attend,
     compress=compress.fast,
     index_scores=indexer.fast_scores,

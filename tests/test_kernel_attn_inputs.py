@@ -80,3 +80,31 @@ def test_attention_inputs_of_a_row_do_not_depend_on_the_other_rows():
 
     for i, name in enumerate(("q", "k", "qi", "iw")):
         assert_rows_invariant(name, lambda sl, i=i: call(sl, i), context=f"(seed {s})")
+
+
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_several_attentions_window_keys_in_one_launch_are_each_ones_own_launchs(dt):
+    """window_keys (DSpark's stages: each its own key projection, kv_norm and ring, the same positions): each
+    ring the same bits as the attention-inputs kernel writes it alone, and within the reference's tolerance;
+    a call longer than the rings keeps its last positions."""
+    s = seed()
+    n, t, size, quant = torch.randint(1, 4, ()).item(), torch.randint(1, 13, ()).item(), 8, s % 2 == 0
+    ctx = f"(seed {s}, {dt}, {n} attentions, {t} rows, quant={quant})"
+    _, _, positions, rope, _, _, _ = inputs(t, 0, 64, 0, 32, 8, dt, start=torch.randint(0, 30, ()).item())
+    kvs = [(torch.randn(t, 64, device=DEVICE) * 3).to(dt) for _ in range(n)]
+    norms = [1 + 0.1 * torch.randn(64, device=DEVICE) for _ in range(n)]
+
+    def rings():
+        return [torch.full((size, 64), -5.0, device=DEVICE).to(dt) for _ in range(n)]
+
+    got, alone, want = rings(), rings(), rings()
+    run(attn_inputs.fast_window_keys, kvs, positions, rope, norms, 1e-6, got, quant)
+    attn_inputs.window_keys(kvs, positions, rope, norms, 1e-6, want, quant)
+    for i in range(n):
+        none = kvs[i].new_empty((t, 0, 64))
+        attn_inputs.fast(none, kvs[i], positions, rope, norms[i], 1e-6, alone[i], True, quant)
+        assert torch.equal(bits(got[i]), bits(alone[i])), f"ring {i} differs from its own launch's {ctx}"
+        (close_codes if quant else lambda n_, w, g, c: assert_close(n_, w, g, TOL[dt], context=c))(
+            f"ring {i}", want[i], got[i], ctx)
+        kept = positions[-size:] % size
+        assert (got[i][kept] != -5.0).all(), f"ring {i} lacks a key of the call's last {size} positions {ctx}"

@@ -4,8 +4,8 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
 `count_cycle(session, context)` runs the session's cycle steps (plain, or draft + verify) once to warm up
 (caches a first call makes, as a capture's warm-up would) and once under the `Recorder`, with
 - every backbone layer and drafter stage tagged, so what happens inside is attributed to it;
-- the registry's `attention`, `attn_inputs`, `compress` and `ffn` wrapped to declare what they read that the
-  recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at the distinct
+- the registry's `attention`, `attn_inputs`, `window_keys`, `compress` and `ffn` wrapped to declare what they
+  read that the recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at the distinct
   rows the index selects (not the whole cache), rings at the slots in reach, the RoPE tables at the rows
   of the call's positions (not the whole capacity), and the fused MoE kernels read each distinct routed
   expert this rank holds once, and the shared expert (this rank's share), through tables of expert
@@ -17,11 +17,7 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
 wrappers also declare the tensor-core FLOPs of the weight products, the attention and the indexer's scores,
 which a chunk's rows make matter), with the most bytes its own tensors hold at once (`scratch_bytes`).
 
-The ideal (`ideal_bytes`): each weight the cycle touches read once in its stored format (this rank's
-share of the split ones; embeddings and Engram tables at the rows gathered; routed experts as counted) plus
-the decode state the math must read: the window keys each layer sees, the pooling carry of each
-compressor, every visible index key of each indexer (a re-indexing layer only its candidate blocks' keys),
-the distinct compressed rows each attention selects, in the format the state stores them.
+The ideal the bytes are held against: appliance/measure/ideal.py.
 """
 
 import dataclasses
@@ -31,13 +27,12 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from appliance.model.config import ModelConfig, V41Config
 from appliance.parallel.placement import HOST_TABLE_BYTES
 from kernels._triton import E4M3_LONG_ROWS, E4M3_MMA_ROWS, LONG_ROWS, MMA_ROWS, long_calls
 from kernels.indexer import SELECT_PASSES, inside_rows
 
+from .ideal import ideal_bytes
 from .recorder import LiveBytes, Recorder, nbytes, tensor_args, unique_violations
-from .shapes import meta_model, rank_shares
 from .tiles import engram_kind, expand_kind, expected_tile_rows, one_product_kind, products_kind, tile_rows
 
 
@@ -103,6 +98,7 @@ class DeclaredReads:
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
                                           attend=self._attend(ops.attend),
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
+                                          window_keys=self._window_keys(ops.window_keys),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
                                           linear=self._products(ops.linear, rows, one_product_kind),
@@ -252,6 +248,18 @@ class DeclaredReads:
             rows = min(positions.numel(), ring.shape[0])
             with self.rec.writes(ring, rows * _row(ring)), self._table_rows(rope, positions.numel()):
                 return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
+
+        return call
+
+    def _window_keys(self, window_keys):
+        """As `_attn_inputs`, each of the call's rings."""
+        def call(kvs, positions, rope, kv_norms, eps, rings, quant):
+            rows = min(positions.numel(), rings[0].shape[0])
+            with ExitStack() as declared:
+                for ring in rings:
+                    declared.enter_context(self.rec.writes(ring, rows * _row(ring)))
+                declared.enter_context(self._table_rows(rope, positions.numel()))
+                return window_keys(kvs, positions, rope, kv_norms, eps, rings, quant)
 
         return call
 
@@ -526,72 +534,3 @@ def payloads(collectives: list[dict]) -> list[dict]:
     for c in collectives:
         groups[(c["op"], c["bytes"])] += 1
     return [{"op": op, "bytes": b, "count": n} for (op, b), n in sorted(groups.items())]
-
-
-# --- the ideal ------------------------------------------------------------------------------------------
-
-_EMBEDDINGS = ("embed.weight", "markov_head.embed.weight", "markov_head.markov_w1.weight", ".gate.tid2eid")
-
-
-def ideal_bytes(cfg: ModelConfig, world: int, width: int, drafting: bool, routed: int, selected_rows: int,
-                state, context: int, draft_state=None) -> dict:
-    """What one cycle must read at least (see the module docstring), this rank's share; `routed` and
-    `selected_rows`: the routed experts' and the selected compressed rows' bytes, as counted. A rank's
-    share of each weight is what the split (appliance/parallel/sharding.py) leaves it of a meta build."""
-    whole = meta_model(cfg)
-    shares = rank_shares(whole, world)
-    ckpt = whole.checkpoint
-    weights = gathered = 0.0
-    for name, (_, shape) in ckpt.tensors.items():
-        if ".engram.embed." in name or (name.startswith("mtp.") and not drafting):
-            continue  # Engram's rows: as gathered (below)
-        if ".experts." in name and ".shared_experts." not in name:
-            continue  # routed: as counted
-        n = ckpt.nbytes(name) * shares[name]
-        if name.endswith(_EMBEDDINGS):
-            gathered += width * n / shape[0]
-        else:
-            weights += n
-    engram = 0
-    if isinstance(cfg, V41Config) and cfg.engram is not None:
-        e = cfg.engram
-        engram = width * len(e.layer_ids) * (e.max_ngram - 1) * e.n_heads * (e.head_dim + e.head_dim // 32)
-    st = state_ideal(cfg, state, context, width) + selected_rows
-    if draft_state is not None:
-        st += state_ideal(cfg, draft_state, context, width)
-    total = int(weights + gathered + routed + engram + st)
-    return {"total": total, "weights": int(weights), "embedding_rows": int(gathered), "routed_experts": routed,
-            "engram_rows": engram, "state": int(st)}
-
-
-def state_ideal(cfg: ModelConfig, state, context: int, width: int) -> float:
-    """Decode-state bytes one cycle of `width` rows after `context` positions must read, as `state` stores
-    them, except the compressed rows attention selects (counted where they are selected)."""
-    def row(t: torch.Tensor) -> int:
-        return t.shape[-1] * t.element_size()
-
-    total = 0.0
-    for name, ring in state.rings.items():
-        kind, _, idx = name.rpartition(".")
-        if kind == "window" or kind.startswith("dspark") or name.startswith("dspark."):
-            total += min(context, cfg.window_size) * row(ring.data)
-        elif kind in ("compressor", "index_compressor"):
-            total += min(context, cfg.compress_ratios[int(idx)]) * row(ring.data)
-    for name, cache in state.rows.items():
-        if not name.startswith("index_keys."):
-            continue
-        owner = int(name.rpartition(".")[2])
-        visible = (context + width) // cache.ratio
-        if isinstance(cfg, V41Config):
-            for L in cfg.index_source_layers:
-                if cfg.kv_source_of(L) != owner:
-                    continue
-                keys = visible
-                if 0 <= cfg.candidate_source_layer < L:  # re-indexing: only the candidate blocks' keys
-                    keys = min(visible, cfg.candidate_topk_blocks * cfg.candidate_block_size)
-                total += keys * row(cache.data)
-        else:
-            total += visible * row(cache.data)
-    if isinstance(cfg, V41Config) and cfg.engram is not None:
-        total += width * cfg.engram.max_ngram * state.tokens.element_size()
-    return total

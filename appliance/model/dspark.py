@@ -74,15 +74,6 @@ class DraftAttention(AttentionProjections):
         cos, sin = self.rope(positions)
         state.rings[self.name].write(positions, self.window_keys(x, cos, sin))
 
-    def write_keys(self, state: DecodeState, kv: torch.Tensor, positions: torch.Tensor) -> None:
-        """V4.1: the window key projections kv [n, hd] into the ring at `positions`: kv_norm, RoPE, the FP8 fake
-        quantization and the ring write in one op (the backbone's row work, with no query heads)."""
-        ring = state.rings[self.name]
-        ring.record(positions)
-        none = kv.new_empty((kv.shape[0], 0, kv.shape[1]))
-        self.rt.ops.attn_inputs(none, kv, positions, self.rope.tables, self.kv_norm.weight, self.kv_norm.eps,
-                                ring.data, True, self.rt.num.official)
-
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
         B = x.shape[0]
         ring = step.state.rings[self.name]
@@ -178,8 +169,13 @@ class DSpark:
         if self.v41:  # every stage's key projection of m in one launch, m's RMSNorm inside it
             keys = [Product(s.attn.wkv.weight, s.attn.wkv.act_block, self.rt.dtype) for s in self.stages]
             kvs = self.rt.ops.linear_multi(h, keys, (self.main_norm.weight, self.main_norm.eps))
-            for stage, kv in zip(self.stages, kvs, strict=True):
-                stage.attn.write_keys(state, kv, positions)
+            # every stage's window key (kv_norm, RoPE, the FP8 fake quantization) into its ring: one op
+            attns = [s.attn for s in self.stages]
+            rings = [state.rings[a.name] for a in attns]
+            for ring in rings:
+                ring.record(positions)
+            self.rt.ops.window_keys(kvs, positions, self.rope.tables, [a.kv_norm.weight for a in attns],
+                                    attns[0].kv_norm.eps, [r.data for r in rings], self.rt.num.official)
         else:
             m = self.main_norm(h)
             for stage in self.stages:
