@@ -19,10 +19,12 @@ Kernels (`fast_coeffs`, `fast_head_pre`, `fast_collapse`, `fast_pre`, `fast_expa
   normalizations, which contract errors rather than grow them).
 - collapse / expand: elementwise float32 accumulation over the hc copies in copy order (a few roundings:
   within hc 2^-23 of the largest term, plus one rounding of X's dtype).
-- a sub-block's input (`fast_pre`): the coefficients, the collapse and the RMSNorm in one launch; with the
-  previous sub-block's expand in front (`fast_expand_pre`: each program expands the columns it projects,
-  the ranks' partials added in rank order as it loads them, and stores them for the collapse). A product's
-  expand alone is its product's epilogue (`fast_product_expand`), the MoE's its combine's.
+- a sub-block's input (`fast_pre`): the coefficients, the collapse and the RMSNorm in one launch, each
+  program a chunk of the columns of every copy; with the previous sub-block's expand in front
+  (`fast_expand_pre`: each program expands the columns it projects, the ranks' partials added in rank order
+  as it loads them, a MoE's pairs and shared expert as its combine adds them (`Combine`), and stores them
+  for the collapse). A product's expand alone is its product's epilogue (`fast_product_expand`), the MoE's
+  its combine's (kernels/moe.py; the same device functions) where no site takes it.
 All batch invariant: no reduction mixes rows.
 """
 
@@ -30,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _triton, linear, rank_sum
+from . import linear, rank_sum
 from ._triton import (
     INTERPRET,
     as_int64,
@@ -51,6 +53,31 @@ from ._triton import (
 )
 from .linear import rows_matmul
 from .rank_sum import rank_arrive, rank_load
+
+
+class Combine(NamedTuple):
+    """A MoE call's output before its combine (kernels/moe.py fast_ffn `pending`), as an expand's y: row m is
+    its pairs' outputs (rows pos[m] of `parts`, every rank's float32 partials added in rank order, or one
+    tensor) added in expert order, then its shared expert's row (row sh0 + m of `shared`, the rank-order sum
+    of its partials, rounded to X's dtype where `s_round`), rounded to X's dtype."""
+
+    parts: list
+    pos: torch.Tensor  # int64 [M, K]
+    shared: list | None
+    sh0: int
+    s_round: bool
+
+    def reference(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows [M, D] in `dtype` with torch's float32 adds, in the kernels' order."""
+        rank_sum.plain(self.parts, "Combine.parts")
+        o = rank_sum.reference(list(self.parts))
+        y = torch.zeros((self.pos.shape[0], o.shape[1]), dtype=torch.float32, device=o.device)
+        for j in range(self.pos.shape[1]):
+            y = y + o[self.pos[:, j]]
+        if self.shared is not None:
+            s = rank_sum.reference(list(self.shared), round_to=dtype if self.s_round else None)
+            y = y + s[self.sh0:self.sh0 + y.shape[0]].float()
+        return y.to(dtype)
 
 
 def coeffs(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -97,20 +124,23 @@ def collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
            ) -> torch.Tensor:
     """y [M, D] (sub-block output; or a list of the ranks' float32 partials of it, their rank-order sum rounded
-    to X.dtype: kernels/rank_sum.py), X [M, hc, D] -> [M, hc, D] in X.dtype."""
-    if isinstance(y, list):
+    to X.dtype: kernels/rank_sum.py; or a MoE's `Combine`), X [M, hc, D] -> [M, hc, D] in X.dtype."""
+    if isinstance(y, Combine):
+        y = y.reference(X.dtype)
+    elif isinstance(y, list):
         y = rank_sum.reference(y, X.dtype)
     mixed = torch.matmul(comb.double().transpose(-1, -2), X.double())
     return (post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed).to(X.dtype)
 
 
-def expand_pre(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-               weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, rms_eps: float):
+def expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
+               comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
+               scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
+               rms_eps: float, capture: bool = False):
     """A sub-block's output expanded into the streams, then the next site's `pre` of them: X' = expand(y, X,
-    post, comb) -> (X', x, pre, post', comb') (`pre`'s results but the copies' mean)."""
+    post, comb) -> (X', x, pre, post', comb', the copies' mean if `capture`) (`pre`'s results after X')."""
     Xn = expand(y, X, post, comb)
-    return (Xn, *pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps)[:4])
+    return (Xn, *pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture))
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -255,7 +285,8 @@ def fast_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 class _Front(NamedTuple):
     """An expand's inputs as its kernels take them: y's parts (a tuple), the wait for published partials
-    (kernels/rank_sum.py arrival_args) and whether y is a sum to round, X, post, comb (contiguous)."""
+    (kernels/rank_sum.py arrival_args) and whether y is a sum to round, X, post, comb (contiguous); a
+    `Combine`'s pairs (pos, K), its shared expert's parts and first row."""
 
     parts: tuple
     wait: tuple
@@ -264,27 +295,43 @@ class _Front(NamedTuple):
     X: torch.Tensor
     post: torch.Tensor
     comb: torch.Tensor
+    pos: torch.Tensor | None = None
+    k: int = 0
+    shared: tuple | None = None
+    sh0: int = 0
+    s_round: bool = False
 
 
-def _front(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+def _front(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
            ) -> _Front:
     """`expand`'s arguments checked (fast_expand_pre)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
     m, hc, d = X.shape
-    parts = y if isinstance(y, list) else [y]
+    pairs = isinstance(y, Combine)
+    parts = y.parts if pairs else y if isinstance(y, list) else [y]
     require(1 <= len(parts) <= rank_sum.MAX_WORLD, "len(y)", len(parts), f"must be 1..{rank_sum.MAX_WORLD} (ranks)")
+    if pairs:
+        require(y.pos.dim() == 2 and y.pos.shape[0] == m and y.pos.dtype == torch.int64, "y.pos",
+                f"{tuple(y.pos.shape)} {y.pos.dtype}", f"must be [{m}, K] int64")
+    rows = parts[0].shape[0] if pairs else m
+    require(rows * d < 2**31, "y rows", rows, f"must hold under 2^31 values ({d} a row): int32 offsets")
     for r, p in enumerate(parts):
-        require(tuple(p.shape) == (m, d), f"y[{r}].shape", tuple(p.shape), f"must be {(m, d)}")
-        require_dtype(p, f"y[{r}]", (torch.float32,) if isinstance(y, list) else (torch.float32, torch.bfloat16))
+        require(tuple(p.shape) == (rows, d), f"y[{r}].shape", tuple(p.shape), f"must be {(rows, d)}")
+        require_dtype(p, f"y[{r}]", (torch.float32,) if isinstance(y, list) or pairs else (torch.float32,
+                                                                                            torch.bfloat16))
     require(tuple(post.shape) == (m, hc), "post.shape", tuple(post.shape), f"must be {(m, hc)}")
     require(tuple(comb.shape) == (m, hc, hc), "comb.shape", tuple(comb.shape), f"must be {(m, hc, hc)}")
     require_dtype(post, "post", (torch.float32,))
     require_dtype(comb, "comb", (torch.float32,))
     device_of(*parts, X, post, comb)
     wait, waits = rank_sum.arrival_args(parts)
-    return _Front(tuple(p.contiguous() for p in parts), wait, waits, isinstance(y, list), X.contiguous(),
-                  post.contiguous(), comb.contiguous())
+    front = _Front(tuple(p.contiguous() for p in parts), wait, waits, isinstance(y, list) or pairs, X.contiguous(),
+                   post.contiguous(), comb.contiguous())
+    if not pairs:
+        return front
+    shared = None if y.shared is None else tuple(p.contiguous() for p in y.shared)
+    return front._replace(pos=y.pos.contiguous(), k=y.pos.shape[1], shared=shared, sh0=y.sh0, s_round=y.s_round)
 
 
 def product_expand(x: torch.Tensor, weight, act_block: int | None, X: torch.Tensor, post: torch.Tensor,
@@ -325,9 +372,10 @@ def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, 
     return x, p, post, comb, mean
 
 
-# One launch: programs (split s, row block b). Each computes its column chunk's projection partials for the
-# block's rows (one row at a time, as _project_kernel; EXPAND: it first makes and stores those columns of
-# the streams from the previous sub-block's output); the last program of a row block to finish (a counter
+# One launch: programs (split s, row block b). Each computes its columns' projection partials (a chunk of the
+# columns d of every copy, the copies in order) for the block's rows, one row at a time (EXPAND: it first
+# makes and stores those columns of the streams from the previous sub-block's output, whose row it loads
+# once for every copy); the last program of a row block to finish (a counter
 # per block, reset by that program) adds the partials in split order and computes the block's
 # coefficients, then the collapse and the RMSNorm of each row. Nothing mixes rows: batch invariant.
 
@@ -379,31 +427,58 @@ def _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, row
 
 
 @device_function
-def _expanded(y_parts, ybase, xo_ptr, post_ptr, comb_ptr, m, cols, cmask, hc, D, WORLD: tl.constexpr,
-              Y_ROUND: tl.constexpr, OUT_BF16: tl.constexpr, BHC: tl.constexpr, UNROLL: tl.constexpr):
-    """Row m of the expanded streams X' at flat columns `cols` of [hc, D] (stream j = cols // D, column d):
-    post[j] y[d] + sum_i comb[i, j] X[i, d] (the copies in order), in X's dtype; y the ranks' partials' sum in
-    rank order, rounded to X's dtype (Y_ROUND)."""
-    j, d, m64 = cols // D, cols % D, as_int64(m)
-    y = rank_load(y_parts, ybase + m64 * D + d, cmask, WORLD)
-    if Y_ROUND:
-        y = round_out(y, OUT_BF16).to(tl.float32)
-    post = tl.load(post_ptr + m * hc + j, mask=cmask, other=0.0)
-    mixed = tl.zeros(cols.shape, dtype=tl.float32)
-    if UNROLL:  # copies past hc masked: on sm_90 the loop spills, on sm_100 and later the unrolled form
-        for i in tl.static_range(BHC):
-            im = cmask & (j * 0 + i < hc)
-            ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=im, other=0.0)
-            mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=im, other=0.0).to(tl.float32)
+def output_row(parts, base, pos_ptr, s_parts, m, K, SH0, d, dmask, D, WORLD: tl.constexpr, S_WORLD: tl.constexpr,
+               PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, ROUND: tl.constexpr,
+               OUT_BF16: tl.constexpr):
+    """Row m of a sub-block's output y at columns d, float32: row m of the ranks' partials added in rank order
+    (`rank_load`; one tensor: its values) or, a MoE's (PAIRS: `Combine`), its pairs' rows pos[m] so summed and
+    added in expert order, then its shared expert's row SH0 + m (of the parts where S_WORLD > 1, else of
+    s_parts' one tensor; S_ROUND: a sum over ranks, rounded to X's dtype); rounded to X's dtype where ROUND.
+    Shared by the MoE's combine and the site that takes it (_pre_kernel)."""
+    if PAIRS:
+        y = tl.zeros(d.shape, dtype=tl.float32)
+        for j in range(K):  # each pair's output summed over the ranks in rank order, then added in expert order
+            # (the pair's row offset in int32: held under 2^31 by the callers; in int64 the sm_103 compile spills)
+            y += rank_load(parts, base + tl.load(pos_ptr + m * K + j).to(tl.int32) * D + d, dmask, WORLD)
+        if HAS_SHARED:  # S_WORLD > 1: the ranks' partials of it travel with the pairs' (parts), else s_parts[0]
+            if S_WORLD > 1:
+                s = rank_load(parts, base + (SH0 + m) * D + d, dmask, WORLD)
+            else:
+                s = tl.load(s_parts[0] + (SH0 + m) * D + d, mask=dmask, other=0.0).to(tl.float32)
+            if S_ROUND:
+                s = round_out(s, OUT_BF16).to(tl.float32)
+            y += s
     else:
-        for i in range(hc):
-            ci = tl.load(comb_ptr + (m * hc + i) * hc + j, mask=cmask, other=0.0)
-            mixed += ci * tl.load(xo_ptr + (m64 * hc + i) * D + d, mask=cmask, other=0.0).to(tl.float32)
-    return round_out(post * y + mixed, OUT_BF16)
+        y = rank_load(parts, base + as_int64(m) * D + d, dmask, WORLD)
+    if ROUND:
+        y = round_out(y, OUT_BF16).to(tl.float32)
+    return y
+
+
+@device_function
+def expand_tile(y, x_ptr, post_ptr, comb_ptr, out_ptr, m, d, dmask, D, hc, OUT_BF16: tl.constexpr,
+                BHC: tl.constexpr, BD: tl.constexpr):
+    """Row m's expanded streams at columns d (BD of them) stored into out [M, hc, D]: out_k = post_k y +
+    sum_j comb[j, k] X_j over the copies in order, float32, rounded to X's dtype."""
+    k = tl.arange(0, BHC)
+    km = k < hc
+    m64 = as_int64(m)
+    post = tl.load(post_ptr + m64 * hc + k, mask=km, other=0.0)
+    mixed = tl.zeros((BHC, BD), dtype=tl.float32)
+    for j in tl.static_range(BHC):  # unrolled (the loop over hc spills on sm_90), copies past hc masked: + 0
+        cj = tl.load(comb_ptr + (m64 * hc + j) * hc + k, mask=km & (k * 0 + j < hc), other=0.0)
+        xj = tl.load(x_ptr + (m64 * hc + j) * D + d, mask=dmask & (d * 0 + j < hc), other=0.0).to(tl.float32)
+        mixed += cj[:, None] * xj[None, :]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + (m64 * hc + k[:, None]) * D + d[None, :], round_out(out, OUT_BF16),
+             mask=km[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
-def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32 partials (a tuple) or one tensor
+def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32 partials (a tuple) or one tensor;
+                            # PAIRS: a MoE's outputs per pair [P, D] so (`Combine`)
+                pos_ptr, K, s_parts, SH0,  # PAIRS: row m's pairs (int64 [M, K]); its shared expert's row SH0 + m
+                                           # (of the parts where S_WORLD > 1, else of s_parts' one tensor)
                 x_ptr,      # streams X [M, hc, D] (float32 / bfloat16), contiguous
                 w_ptr,      # float32 [M, hc] collapse weights (OWN == 0)
                 fn_ptr,     # float32 [J, hc*D] projection (COEFFS)
@@ -417,11 +492,12 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 xo_ptr,     # EXPAND: the streams before the expand [M, hc, D]; X (x_ptr) is written from them
                 xpost_ptr, xcomb_ptr,  # EXPAND: float32 [M, hc], [M, hc, hc], the expand's coefficients
                 flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
-                M, hc, D, iters, chunk, RB,  # chunk: projection columns per split; RB: rows per block
+                M, hc, D, iters, chunk, RB,  # chunk: columns d of every copy per split; RB: rows per block
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
                 OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr, Y_ROUND: tl.constexpr,
-                WAIT: tl.constexpr, UNROLL: tl.constexpr,
+                WAIT: tl.constexpr, PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, S_WORLD: tl.constexpr,
+                S_ROUND: tl.constexpr,
                 BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
                 PDL: tl.constexpr):
     dependent_launch(PDL)
@@ -436,29 +512,33 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
         J = hc if HEAD else hc * (2 + hc)
         js = tl.arange(0, BJ)
         jmask = js < J
-        c_lo = pid_s * chunk
-        c_end = tl.minimum(n, c_lo + chunk)
-        if EXPAND:  # this chunk of X made here first, stored: read back below and by the collapse
+        d_lo = pid_s * chunk
+        d_end = tl.minimum(D, d_lo + chunk)
+        if EXPAND:  # these columns of every copy of X made here first (y loaded once for all copies), stored:
+            # read back below and by the collapse
             ybase = rank_arrive(flags, rank, capacity, WAIT, WORLD)
-            for m in range(r_lo, r_hi):
-                for c0 in range(c_lo, c_end, BC):
-                    cols = c0 + tl.arange(0, BC)
-                    cmask = cols < c_end
-                    xv = _expanded(y_parts, ybase, xo_ptr, xpost_ptr, xcomb_ptr, m, cols, cmask, hc, D, WORLD,
-                                   Y_ROUND, OUT_BF16, BHC, UNROLL)
-                    tl.store(x_ptr + as_int64(m) * n + cols, xv, mask=cmask)
+            steps = tl.cdiv(d_end - d_lo, BC)
+            for t in range((r_hi - r_lo) * steps):  # the block's rows, each over the split's columns
+                m = r_lo + t // steps
+                d = d_lo + (t % steps) * BC + tl.arange(0, BC)
+                dmask = d < d_end
+                y = output_row(y_parts, ybase, pos_ptr, s_parts, m, K, SH0, d, dmask, D, WORLD, S_WORLD, PAIRS,
+                               HAS_SHARED, S_ROUND, Y_ROUND, OUT_BF16)
+                expand_tile(y, xo_ptr, xpost_ptr, xcomb_ptr, x_ptr, m, d, dmask, D, hc, OUT_BF16, BHC, BC)
             tl.debug_barrier()  # the block's stores are visible to all its threads before they read them
         for m in range(r_lo, r_hi):
             dots = tl.zeros((BJ,), dtype=tl.float32)
             ss = tl.zeros((1,), dtype=tl.float32)
-            for c0 in range(c_lo, c_end, BC):
-                cols = c0 + tl.arange(0, BC)
-                cmask = cols < c_end
-                v = tl.load(x_ptr + as_int64(m) * n + cols, mask=cmask, other=0.0).to(tl.float32)
-                f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
-                            other=0.0)
-                dots += tsum(f * v[None, :], axis=1)
-                ss += tsum(v * v, axis=0)
+            for d0 in range(d_lo, d_end, BC):
+                d = d0 + tl.arange(0, BC)
+                for c in tl.static_range(BHC):  # the copies in order (past hc masked: + 0)
+                    cmask = (d < d_end) & (d * 0 + c < hc)
+                    cols = c * D + d
+                    v = tl.load(x_ptr + as_int64(m) * n + cols, mask=cmask, other=0.0).to(tl.float32)
+                    f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                                other=0.0)
+                    dots += tsum(f * v[None, :], axis=1)
+                    ss += tsum(v * v, axis=0)
             base = part_ptr + (pid_s * M + m).to(tl.int64) * (J + 1)
             tl.store(base + js, dots, mask=jmask)
             tl.store(base + J + tl.arange(0, 1), ss)
@@ -519,19 +599,21 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
     return _pre(X, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture)
 
 
-def fast_expand_pre(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                    norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, rms_eps: float):
+def fast_expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
+                    scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
+                    rms_eps: float, capture: bool = False):
     """The kernel for `expand_pre` (same signature; the site's results the same bits as fast_pre's of the X' it
-    returns; X' within the expand's tolerance): one launch,
-    the pre kernel's, each program expanding the columns it projects (the ranks' partials of y added in
-    rank order as it loads them, waited for inside it) and storing them for the collapse."""
+    returns; X' within the expand's tolerance, a `Combine`'s the bits of the MoE's combine): one launch, the
+    pre kernel's, each program expanding the columns it projects (y's row loaded once for every copy: the
+    ranks' partials added in rank order as it loads them, waited for inside it; a MoE's pairs and shared
+    expert added as its combine adds them) and storing them for the collapse."""
     require(fn is not None and iters >= 1, "iters", iters, "must be >= 1: the expanded streams feed a site's "
             "coefficients")
     front = _front(y, X, post, comb)
     Xn = torch.empty_like(front.X)
-    return (Xn, *_pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, False,
-                      front)[:4])
+    return (Xn, *_pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture,
+                      front))
 
 
 def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: float, iters: int,
@@ -569,26 +651,30 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
     if m == 0:
         return y, p, post, comb, mean
     if INTERPRET:
-        bc = min(pow2(n), 512)
-        chunk = max(bc, pow2(n))
+        bc = min(pow2(d), 512)
+        chunk = max(bc, pow2(d))
         rb, bd = min(pow2(m), 64), min(pow2(d), 4096)
-    else:  # ~2 programs per SM over the hc*D inputs (from n only); 16 rows per block (a decode step: one)
-        bc = 64
-        chunk = triton.cdiv(triton.cdiv(n, 256), bc) * bc
+    else:  # ~1 program per SM over the columns d (from D only; each takes them in every copy); 16 rows per
+        # block (a decode step: one)
+        bc = 32
+        chunk = triton.cdiv(triton.cdiv(d, 128), bc) * bc
         rb, bd = 16, 128
-    splits = triton.cdiv(n, chunk) if coeff else 1
+    splits = triton.cdiv(d, chunk) if coeff else 1
     blocks = triton.cdiv(m, rb)
     cnt = counters(dev, blocks)
     part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev) if coeff else y
     w = weights if weights is not None else y
     f = front or _Front((y,), (y, 0, 0), False, False, X, y, y)  # no expand: placeholders, never read
+    pairs = f.pos is not None
+    s_parts = f.shared if f.shared is not None else f.parts
     _pre_kernel[(splits, blocks)](
-        f.parts, X, w, fn if coeff else y, base if coeff else y, scale if coeff else y, norm_weight, part, cnt,
+        f.parts, f.pos if pairs else y, f.k, s_parts[:1], f.sh0, X, w, fn if coeff else y, base if coeff else y,
+        scale if coeff else y, norm_weight, part, cnt,
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
         mean if capture else y, f.X, f.post, f.comb, *f.wait, m, hc, d, max(iters, 1), chunk, rb,
         float(norm_eps), float(hc_eps), float(rms_eps),
         COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
-        EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits,
-        UNROLL=front is not None and _triton.capability(dev) < 100,
+        EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits, PAIRS=pairs,
+        HAS_SHARED=f.shared is not None, S_WORLD=len(s_parts), S_ROUND=f.s_round,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean

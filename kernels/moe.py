@@ -27,6 +27,7 @@ Experts that are None (not held by this shard) contribute zero in the kernels.
 import functools
 import types
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,8 @@ from .linear import (
     staged_product,
     weight_product,
 )
-from .rank_sum import publish_slot, rank_arrive, rank_load, rank_publish
+from .mhc import Combine, expand, expand_tile, output_row
+from .rank_sum import publish_slot, rank_arrive, rank_publish
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -128,11 +130,10 @@ def reference(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, exp
 def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
                   route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
                   act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
-                  comb: torch.Tensor, reduce=None):
+                  comb: torch.Tensor, reduce=None, pending: bool = False):
     """The MoE sub-block: routing (`route`), the experts (`reference`) and the mHC expand of their sum into
-    the residual streams X [M, hc, D] -> (X', weights, indices)."""
-    from .mhc import expand
-
+    the residual streams X [M, hc, D] -> (X', weights, indices) (`pending` leaves the kernels' combine to the
+    next site: here the streams are made whatever it says)."""
     w, idx = router.route(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx)
     y = reference(x, w, idx, experts, shared, act_block, limit, weight_before_w2, reduce)
     return expand(y, X, post, comb), w, idx
@@ -143,7 +144,9 @@ def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None
 # top-k, weights) and, for a decode step (one block), the (row, expert) pairs sorted by expert; (2) gate and
 # up of every expert group (its leader pair walks the group's rows, 16 at a time), the shared expert one more
 # group; (3) down, likewise; (4) each row's experts added in increasing id, plus the shared expert, rounded,
-# and the mHC expand. Each selected expert's weights are read once, however many rows chose it.
+# and the mHC expand (kernels/mhc.py's output_row and expand_tile; a decode step's `pending` call leaves (4) to
+# the launch of the site that reads the streams next). Each selected expert's weights are read once, however
+# many rows chose it.
 
 _W_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.int8,
              torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}
@@ -403,8 +406,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(o_parts,     # [P, D] outputs per pair: WORLD float32 partials (a tuple), or one in x's dtype
-                    s_parts,     # the shared expert's rows: S_WORLD partials as o's (any float dtype where one),
-                                 # row m's at row SH0 + m
+                    s_parts,     # the shared expert's rows (row m's at row SH0 + m): o's where S_WORLD > 1, else
+                                 # s_parts' one tensor (any float dtype)
                     pos_ptr,     # int64 [M, K]: row m's pairs, in increasing expert id
                     X_ptr, post_ptr, comb_ptr,  # the streams [M, hc, D] and the site's expand coefficients
                     y_ptr,       # out [M, hc, D] in X's dtype; PAIRS: float32 rows YS apart
@@ -420,41 +423,12 @@ def _combine_kernel(o_parts,     # [P, D] outputs per pair: WORLD float32 partia
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
-    y = tl.zeros((BD,), dtype=tl.float32)
-    for j in range(K):  # each pair's output summed over the ranks in rank order, then added in expert order
-        y += rank_load(o_parts, base + tl.load(pos_ptr + m * K + j) * D + cols, cmask, WORLD)
+    y = output_row(o_parts, base, pos_ptr, s_parts, m, K, SH0, cols, cmask, D, WORLD, S_WORLD, True,
+                   HAS_SHARED and not PAIRS, S_ROUND, not PAIRS, X_BF16)
     if PAIRS:
         tl.store(y_ptr + m * YS + cols, y, mask=cmask)
     else:
-        s_base = base if S_WORLD > 1 else 0
-        _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, s_base, SH0,
-                           S_WORLD, HAS_SHARED, S_ROUND, X_BF16, BHC, BD)
-
-
-@device_function
-def _shared_and_expand(s_parts, X_ptr, post_ptr, comb_ptr, y_ptr, y, m, cols, cmask, D, hc, s_base, SH0,
-                       S_WORLD: tl.constexpr, HAS_SHARED: tl.constexpr, S_ROUND: tl.constexpr, X_BF16: tl.constexpr,
-                       BHC: tl.constexpr, BD: tl.constexpr):
-    """The rest of `_combine_kernel` for row m: its shared expert's row (row SH0 + m of the s_parts, their slot
-    at s_base) added to the pairs' sum y, rounded, expanded."""
-    if HAS_SHARED:
-        s = rank_load(s_parts, s_base + (SH0 + m) * D + cols, cmask, S_WORLD)
-        if S_ROUND:
-            s = round_out(s, X_BF16).to(tl.float32)
-        y += s
-    y = round_out(y, X_BF16).to(tl.float32)
-    # the mHC expand (kernels/mhc.py's arithmetic): out_k = post_k y + sum_j comb[j, k] X_j, copies in order
-    k = tl.arange(0, BHC)
-    km = k < hc
-    post = tl.load(post_ptr + m * hc + k, mask=km, other=0.0)
-    mixed = tl.zeros((BHC, BD), dtype=tl.float32)
-    for j in range(hc):
-        cj = tl.load(comb_ptr + (m * hc + j) * hc + k, mask=km, other=0.0)
-        xj = tl.load(X_ptr + (m * hc + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        mixed += cj[:, None] * xj[None, :]
-    out = post[:, None] * y[None, :] + mixed
-    tl.store(y_ptr + (m * hc + k[:, None]) * D + cols[None, :], round_out(out, X_BF16),
-             mask=km[:, None] & cmask[None, :])
+        expand_tile(y, X_ptr, post_ptr, comb_ptr, y_ptr, m, cols, cmask, D, hc, X_BF16, BHC, BD)
 
 
 def pairs_per_program(n_pairs: int) -> int:
@@ -490,8 +464,10 @@ def _staged_once(t: torch.Tensor, rows: int, formats: tuple[int, int], native: i
 def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
              route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
-             comb: torch.Tensor, reduce=None):
-    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches. Expert
+             comb: torch.Tensor, reduce=None, pending: bool = False):
+    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches;
+    `pending`, three where the call is a decode step's: its output a `Pending` (the combine left to the site
+    that reads the streams next, kernels/mhc.py fast_expand_pre), otherwise the streams as without it. Expert
     parallel (`reduce`): an object with `sum_produced(shape, produce, consume)` (every rank's float32 partials of
     what `produce` makes, in rank order, given to `consume`, which adds them in that order where it loads them: the
     same bits on every rank, whatever the batch; over symmetric memory the down kernel publishes them:
@@ -563,17 +539,18 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         return out, weights, idx
     # (4) the sum in expert order, the shared expert, the expand; expert parallel, every rank's pairs added in
     # rank order as the combine loads them (the down kernel publishing them where the sum takes it)
+    combine = functools.partial(_combine, pos=pos, X=X, post=post, comb=comb, out=out, pending=pending)
     if reduce is None:
         experts_into(o, o_shared, os_row, split)
-        _combine([o], pos, X, post, comb, out, shared is not None, False)
+        out = combine([o], has_shared=shared is not None, split=False)
     elif split:
-        reduce.sum_produced(o.shape, lambda to: _pairs_into(experts_into, o, o.shape[0], split, to),
-                            lambda parts: _combine(parts, pos, X, post, comb, out, True, True))
+        out = reduce.sum_produced(o.shape, lambda to: _pairs_into(experts_into, o, o.shape[0], split, to),
+                                  lambda parts: combine(parts, has_shared=True, split=True))
     else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
         routed = m * top_k
-        reduce.sum_produced((routed, d), lambda to: _pairs_into(experts_into, o, routed, split, to),
-                            lambda parts: _combine(parts, pos, X, post, comb, out, shared is not None, False,
-                                                   o[routed:] if shared is not None else None))
+        out = reduce.sum_produced((routed, d), lambda to: _pairs_into(experts_into, o, routed, split, to),
+                                  lambda parts: combine(parts, has_shared=shared is not None, split=False,
+                                                        shared=o[routed:] if shared is not None else None))
     return out, weights, idx
 
 
@@ -689,26 +666,43 @@ def _pair_outputs(x: torch.Tensor, top_k: int, has_shared: bool, share, reduce):
     return o, o, m * top_k, sent
 
 
+class Pending(NamedTuple):
+    """A decode step's MoE output not yet combined and added to the streams (fast_ffn `pending`): the site
+    that reads the streams next takes it (kernels/mhc.py fast_expand_pre(y, X, post, comb, ...))."""
+
+    y: Combine
+    X: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
 def _combine(parts: list[torch.Tensor], pos, X, post, comb, out, has_shared: bool, split: bool,
-             shared: torch.Tensor | None = None) -> None:
-    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand. `parts`:
-    the pairs' outputs [P, D], or every rank's float32 partials of them, added in rank order where they are
-    loaded (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel); the shared expert's row m of
+             shared: torch.Tensor | None = None, pending: bool = False) -> torch.Tensor | Pending:
+    """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand, into
+    `out`, returned (`pending`: what it would add, for the next site's launch). `parts`: the pairs' outputs
+    [P, D], or every rank's float32 partials of them, added in rank order where they are loaded
+    (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel); the shared expert's row m of
     `shared` [M, D] (any float dtype), by default row M K + m of the parts (summed over the ranks where `split`)."""
     m, hc, d = X.shape
-    bd = min(pow2(d), 8192 if INTERPRET else 1024)
+    require(parts[0].numel() < 2**31, "pairs", parts[0].shape[0], f"must hold under 2^31 values ({d} a row): "
+            "output_row's int32 offsets")
     s, sh0 = (parts, m * pos.shape[1]) if shared is None else ([shared], 0)
+    if pending:
+        return Pending(Combine(parts, pos, s if has_shared else None, sh0, split), X, post, comb)
+    bd = min(pow2(d), 8192 if INTERPRET else 1024)
     wait, waits = rank_sum.arrival_args(parts)
-    _combine_kernel[(m, triton.cdiv(d, bd))](tuple(parts), tuple(s), pos, X, post, comb, out, m, d, pos.shape[1], hc,
-                                             sh0, d, *wait, WORLD=len(parts), S_WORLD=len(s), HAS_SHARED=has_shared,
+    _combine_kernel[(m, triton.cdiv(d, bd))](tuple(parts), tuple(s[:1]), pos, X, post, comb, out, m, d, pos.shape[1],
+                                             hc, sh0, d, *wait, WORLD=len(parts), S_WORLD=len(s), HAS_SHARED=has_shared,
                                              S_ROUND=split, PAIRS=False, X_BF16=X.dtype == torch.bfloat16,
                                              BHC=pow2(hc), BD=bd, WAIT=waits, **pdl(X.device))
+    return out
 
 
 def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     """Each row's pairs of o [P, D] (pos [M, K]) summed in increasing expert id, in float32, into out's rows."""
     m, k = pos.shape
     d = o.shape[1]
+    require(o.numel() < 2**31, "pairs", o.shape[0], f"must hold under 2^31 values ({d} a row)")
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))]((o,), (o,), pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),

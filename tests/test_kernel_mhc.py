@@ -8,7 +8,7 @@ rows one at a time, bit for bit."""
 import pytest
 import torch
 
-from kernels import mhc, rank_sum
+from kernels import mhc, moe, rank_sum
 from kernels.bench import fp8_weight
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
@@ -119,6 +119,33 @@ def test_an_expand_inside_the_next_sites_launch_matches_the_expand_and_the_site(
     for world in (1, 2, 4):
         check_expand_pre(int(torch.randint(1, 8, ())), int(torch.randint(2, 5, ())), int(torch.randint(20, 140, ())),
                          dt, world)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_a_moes_combine_inside_the_next_sites_launch_gives_the_combines_streams(dt):
+    """fast_expand_pre of a MoE's pairs not yet combined (mhc.Combine: moe.fast_ffn `pending`): X' the bits of
+    the MoE's own combine launch, the site's results the bits of fast_pre's of X', X' within the expand's
+    tolerance of the reference; fresh shapes, ranks and forms of the shared expert's row (summed over the ranks
+    with the pairs, whole on every rank, none)."""
+    s = seed()
+    m, hc, d, k = (int(torch.randint(lo, hi, ())) for lo, hi in ((1, 7), (2, 5), (20, 140), (1, 8)))
+    world = (1, 2, 4)[s % 3]
+    form = ("split", "whole", "none")[s // 3 % 3]
+    kind = ("staggered", "site")[s // 9 % 2]
+    ctx = f"(seed {s}, M={m} hc={hc} D={d} K={k} {dt}, {world} ranks, shared {form}, {kind})"
+    X, weights, *site = pre_args(m, hc, d, dt, kind)
+    post, comb = torch.rand(m, hc, device=DEVICE) * 2, torch.rand(m, hc, hc, device=DEVICE)
+    parts = [torch.randn(m * k + (m if form == "split" else 0), d, device=DEVICE) * 3 for _ in range(world)]
+    pos = torch.randperm(m * k, device=DEVICE).view(m, k)
+    whole = torch.randn(m, d, device=DEVICE) if form == "whole" else None
+    shared = {"split": parts, "whole": [whole], "none": None}[form]
+    y = mhc.Combine(parts, pos, shared, m * k if form == "split" else 0, form == "split")
+    got = run(mhc.fast_expand_pre, y, X, post, comb, weights, *site)
+    combined = moe._combine(parts, pos, X, post, comb, torch.empty_like(X), form != "none", form == "split", whole)
+    assert_equal("X' against the combine's", combined, got[0], ctx)
+    for name, w, g in zip(("x", "pre", "post", "comb"), run(mhc.fast_pre, got[0], weights, *site), got[1:]):
+        assert_equal(f"{name} of X'", w, g, ctx)
+    assert_close("X'", mhc.expand(y, X, post, comb), got[0], TOL[dt], context=ctx)
 
 
 @requires_cuda

@@ -182,7 +182,7 @@ def test_the_server_and_the_front_objects_never_import_torch():
 # the sums over symmetric memory without barriers or launches of their own (kernels/rank_sum.py: `Publish`,
 # `publish_slot` and `rank_publish`, the producers' slot and count-in, taken by the linear and MoE down
 # kernels; `rank_arrive`, the consumers' wait inside their kernels; the slots' arithmetic).
-PACKAGE_LINES = {"appliance": 13_600, "kernels": 6_260, "server": 4_600, "graphs": 200}
+PACKAGE_LINES = {"appliance": 13_600, "kernels": 6_340, "server": 4_600, "graphs": 200}
 MODULE_LINES = {"kernels": 900, "appliance": 600, "server": 600, "graphs": 200}
 FUNCTION_LINES = {"kernels": 140, "appliance": 90, "server": 90, "graphs": 90}
 

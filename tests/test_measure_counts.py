@@ -199,16 +199,28 @@ def test_no_fast_path_cycle_launches_anything_in_float64(tiny_dirs, family, draf
 
 
 def test_an_extra_launch_per_mhc_site_shows_in_every_layer(meta_counts):
-    def with_extra_site_launch(ops):
+    def with_extra_site_launch(ops):  # a site takes the streams, or (expand_pre) an output to add to them
         def hc_pre(X, *args):
             return ops.hc_pre(X.clone(), *args)
-        return dataclasses.replace(ops, hc_pre=hc_pre)
+
+        def hc_expand_pre(y, X, *args):
+            return ops.hc_expand_pre(y, X.clone(), *args)
+        return dataclasses.replace(ops, hc_pre=hc_pre, hc_expand_pre=hc_expand_pre)
 
     base, more = meta_counts(), meta_counts(ops=with_extra_site_launch)
     grown = [b - a for a, b in zip(base["launches_by_layer"], more["launches_by_layer"])]
     assert all(g == 2 for g in grown)  # the attention's and the MoE's site, in every layer
     assert more["launches_per_cycle"] == base["launches_per_cycle"] + sum(grown) + (
         more["launches_outside_layers"] - base["launches_outside_layers"])
+
+
+def test_a_layers_moe_is_combined_by_the_next_layers_site_but_before_engram_and_after_the_last(meta_counts):
+    """A decode step's MoE output is left to the next layer's attention site (kernels/moe.py `pending`): the
+    MoE's own combine launches only in a layer whose next is an Engram layer, and in the last."""
+    c = meta_counts()
+    combined = sorted({int(la["block"].split()[1]) for la in c["launches"] if la["name"].endswith("._combine_kernel")})
+    layers = meta_counts.model.layers
+    assert combined == [L for L in range(len(layers)) if L + 1 == len(layers) or layers[L + 1].engram is not None]
 
 
 def test_a_drafting_cycle_counts_the_stages_and_the_verify_of_k_plus_one_rows(meta_counts):

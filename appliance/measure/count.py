@@ -306,12 +306,12 @@ class DeclaredReads:
         rec = self.rec
 
         def call(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block, limit,
-                 weight_before_w2, X, post, comb, reduce=None):
+                 weight_before_w2, X, post, comb, reduce=None, pending=False):
             held = [e for e in experts if e is not None]
             first = len(rec.launches)
             args = (x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, experts, shared, act_block,
                     limit, weight_before_w2, X, post, comb)
-            out = ffn(*args, reduce=reduce)
+            out = ffn(*args, reduce=reduce, pending=pending)
             indices = out[2]
             with rec.pause():
                 if self.meta:

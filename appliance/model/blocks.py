@@ -84,12 +84,13 @@ class HyperSite:
                                   norm.weight, norm.eps, capture)
 
     def expand_pre(self, y, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, weights: torch.Tensor | None,
-                   norm: "RMSNorm"):
-        """The previous sub-block's output y (a sum over ranks: its partials) expanded into the streams X by
-        (post, comb), then this site's `pre` of the result -> (X', x, pre, post, comb): one launch on the fast
-        path, the expand done where the site reads the streams."""
+                   norm: "RMSNorm", capture: bool = False):
+        """The previous sub-block's output y (a sum over ranks: its partials; a MoE's not yet combined:
+        kernels.mhc.Combine) expanded into the streams X by (post, comb), then this site's `pre` of the result
+        -> (X', x, pre, post, comb, the copies' mean if `capture`): one launch on the fast path, the expand
+        done where the site reads the streams."""
         return self.rt.ops.hc_expand_pre(y, X, post, comb, weights, self.fn, self.base, self.scale, self.norm_eps,
-                                         self.hc_eps, self.iters, norm.weight, norm.eps)
+                                         self.hc_eps, self.iters, norm.weight, norm.eps, capture)
 
 
 class MoE:
@@ -120,13 +121,15 @@ class MoE:
         self.reduce = None  # split over ranks: sums the slots and shared partials (appliance/parallel/sharding.py)
 
     def expand(self, x: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-               tokens: torch.Tensor | None = None) -> torch.Tensor:
+               tokens: torch.Tensor | None = None, pending: bool = False):
         """The sub-block: route x [T, D] (hash routing by `tokens`), the experts, and the mHC expand of their
-        sum into the streams X [T, hc, D] -> X' (four launches on the fast path)."""
+        sum into the streams X [T, hc, D] -> X' (four launches on the fast path); `pending`: a decode step's
+        on the fast path returns its output before the combine instead (kernels.moe.Pending, for the next
+        site's launch: HyperSite.expand_pre), three launches."""
         hash_idx = None if self.hash_table is None else self.hash_table[tokens].long()
         X, _, _ = self.rt.ops.ffn(x, self.gate.weight, self.bias, self.top_k, self.score_func, self.route_scale,
                                   self.route_eps, hash_idx, self.experts, self.shared, self.act_block, self.limit,
-                                  self.rt.num.official, X, post, comb, reduce=self.reduce)
+                                  self.rt.num.official, X, post, comb, reduce=self.reduce, pending=pending)
         return X
 
 
@@ -186,7 +189,7 @@ class GroupedOutput:
         elif X.shape[0] != u.shape[0]:
             X = ops.linear_expand(wo_b.exchange(u), wo_b.whole, wo_b.act_block, X, post, comb)
         else:
-            return wo_b.into(u, lambda y: site.expand_pre(y, X, post, comb, weights, norm))
+            return wo_b.into(u, lambda y: site.expand_pre(y, X, post, comb, weights, norm)[:5])
         return (X, *site.pre(X, weights, norm)[:4])
 
 

@@ -231,20 +231,26 @@ class StaggeredBlock:
         self.hc_ffn = HyperSite(rt, ckpt, f"{prefix}.hc_ffn", c.hc_mult, c.dim, c.norm_eps, c.hc_eps,
                                 c.hc_sinkhorn_iters)
 
-    def __call__(self, X: torch.Tensor, pre: torch.Tensor, step, engram_rows=None):
-        """X [T, hc, D] entering the layer (before Engram, whose looked-up rows are `engram_rows`), `pre` the
-        collapse weights the previous sub-block produced -> (X, pre for the next layer). A long call split
-        over ranks holds its share of the rows (`step.share`: the mHC sites and Engram work those only) and
-        gathers each sub-block's input; the sums over ranks return the share's rows."""
+    def __call__(self, X, pre: torch.Tensor, step, engram_rows=None, fuse: bool = False):
+        """X [T, hc, D] entering the layer (before Engram, whose looked-up rows are `engram_rows`), or the
+        previous layer's MoE output still to combine (kernels.moe.Pending: this layer's attention site
+        combines and expands it in its launch), `pre` the collapse weights the previous sub-block produced ->
+        (X, pre for the next layer); `fuse`: leave this layer's MoE output so to the next layer (not an Engram
+        layer: Engram reads the streams first). A long call split over ranks holds its share of the rows
+        (`step.share`: the mHC sites and Engram work those only) and gathers each sub-block's input; the sums
+        over ranks return the share's rows."""
         if self.engram is not None:
             X = self.engram(X, engram_rows)
         # DSpark reads the stream entering a captured layer, averaged over the copies
-        xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
+        if isinstance(X, torch.Tensor):
+            xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
+        else:
+            X, xa, a_pre, a_post, a_comb, mean = self.hc_attn.expand_pre(*X, pre, self.attn_norm, self.captured)
         if self.captured:
             step.captures.append(mean)
         X, xf, f_pre, f_post, f_comb = self.attn.out.expand_pre(self.attn(step.gather(xa), step), X, a_post, a_comb,
                                                                  self.hc_ffn, a_pre, self.ffn_norm)
-        X = self.ffn.expand(step.gather(xf), X, f_post, f_comb)
+        X = self.ffn.expand(step.gather(xf), X, f_post, f_comb, pending=fuse)
         return X, f_pre
 
 
@@ -312,7 +318,8 @@ class V41Model:
 
     def run_layers(self, X, pre, step: Step, first: int, last: int, engram_rows: dict):
         for L in range(first, last):
-            X, pre = self.layers[L](X, pre, step, engram_rows.get(L))
+            fuse = L + 1 < last and self.layers[L + 1].engram is None  # its MoE combined by the next site
+            X, pre = self.layers[L](X, pre, step, engram_rows.get(L), fuse)
         return X, pre
 
     def final(self, X, pre, rows: slice = slice(None), step: Step | None = None) -> torch.Tensor:
