@@ -330,6 +330,9 @@ def _front(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post
                    post.contiguous(), comb.contiguous())
     if not pairs:
         return front
+    for r, p in enumerate(y.shared or ()):
+        require(p.dim() == 2 and p.shape[0] >= y.sh0 + m and p.shape[1] == d, f"y.shared[{r}].shape", tuple(p.shape),
+                f"must hold rows {y.sh0}..{y.sh0 + m - 1} of {d}")
     shared = None if y.shared is None else tuple(p.contiguous() for p in y.shared)
     return front._replace(pos=y.pos.contiguous(), k=y.pos.shape[1], shared=shared, sh0=y.sh0, s_round=y.s_round)
 

@@ -83,7 +83,7 @@ def test_attention_inputs_of_a_row_do_not_depend_on_the_other_rows():
 
 
 @pytest.mark.parametrize("dt", [F32, BF16])
-def test_several_attentions_window_keys_in_one_launch_are_each_ones_own_launchs(dt):
+def test_several_attentions_window_keys_in_one_launch_equal_each_ones_own_launch(dt):
     """window_keys (DSpark's stages: each its own key projection, kv_norm and ring, the same positions): each
     ring the same bits as the attention-inputs kernel writes it alone, and within the reference's tolerance;
     a call longer than the rings keeps its last positions."""

@@ -5,10 +5,10 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
 (caches a first call makes, as a capture's warm-up would) and once under the `Recorder`, with
 - every backbone layer and drafter stage tagged, so what happens inside is attributed to it;
 - the registry's `attention`, `attn_inputs`, `window_keys`, `compress` and `ffn` wrapped to declare what they
-  read that the recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at the distinct
-  rows the index selects (not the whole cache), rings at the slots in reach, the RoPE tables at the rows
-  of the call's positions (not the whole capacity), and the fused MoE kernels read each distinct routed
-  expert this rank holds once, and the shared expert (this rank's share), through tables of expert
+  read that the recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at
+  the distinct rows the index selects (not the whole cache), rings at the slots in reach, the RoPE tables at
+  the rows of the call's positions (not the whole capacity), and the fused MoE kernels read each distinct
+  routed expert this rank holds once, and the shared expert (this rank's share), through tables of expert
   addresses. On the meta device (no values) the distinct counts are their expected values: every selected
   compressed row distinct (at most the visible rows), and the routed experts of W rows under uniform
   routing, E (1 - (1 - k/E)^W) (a real run counts the routing it did).

@@ -235,10 +235,10 @@ class StaggeredBlock:
         """X [T, hc, D] entering the layer (before Engram, whose looked-up rows are `engram_rows`), or the
         previous layer's MoE output still to combine (kernels.moe.Pending: this layer's attention site
         combines and expands it in its launch), `pre` the collapse weights the previous sub-block produced ->
-        (X, pre for the next layer); `fuse`: leave this layer's MoE output so to the next layer (not an Engram
-        layer: Engram reads the streams first). A long call split over ranks holds its share of the rows
-        (`step.share`: the mHC sites and Engram work those only) and gathers each sub-block's input; the sums
-        over ranks return the share's rows."""
+        (X, pre for the next layer); `fuse`: leave this layer's MoE output uncombined for the next layer's site
+        (where the next is not an Engram layer: Engram reads the streams first). A long call split over ranks
+        holds its share of the rows (`step.share`: the mHC sites and Engram work those only) and gathers each
+        sub-block's input; the sums over ranks return the share's rows."""
         if self.engram is not None:
             X = self.engram(X, engram_rows)
         # DSpark reads the stream entering a captured layer, averaged over the copies
