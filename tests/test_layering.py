@@ -181,7 +181,11 @@ def test_the_server_and_the_front_objects_never_import_torch():
 # the MoE's combine take the ranks' partials as a tuple of pointers): two launches a layer fewer. 5,900 -> 6,110:
 # the sums over symmetric memory without barriers or launches of their own (kernels/rank_sum.py: `Publish`,
 # `publish_slot` and `rank_publish`, the producers' slot and count-in, taken by the linear and MoE down
-# kernels; `rank_arrive`, the consumers' wait inside their kernels; the slots' arithmetic).
+# kernels; `rank_arrive`, the consumers' wait inside their kernels; the slots' arithmetic). 6,110 -> 6,180: the
+# attention's expand inside the next site's launch. 6,180 -> 6,260: DSpark's stage keys in one launch
+# (kernels/attn_inputs.py `window_keys`, its reference, checks and kernel). 6,260 -> 6,340: the MoE's combine
+# inside the next site's launch (kernels/mhc.py `Combine`, `output_row` and `expand_tile`, the MoE's combine
+# taking the same device functions; the site's columns split by d).
 PACKAGE_LINES = {"appliance": 13_600, "kernels": 6_340, "server": 4_600, "graphs": 200}
 MODULE_LINES = {"kernels": 900, "appliance": 600, "server": 600, "graphs": 200}
 FUNCTION_LINES = {"kernels": 140, "appliance": 90, "server": 90, "graphs": 90}
