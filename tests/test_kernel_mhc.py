@@ -121,23 +121,18 @@ def test_an_expand_inside_the_next_sites_launch_matches_the_expand_and_the_site(
                          dt, world)
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_a_moes_combine_inside_the_next_sites_launch_gives_the_combines_streams(dt):
+def check_combine_pre(m, hc, d, k, dt, world, form, kind, device=DEVICE):
     """fast_expand_pre of a MoE's pairs not yet combined (mhc.Combine: moe.fast_ffn `pending`): X' the bits of
     the MoE's own combine launch, the site's results the bits of fast_pre's of X', X' within the expand's
-    tolerance of the reference; fresh shapes, ranks and forms of the shared expert's row (summed over the ranks
-    with the pairs, whole on every rank, none)."""
+    tolerance of the reference. `form`: the shared expert's row summed over the ranks with the pairs
+    ("split"), whole on every rank ("whole"), or "none"."""
     s = seed()
-    m, hc, d, k = (int(torch.randint(lo, hi, ())) for lo, hi in ((1, 7), (2, 5), (20, 140), (1, 8)))
-    world = (1, 2, 4)[s % 3]
-    form = ("split", "whole", "none")[s // 3 % 3]
-    kind = ("staggered", "site")[s // 9 % 2]
     ctx = f"(seed {s}, M={m} hc={hc} D={d} K={k} {dt}, {world} ranks, shared {form}, {kind})"
-    X, weights, *site = pre_args(m, hc, d, dt, kind)
-    post, comb = torch.rand(m, hc, device=DEVICE) * 2, torch.rand(m, hc, hc, device=DEVICE)
-    parts = [torch.randn(m * k + (m if form == "split" else 0), d, device=DEVICE) * 3 for _ in range(world)]
-    pos = torch.randperm(m * k, device=DEVICE).view(m, k)
-    whole = torch.randn(m, d, device=DEVICE) if form == "whole" else None
+    X, weights, *site = pre_args(m, hc, d, dt, kind, device)
+    post, comb = torch.rand(m, hc, device=device) * 2, torch.rand(m, hc, hc, device=device)
+    parts = [torch.randn(m * k + (m if form == "split" else 0), d, device=device) * 3 for _ in range(world)]
+    pos = torch.randperm(m * k, device=device).view(m, k)
+    whole = torch.randn(m, d, device=device) if form == "whole" else None
     shared = {"split": parts, "whole": [whole], "none": None}[form]
     y = mhc.Combine(parts, pos, shared, m * k if form == "split" else 0, form == "split")
     got = run(mhc.fast_expand_pre, y, X, post, comb, weights, *site)
@@ -146,6 +141,15 @@ def test_a_moes_combine_inside_the_next_sites_launch_gives_the_combines_streams(
     for name, w, g in zip(("x", "pre", "post", "comb"), run(mhc.fast_pre, got[0], weights, *site), got[1:]):
         assert_equal(f"{name} of X'", w, g, ctx)
     assert_close("X'", mhc.expand(y, X, post, comb), got[0], TOL[dt], context=ctx)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_a_moes_combine_inside_the_next_sites_launch_gives_the_combines_streams(dt):
+    """check_combine_pre at fresh shapes, ranks and forms of the shared expert's row."""
+    m, hc, d, k = (int(torch.randint(lo, hi, ())) for lo, hi in ((1, 7), (2, 5), (20, 140), (1, 8)))
+    r = int(torch.randint(0, 18, ()))
+    check_combine_pre(m, hc, d, k, dt, (1, 2, 4)[r % 3], ("split", "whole", "none")[r // 3 % 3],
+                      ("staggered", "site")[r // 9], DEVICE)
 
 
 @requires_cuda
@@ -157,6 +161,10 @@ class TestMhcAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
     def test_an_expand_inside_the_next_sites_launch_at_v41_shapes(self, m):
         check_expand_pre(m, 4, 5120, torch.bfloat16, 4, torch.device("cuda"))
+
+    @pytest.mark.parametrize("m", [1, 4])
+    def test_a_moes_combine_inside_the_next_sites_launch_at_v41_shapes(self, m):
+        check_combine_pre(m, 4, 5120, 6, torch.bfloat16, 4, "split", "staggered", torch.device("cuda"))
 
 
 PRE_CASES = [(1, 4, 48, torch.float32, "site"), (7, 4, 100, torch.bfloat16, "staggered"),
