@@ -520,11 +520,10 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     if x.stride(-1) != 1:
         x = x.contiguous()
     X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
-    out = torch.empty_like(X)
     weights = torch.empty((m, top_k), dtype=torch.float32, device=dev)
     idx = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     if m == 0:
-        return out, weights, idx
+        return torch.empty_like(X), weights, idx
     # (1) router and routing, the pairs sorted by expert
     n_pairs = m * top_k + (m if shared is not None else 0)
     pair, pos = router.fast(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, weights, idx,
@@ -535,11 +534,12 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     if share is not None:  # a long call: each rank sums and combines its share of the rows
         experts_into(o, o_shared, os_row, split)
         rows = _own_shared(x, share, whole, ab, limit, weight_before_w2) if own else None
+        out = torch.empty_like(X)
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
     # (4) the sum in expert order, the shared expert, the expand; expert parallel, every rank's pairs added in
     # rank order as the combine loads them (the down kernel publishing them where the sum takes it)
-    combine = functools.partial(_combine, pos=pos, X=X, post=post, comb=comb, out=out, pending=pending)
+    combine = functools.partial(_combine, pos=pos, X=X, post=post, comb=comb, out=None, pending=pending)
     if reduce is None:
         experts_into(o, o_shared, os_row, split)
         out = combine([o], has_shared=shared is not None, split=False)
@@ -676,10 +676,11 @@ class Pending(NamedTuple):
     comb: torch.Tensor
 
 
-def _combine(parts: list[torch.Tensor], pos, X, post, comb, out, has_shared: bool, split: bool,
+def _combine(parts: list[torch.Tensor], pos, X, post, comb, out: torch.Tensor | None, has_shared: bool, split: bool,
              shared: torch.Tensor | None = None, pending: bool = False) -> torch.Tensor | Pending:
     """(4) of fast_ffn: each row's pairs summed in expert order, its shared expert's row, the expand, into
-    `out`, returned (`pending`: what it would add, for the next site's launch). `parts`: the pairs' outputs
+    `out` (None: a new tensor), returned (`pending`: what it would add, for the next site's launch, and no
+    output allocated: one never written would only hold memory). `parts`: the pairs' outputs
     [P, D], or every rank's float32 partials of them, added in rank order where they are loaded
     (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel); the shared expert's row m of
     `shared` [M, D] (any float dtype), by default row M K + m of the parts (summed over the ranks where `split`)."""
@@ -689,6 +690,7 @@ def _combine(parts: list[torch.Tensor], pos, X, post, comb, out, has_shared: boo
     s, sh0 = (parts, m * pos.shape[1]) if shared is None else ([shared], 0)
     if pending:
         return Pending(Combine(parts, pos, s if has_shared else None, sh0, split), X, post, comb)
+    out = torch.empty_like(X) if out is None else out
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     wait, waits = rank_sum.arrival_args(parts)
     _combine_kernel[(m, triton.cdiv(d, bd))](tuple(parts), tuple(s[:1]), pos, X, post, comb, out, m, d, pos.shape[1],
