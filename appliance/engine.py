@@ -80,7 +80,7 @@ class Engine:
         closes its engine, then returns None (its command is done)."""
         say = status or (lambda m: None)
         world = start(options.devices)
-        say("loading weights" + (f" (rank 0 of {world.size})" if world.distributed else ""))
+        say("loading weights" + (f" (rank {world.rank} of {world.size})" if world.distributed else ""))
         lm = load_model(options, notice=say, world=world)
         capacity = plan_context(lm, options.context, memory_budget)
         say(f"allocating decode state for {capacity} tokens")

@@ -31,6 +31,9 @@ def serve(*args: str) -> ServerProcess:
     server = ServerProcess("--devices", "cpu:4", "--check-ranks", *args, env=child_env(APPLIANCE_THREADS="1"),
                            wait_ready=False)
     server.wait_ready(600)  # four ranks warming up on two busy cores
+    log = "".join(server.lines)
+    for rank in range(1, 4):  # each rank names the shard it loads
+        assert f"rank {rank}: loading weights (rank {rank} of 4)" in log, log
     return server
 
 

@@ -1,6 +1,8 @@
 """The interpreter's shortcuts (kernels/_interpreter_speed.py) change no result: a kernel that calls the
 standard library's jit functions inside a launch computes what torch does, the language is as it was after
-the launch, and every dtype maps to the numpy dtype the interpreter's own table gives."""
+the launch, every dtype maps to the numpy dtype the interpreter's own table gives, and a kernel whose
+operations broadcast in every way (with block types shared and equal shapes not broadcast) computes what
+torch does."""
 
 import pytest
 import torch
@@ -43,3 +45,34 @@ def test_the_cached_dtype_lookup_gives_the_interpreters_own_mapping_for_every_dt
         assert interpreter._get_np_dtype(block) == numpy_dtype_of(block), name
     pointer = tl.pointer_type(tl.float32)
     assert interpreter._get_np_dtype(pointer) == numpy_dtype_of(pointer)
+
+
+@triton.jit
+def _broadcasts(a_ptr, b_ptr, out_ptr, n, m, BN: tl.constexpr, BM: tl.constexpr):
+    r = tl.arange(0, BN)
+    c = tl.arange(0, BM)
+    a = tl.load(a_ptr + r, mask=r < n, other=0.0)
+    b = tl.load(b_ptr + c, mask=c < m, other=0)
+    # [BN, 1] with [1, BM], a block with a scalar, int32 with float32, equal shapes of two dtypes
+    out = a[:, None] * 2.0 + b[None, :] + (a * a + r)[:, None]
+    tl.store(out_ptr + r[:, None] * m + c[None, :], out, mask=(r[:, None] < n) & (c[None, :] < m))
+
+
+def test_block_types_are_shared_by_value_and_a_broadcasting_kernel_matches_torch():
+    f32 = tl.block_type(tl.float32, [4, 8])
+    assert tl.block_type(tl.float32, [tl.constexpr(4), 8]) is f32, "the block type is not shared"
+    assert tl.block_type(tl.float32, (4, 8)) is f32 and f32.with_element_ty(tl.float32) is f32
+    for other in (tl.block_type(tl.float32, [8, 4]), tl.block_type(tl.int32, [4, 8]), f32.with_element_ty(tl.int32)):
+        assert other is not f32 and other != f32
+    pointer, const = tl.pointer_type(tl.float32), tl.pointer_type(tl.float32, const=True)
+    assert tl.block_type(pointer, [4]) is not tl.block_type(const, [4])
+    for _ in range(2):  # a refused shape is refused each time (never kept)
+        with pytest.raises(ValueError, match="power of 2"):
+            tl.block_type(tl.float32, [3])
+    for _ in range(3):
+        n, m = torch.randint(1, 40, (2,)).tolist()
+        a, b = torch.randn(n), torch.randint(-50, 50, (m,), dtype=torch.int32)
+        out = torch.empty(n, m)
+        _broadcasts[(1,)](a, b, out, n, m, BN=triton.next_power_of_2(n), BM=triton.next_power_of_2(m))
+        want = a[:, None] * 2.0 + b[None, :] + (a * a + torch.arange(n))[:, None]
+        assert torch.equal(out, want), (n, m)
