@@ -22,12 +22,9 @@ def apply() -> None:
         _patch_language_once_per_launch()
     if hasattr(interpreter, "_get_np_dtype"):
         _cached_numpy_dtypes()
-    if _has_fields(tl.core.block_type, "element_ty", "shape", "numel", "name"):
-        _shared_block_types()
-    if _has_fields(tl.core.tensor, "handle", "type", "dtype", "numel", "shape"):
-        _tensor_shapes_per_type()
+    _shared_block_types()
     if hasattr(interpreter, "interpreter_semantic"):
-        _no_broadcast_of_equal_types()
+        _no_broadcast_of_equal_shapes()
 
 
 def _no_overflow_checks() -> None:
@@ -87,82 +84,68 @@ def _cached_numpy_dtypes() -> None:
     interpreter._get_np_dtype = numpy_dtype
 
 
-def _has_fields(cls, *names: str) -> bool:
-    """Whether `cls.__init__` sets exactly what the shortcut for it sets (else the Triton version differs)."""
-    code = cls.__init__.__code__
-    return all(name in code.co_names for name in names)
-
 
 def _shared_block_types() -> None:
-    """Every tl operation makes the block type of its result: the shape unwrapped, checked and wrapped in
-    the language's own tuple (~30 us; a fifth of a tiny prefill). A block type is a value (its element type
-    and shape, never changed after it is made), so one object serves every equal one: made once per
-    (element type, shape). Unusual shapes (not a list or tuple of ints) are made as before."""
-    block_type = tl.core.block_type
-    init = block_type.__init__
-    made: dict[builtins.tuple, object] = {}  # bounded: the kernels' distinct (dtype, block shape) pairs
-
-    def key_of(element_ty, shape):
-        if not isinstance(shape, (list, builtins.tuple, tl.core.tuple)):
-            return None
-        dims = builtins.tuple(s.value if isinstance(s, tl.constexpr) else s for s in shape)
-        if not all(type(d) is int for d in dims):
-            return None
-        return type(element_ty), element_ty.name, getattr(element_ty, "address_space", None), dims
+    """Every tl operation makes its result's block type (the shape unwrapped, checked, wrapped in the
+    language's tuple: ~30 us) and a tensor that wraps that shape again (~15 us): two fifths of a tiny
+    prefill. A block type is a value (element type and shape, never changed once made), so one object serves
+    every equal one and holds the tensors' wrapped shape (never changed: operations make new tensors).
+    Applied only where both constructors set what Triton 3.9's do (else they run as they are)."""
+    block_type, tensor = tl.core.block_type, tl.core.tensor
+    init_type, init_tensor = block_type.__init__, tensor.__init__
+    if (set(init_type.__code__.co_names) != _BLOCK_TYPE_SETS
+            or set(init_tensor.__code__.co_names) != _TENSOR_SETS):
+        return
+    made: dict[builtins.tuple, object] = {}  # bounded: the kernels' distinct (element type, shape) pairs
 
     def new(cls, element_ty, shape):
-        key = key_of(element_ty, shape) if cls is block_type else None
-        if key is None:
+        if cls is not block_type or not isinstance(shape, (list, builtins.tuple, tl.core.tuple)):
             return object.__new__(cls)
+        dims = builtins.tuple(s.value if isinstance(s, tl.constexpr) else s for s in shape)
+        key = type(element_ty), element_ty.name, getattr(element_ty, "address_space", None), dims
         found = made.get(key)
         if found is None:
             found = object.__new__(cls)
-            init(found, element_ty, shape)
-            found._dims = key[-1]  # the shape as ints: compared by the broadcast's shortcut
+            init_type(found, element_ty, shape)  # checked: a refused shape raises and is never kept
+            found._dims = dims  # compared by the broadcast's shortcut
             made[key] = found
         return found
 
     def init_once(self, element_ty, shape):
-        if "name" not in self.__dict__:  # a shared one is made (and checked) once
-            init(self, element_ty, shape)
+        if "name" not in self.__dict__:
+            init_type(self, element_ty, shape)
 
-    block_type.__new__ = new
-    block_type.__init__ = init_once
-
-
-def _tensor_shapes_per_type() -> None:
-    """A tensor wraps its block type's shape in a new tuple of constexprs each time it is made (~15 us, the
-    next fifth); with block types shared, a type's wrapped shape is made once and every tensor of that type
-    holds it (never changed: operations make new tensors)."""
-    tensor = tl.core.tensor
-    init = tensor.__init__
-
-    def init_from_type(self, handle, type):
+    def tensor_of(self, handle, type):
         shaped = type.__dict__.get("_tensor_shape")
         if shaped is None:
-            init(self, handle, type)
+            init_tensor(self, handle, type)
             if type.is_block():
                 type._tensor_shape = (self.numel, self.shape)
             return
         self.handle, self.type, self.dtype = handle, type, type.scalar
         self.numel, self.shape = shaped
 
-    tensor.__init__ = init_from_type
+    block_type.__new__, block_type.__init__, tensor.__init__ = new, init_once, tensor_of
 
 
-def _no_broadcast_of_equal_types() -> None:
-    """Most binary operations take two tensors of one shape (a pointer block and its offsets; with block types
-    shared, often the same type object), which need no broadcast; the language still compares their shapes
-    as its tuples (~25 us). Those return at once, as they would after the comparison."""
+# the names Triton 3.9's block_type.__init__ and tensor.__init__ use: what the shortcut above replaces
+_BLOCK_TYPE_SETS = {"TypeError", "_unwrap_shape", "element_ty", "isinstance", "list", "name", "numel", "shape",
+                    "tuple", "validate_block_shape"}
+_TENSOR_SETS = {"__init__", "constexpr", "dtype", "handle", "is_block", "math", "numel", "prod", "scalar", "shape",
+                "super", "tuple", "type"}
+
+
+def _no_broadcast_of_equal_shapes() -> None:
+    """Most binary operations take two tensors of one shape (a block and its mask, pointers and offsets),
+    which need no broadcast; the language still compares their shapes as its tuples (~25 us). Those return
+    at once, as they would after the comparison."""
     semantic = interpreter.interpreter_semantic
     broadcast = semantic.broadcast_impl_value
 
     def broadcast_unless_equal(lhs, rhs):
         lt, rt = lhs.type, rhs.type
-        if lt is rt:
-            return lhs, rhs
         dims = getattr(lt, "_dims", None)
-        if dims is not None and dims == getattr(rt, "_dims", None):
+        if lt is rt or (dims is not None and dims == getattr(rt, "_dims", None)):
             return lhs, rhs
         return broadcast(lhs, rhs)
 
