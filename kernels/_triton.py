@@ -212,6 +212,11 @@ def require(ok: bool, arg: str, value, limit: str) -> None:
         raise ValueError(f"{arg}={value}: {limit}")
 
 
+def require_int32_rows(rows: int, width: int, arg: str) -> None:
+    """Rows of `width` values a kernel addresses in int32 (`output_row`'s pairs: int64 spills on sm_103)."""
+    require(rows * width < 2**31, arg, rows, f"must hold under 2^31 values ({width} a row): int32 offsets")
+
+
 def require_dtype(t: torch.Tensor, arg: str, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

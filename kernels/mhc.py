@@ -44,6 +44,7 @@ from ._triton import (
     pow2,
     require,
     require_dtype,
+    require_int32_rows,
     require_rows,
     round_out,
     tl,
@@ -315,7 +316,7 @@ def _front(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post
         require(y.pos.dim() == 2 and y.pos.shape[0] == m and y.pos.dtype == torch.int64, "y.pos",
                 f"{tuple(y.pos.shape)} {y.pos.dtype}", f"must be [{m}, K] int64")
     rows = parts[0].shape[0] if pairs else m
-    require(rows * d < 2**31, "y rows", rows, f"must hold under 2^31 values ({d} a row): int32 offsets")
+    require_int32_rows(rows, d, "y rows")
     for r, p in enumerate(parts):
         require(tuple(p.shape) == (rows, d), f"y[{r}].shape", tuple(p.shape), f"must be {(rows, d)}")
         require_dtype(p, f"y[{r}]", (torch.float32,) if isinstance(y, list) or pairs else (torch.float32,

@@ -48,6 +48,7 @@ from ._triton import (
     product_rows,
     require,
     require_dtype,
+    require_int32_rows,
     round_out,
     tl,
     triton,
@@ -685,8 +686,7 @@ def _combine(parts: list[torch.Tensor], pos, X, post, comb, out: torch.Tensor | 
     (kernels/rank_sum.py `rank_load`; `Partials`: waited for in the kernel); the shared expert's row m of
     `shared` [M, D] (any float dtype), by default row M K + m of the parts (summed over the ranks where `split`)."""
     m, hc, d = X.shape
-    require(parts[0].numel() < 2**31, "pairs", parts[0].shape[0], f"must hold under 2^31 values ({d} a row): "
-            "output_row's int32 offsets")
+    require_int32_rows(parts[0].shape[0], d, "pairs")
     s, sh0 = (parts, m * pos.shape[1]) if shared is None else ([shared], 0)
     if pending:
         return Pending(Combine(parts, pos, s if has_shared else None, sh0, split), X, post, comb)
@@ -704,7 +704,7 @@ def _pairs_sum(o: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
     """Each row's pairs of o [P, D] (pos [M, K]) summed in increasing expert id, in float32, into out's rows."""
     m, k = pos.shape
     d = o.shape[1]
-    require(o.numel() < 2**31, "pairs", o.shape[0], f"must hold under 2^31 values ({d} a row)")
+    require_int32_rows(o.shape[0], d, "pairs")
     bd = min(pow2(d), 8192 if INTERPRET else 1024)
     if m:
         _combine_kernel[(m, triton.cdiv(d, bd))]((o,), (o,), pos, o, o, o, out, m, d, k, 1, 0, out.stride(0),

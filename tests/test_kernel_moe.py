@@ -248,6 +248,17 @@ def test_the_moe_sub_block_refuses_a_gate_for_other_experts():
         moe.fast_ffn(*args)
 
 
+def test_pairs_past_int32_offsets_are_refused_naming_the_field():
+    """The pairs' rows are addressed with int32 offsets (output_row): a call of 2^31 values or more is refused
+    before any launch (meta tensors: nothing allocated)."""
+    d = 2 ** int(torch.randint(6, 14, ()))
+    rows = 2**31 // d
+    pos = torch.zeros((0, 1), dtype=torch.int64, device="meta")  # no rows to sum: the check alone runs
+    moe._pairs_sum(torch.empty((rows - 1, d), device="meta"), pos, torch.empty((0, d), device="meta"))
+    with pytest.raises(ValueError, match=rf"pairs={rows}: must hold under 2\^31 values \({d} a row\)"):
+        moe._pairs_sum(torch.empty((rows, d), device="meta"), pos, torch.empty((0, d), device="meta"))
+
+
 @requires_cuda
 class TestMoeAtV41ShapesOnCuda:
     @pytest.mark.parametrize("m", [1, 6])
