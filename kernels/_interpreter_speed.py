@@ -3,8 +3,8 @@
 The interpreter runs a kernel's Python body once per program, each `tl` operation through the language's
 type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Five of its costs do
 nothing for these kernels and are removed here; what the kernels compute is unchanged (the same numpy
-calls, bitwise). A change is skipped where a Triton version lacks the internal it replaces (the kernels
-then run as before, slower). Never used on a GPU: compiled kernels do none of this.
+calls, bitwise). A change is skipped where a Triton version lacks or has changed the internal it replaces
+(the kernels then run as before, slower). Never used on a GPU: compiled kernels do none of this.
 """
 
 import builtins
@@ -84,7 +84,6 @@ def _cached_numpy_dtypes() -> None:
     interpreter._get_np_dtype = numpy_dtype
 
 
-
 def _shared_block_types() -> None:
     """Every tl operation makes its result's block type (the shape unwrapped, checked, wrapped in the
     language's tuple: ~30 us) and a tensor that wraps that shape again (~15 us): two fifths of a tiny
@@ -93,8 +92,8 @@ def _shared_block_types() -> None:
     Applied only where both constructors set what Triton 3.9's do (else they run as they are)."""
     block_type, tensor = tl.core.block_type, tl.core.tensor
     init_type, init_tensor = block_type.__init__, tensor.__init__
-    if (set(init_type.__code__.co_names) != _BLOCK_TYPE_SETS
-            or set(init_tensor.__code__.co_names) != _TENSOR_SETS):
+    if (set(init_type.__code__.co_names) != _BLOCK_TYPE_INIT_NAMES
+            or set(init_tensor.__code__.co_names) != _TENSOR_INIT_NAMES):
         return
     made: dict[builtins.tuple, object] = {}  # bounded: the kernels' distinct (element type, shape) pairs
 
@@ -128,11 +127,12 @@ def _shared_block_types() -> None:
     block_type.__new__, block_type.__init__, tensor.__init__ = new, init_once, tensor_of
 
 
-# the names Triton 3.9's block_type.__init__ and tensor.__init__ use: what the shortcut above replaces
-_BLOCK_TYPE_SETS = {"TypeError", "_unwrap_shape", "element_ty", "isinstance", "list", "name", "numel", "shape",
-                    "tuple", "validate_block_shape"}
-_TENSOR_SETS = {"__init__", "constexpr", "dtype", "handle", "is_block", "math", "numel", "prod", "scalar", "shape",
-                "super", "tuple", "type"}
+# the names Triton 3.9's block_type.__init__ and tensor.__init__ use (what the shortcut above replaces): another
+# set, another constructor
+_BLOCK_TYPE_INIT_NAMES = {"TypeError", "_unwrap_shape", "element_ty", "isinstance", "list", "name", "numel",
+                          "shape", "tuple", "validate_block_shape"}
+_TENSOR_INIT_NAMES = {"__init__", "constexpr", "dtype", "handle", "is_block", "math", "numel", "prod", "scalar",
+                      "shape", "super", "tuple", "type"}
 
 
 def _no_broadcast_of_equal_shapes() -> None:
