@@ -10,8 +10,9 @@
    choose tiles and paths by the device (`kernels._triton.capability`: on sm_100 and later the weight
    products take the block-scaled MMA), so the cases run once per target, as that target chooses. The tiny
    models' specializations of a kernel the benchmark cases reach compile for the last target only (the
-   B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), those of the
-   kernels only the cycles reach (the fused layer-input kernels) for every target. Nothing is
+   B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), and only where
+   their constexprs, block sizes aside, take a path no compiled specialization took; those of the kernels
+   only the cycles reach (the fused layer-input kernels) for every target. Nothing is
    executed: outputs are zero-filled allocations, enough to keep the host code going (a verify's result
    says one token was produced).
 2. Every decode-cycle step of every tiny family and drafter mode is capturable in a CUDA graph: after the
@@ -98,6 +99,9 @@ ISSUE_BUDGET = {90: 3.5, 100: 2.5, 103: 2.5}
 # FP4's 32) and scales each in float32 (2 instructions per output and block at 8 rows: 0.5 an element); FP4's
 # re-encoding costs 0.9; the rows' quantization, staged once per program before the main loop, 0.1-0.25.
 _F64 = re.compile(r"^\s*(@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction (not a .reg declaration) on float64
+# a kernel's block sizes (BM, BN, BHC, BLOCK, ...; not flags such as BY_POSITION): the tiny models' cycles
+# compile a kernel again only for other constexprs than these (the code paths the device check's tiny runs take)
+BLOCK_SIZE = re.compile(r"B[A-Z0-9]*$")
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -163,8 +167,10 @@ class Compiler:
         self.binders: dict[tuple, tuple] = {}
         # kernels whose further specializations compile for the last target only (set after the benchmark
         # cases: their real shapes were compiled for every target; the tiny models' smaller blocks of the
-        # same code need compiling once, for the B300)
+        # same code need compiling once, for the B300), and then only where they take code paths no compiled
+        # specialization took: (kernel, arch, signature, constexprs less block sizes) of every compilation
         self.last_target_only: set[str] = set()
+        self.paths: set[tuple] = set()
         self.failures: list[dict] = []
         self.shared = 0  # the most shared memory any compiled kernel asks for, in bytes
         self.ptxas = Ptxas()
@@ -194,8 +200,12 @@ class Compiler:
             aligned = {fn.arg_names[a[0]] for a, v in attrs.items() if ["tt.divisibility", 16] in v}
             key = (name, target.arch, repr(signature), repr(sorted(constexprs.items())),
                    repr(sorted(aligned)) if name in WEIGHT_LOOPS else "")
-            if key in self.done:
+            named = {fn.arg_names[c[0]] if isinstance(c, tuple) else c: v for c, v in constexprs.items()}
+            path = (name, target.arch, repr(signature), repr(sorted((n, v) for n, v in named.items()
+                                                                    if not BLOCK_SIZE.match(n))))
+            if key in self.done or (name in self.last_target_only and path in self.paths):
                 continue
+            self.paths.add(path)
             t = time.perf_counter()
             try:
                 log = io.StringIO()  # Triton prints its ptxas -v log: one ptxas run per compilation, not two
@@ -209,7 +219,6 @@ class Compiler:
                                           f"{k.metadata.shared} bytes of shared memory > {SHARED_LIMIT} "
                                           f"(constexprs {sorted(constexprs.items())})"})
                 self.shared = max(self.shared, k.metadata.shared)
-                named = {fn.arg_names[key[0]] if isinstance(key, tuple) else key: v for key, v in constexprs.items()}
                 self.check_resources(name, target.arch, k, options, named)
                 self.measure_issue(name, target.arch, k, named, aligned)
             except Exception as e:  # the compiler's message is the finding
