@@ -97,7 +97,7 @@ def _shared_block_types() -> None:
         return
     made: dict[builtins.tuple, object] = {}  # bounded: the kernels' distinct (element type, shape) pairs
 
-    def new(cls, element_ty, shape):
+    def new(cls, element_ty=None, shape=None):  # copy.copy makes one without arguments: not shared
         if cls is not block_type or not isinstance(shape, (list, builtins.tuple, tl.core.tuple)):
             return object.__new__(cls)
         dims = builtins.tuple(s.value if isinstance(s, tl.constexpr) else s for s in shape)

@@ -4,6 +4,8 @@ the launch, every dtype maps to the numpy dtype the interpreter's own table give
 operations broadcast in every way (with block types shared and equal shapes not broadcast) computes what
 torch does."""
 
+import copy
+
 import pytest
 import torch
 
@@ -79,3 +81,5 @@ def test_block_types_are_shared_by_value_and_a_broadcasting_kernel_matches_torch
         assert other is not f32 and other != f32
     pointer, const = tl.pointer_type(tl.float32), tl.pointer_type(tl.float32, const=True)
     assert tl.block_type(pointer, [4]) is not tl.block_type(const, [4])
+    copied = copy.copy(f32)  # made without arguments, then given f32's attributes (Triton's own types cannot
+    assert copied == f32 and copied is not f32  # be deep-copied or pickled: their shape tuple recurses)
