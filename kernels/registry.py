@@ -38,6 +38,7 @@ class Ops:
     engram: Callable
     engram_lookup: Callable
     sample: Callable
+    sample_sum: Callable
     accept: Callable
 
     def names(self) -> list[str]:
@@ -80,6 +81,7 @@ REFERENCE = Ops(
     engram=engram.layer_reference,
     engram_lookup=engram.lookup_reference,
     sample=sampling.sample,
+    sample_sum=sampling.sample_sum,
     accept=sampling.accept,
 )
 
@@ -106,6 +108,7 @@ FAST = Ops(
     engram=engram.fast_layer,
     engram_lookup=engram.fast_lookup,
     sample=sampling.fast_sample,
+    sample_sum=sampling.fast_sample_sum,
     accept=sampling.fast_accept,
 )
 

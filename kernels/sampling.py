@@ -1,6 +1,6 @@
 """Sampling and draft acceptance on the device, with every parameter a tensor: nothing reads the host, so a
 whole decode cycle (draft, verify, accept) can be captured in one CUDA graph and replayed. The decode cycle
-and the drafters reach these through the op registry (`ops.sample`, `ops.accept`): one sampler.
+and the drafters reach these through the op registry (`ops.sample`, `ops.sample_sum`, `ops.accept`): one sampler.
 
 Randomness comes from a counter-based generator: uniform(key, i) = splitmix64(seed, counter, i) in 53
 bits. The key tensor [seed, counter] lives on the device; each call consumes a block of counter values and
@@ -13,7 +13,7 @@ E = -log(1 - U). Speculative acceptance (Leviathan et al.): accept draft i with 
 min(1, p_i(d_i) / r_i(d_i)); at the first rejection draw from normalize(max(0, p_i - r_i)); if all pass,
 draw from p_{k+1}. Greedy: the longest prefix equal to the target's argmax, then its argmax.
 
-Kernels (`fast_distribution`, `fast_sample`, `fast_accept`), float32 only (no float64 in a
+Kernels (`fast_distribution`, `fast_sample`, `fast_sample_sum`, `fast_accept`), float32 only (no float64 in a
 kernel or a torch operation), one program per row, looping over the vocab in blocks of a fixed width (each
 block one reduction, blocks added in order: a row's sums do not depend on the other rows): softmax in
 float32; top-k and top-p thresholds by radix search on the float bit patterns (32 counting passes each; the
@@ -21,7 +21,8 @@ top-p mass sums in float32), so no sort. `fast_sample` is one launch: the distri
 each block of the row as its last pass stores it, drawing the generator's values itself (integer mixing
 per entry, the exponential in float32), takes the greedy argmax of the logits beside it (ties to the lowest
 id), selects one by the temperature, and advances the counter (the last of its programs, once every
-program has read it).
+program has read it). `fast_sample_sum` is that launch with DSpark's Markov step around it: each program
+first stores its row's logits as the float32 sum of two rows, last its drawn token's row of a table.
 `fast_accept` is one launch a verify: one program per verify row makes its row's distributions (the
 target's, its logits' argmax beside it, and the drafter's: the distribution kernel's code) and draws that
 row's candidate next token (the residual max(0, p - r) renormalized, or p for the last row) as the race does,
@@ -115,6 +116,19 @@ def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: t
     greedy = logits.argmax(-1)
     drawn = draw(distribution(logits, params), key)
     return _into(out, torch.where(params[0] == 0, greedy, drawn))
+
+
+def sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor,
+               total: torch.Tensor, table: torch.Tensor | None = None, next_row: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """DSpark's Markov step: sample from base + addend (float32 [R, V]: the head's logits and the Markov
+    head's), the sum kept in `total` (the draft's logits), the ids in `out`; where `table` is given, its row
+    of each drawn id into `next_row` [R, W] (the next step's Markov input). -> out."""
+    torch.add(base, addend, out=total)
+    sample(total, params, key, out)
+    if table is not None:
+        torch.index_select(table, 0, out, out=next_row)
+    return out
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -256,7 +270,13 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
                          key_ptr,  # int64 [2]: seed, counter (DRAW: advanced by R * V, by the last program)
                          cnt_ptr,  # int32 counter of finished programs, zero between launches (DRAW)
                          out_ptr,  # out int64 [R]: each row's token (DRAW)
-                         V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                         b_ptr, a_ptr,  # SUM: float32 [R, V] rows the logits are the sum of (row strides
+                         stride_b, stride_a,  # stride_b, stride_a), stored into l's rows first
+                         tab_ptr,  # GATHER: float32 [N, W] table whose row of each drawn token ...
+                         row_ptr,  # ... is stored into row r of [R, W] (row stride stride_row)
+                         W, stride_row,
+                         V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, SUM: tl.constexpr,
+                         GATHER: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     seed = tl.zeros((1,), dtype=tl.int64)
@@ -264,11 +284,21 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     if DRAW:  # the counter as every program reads it, before the last one advances it
         seed = tl.load(key_ptr + tl.arange(0, 1))
         base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
+    if SUM:  # the float32 sum as torch adds it, stored as the row the passes below read
+        for v0 in range(0, V, BV):
+            cols = v0 + tl.arange(0, BV)
+            total = tl.load(b_ptr + r * stride_b + cols, mask=cols < V) + tl.load(a_ptr + r * stride_a + cols,
+                                                                                 mask=cols < V)
+            tl.store(l_ptr + r * stride_l + cols, total, mask=cols < V)
+        tl.debug_barrier()  # stored before this program reads the row back
     top_i, best_i = _row_distribution(l_ptr + r * stride_l, p_ptr + r * V, params_ptr, V, seed, base,
                                       DRAW, DRAW, BV)
     if DRAW:  # the greedy token where the temperature is 0
         best_i = tl.where(tl.load(params_ptr + tl.arange(0, 1)) == 0, top_i, best_i)
         tl.store(out_ptr + r + tl.arange(0, 1), best_i)
+        if GATHER:
+            w = tl.arange(0, BW)
+            tl.store(row_ptr + r * stride_row + w, tl.load(tab_ptr + best_i * W + w, mask=w < W), mask=w < W)
         # the counter moves once every program has read it
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.store(key_ptr + 1 + tl.arange(0, 1), tl.load(key_ptr + 1 + tl.arange(0, 1)) + tl.num_programs(0) * V)
@@ -289,8 +319,11 @@ def _check_logits(logits: torch.Tensor, name: str, params: torch.Tensor) -> None
 
 
 def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """fast_distribution's launch; with `key`, each row's token drawn in it too (fast_sample) into `out`."""
+                  out: torch.Tensor | None = None, summands: tuple | None = None,
+                  gather: tuple | None = None) -> torch.Tensor:
+    """fast_distribution's launch; with `key`, each row's token drawn in it too (fast_sample) into `out`;
+    `summands` (base, addend): the logits stored as their sum first, `gather` (table, next_row): each drawn
+    token's table row stored (fast_sample_sum)."""
     _check_logits(logits, "logits", params)
     dev = device_of(logits, params, key)
     r, v = logits.shape
@@ -298,8 +331,13 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
         draw = key is not None
+        b, a = summands or (p, p)  # placeholders where SUM is off: never read
+        table, row = gather or (p, p)
         _distribution_kernel[(r,)](logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
-                                   out if draw else p, v, logits.stride(0), DRAW=draw, BV=bv, **pdl(logits.device))
+                                   out if draw else p, b, a, b.stride(0), a.stride(0), table, row, table.shape[1],
+                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv, SUM=summands is not None,
+                                   GATHER=gather is not None, BW=pow2(table.shape[1]) if gather else 1,
+                                   **pdl(logits.device))
     return p
 
 
@@ -358,6 +396,29 @@ def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, o
         if not v:
             out.zero_()
     _distribution(logits, params, key, out)
+    return out
+
+
+def fast_sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tensor, key: torch.Tensor,
+                    out: torch.Tensor, total: torch.Tensor, table: torch.Tensor | None = None,
+                    next_row: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for `sample_sum` (same signature): fast_sample's launch, whose programs first store their
+    row's sum (the float32 add, torch's bits) and last the drawn token's table row; one launch, not four."""
+    r, v = total.shape
+    width = table.shape[-1] if table is not None else 0
+    for name, t, shape in (("base", base, (r, v)), ("addend", addend, (r, v)), ("total", total, (r, v)),
+                           ("table", table, (v, width)), ("next_row", next_row, (r, width))):
+        if t is not None or name == "next_row" and table is not None:
+            require(t is not None and tuple(t.shape) == shape, f"{name}.shape", None if t is None else
+                    tuple(t.shape), f"must be {shape}")
+            require_dtype(t, name, (torch.float32,))
+            require_rows(t, name)
+    require(table is None or table.is_contiguous(), "table.stride", None if table is None else table.stride(),
+            "must be contiguous")
+    _check_out(out, r, total.device)
+    if not v:
+        out.zero_()
+    _distribution(total, params, key, out, (base, addend), None if table is None else (table, next_row))
     return out
 
 

@@ -91,6 +91,42 @@ def test_greedy_sampling_takes_the_lowest_id_among_equal_maxima():
     assert got[1].item() == 7
 
 
+@pytest.mark.parametrize("temperature,gather", [(0.0, True), (0.9, True), (1.2, False)])
+def test_the_markov_step_kernel_adds_samples_and_gathers_as_the_reference(temperature, gather):
+    """DSpark's Markov step in one launch: the sum the reference's torch.add gives bit for bit, kept in the
+    caller's row; its draw (but near ties) and counter; the drawn token's table row in the next step's row of
+    a wider buffer (its neighbours untouched); base a row of a larger block as the drafter passes it."""
+    s = seed()
+    vocab, width = int(torch.randint(200, 900, ())), int(torch.randint(3, 40, ()))
+    base = torch.randn(5, vocab, device=DEVICE) * 2
+    addend = torch.randn(1, vocab, device=DEVICE)
+    table = torch.randn(vocab, width, device=DEVICE)
+    params, ctx = params_of(temperature, 0, 0.95, DEVICE), f"(seed {s}, T={temperature}, V={vocab}, W={width})"
+    got = []
+    for sample_sum in (sampling.sample_sum, sampling.fast_sample_sum):
+        key = torch.tensor([s, 11], device=DEVICE)
+        ids = torch.full((3,), -7, dtype=torch.long, device=DEVICE)
+        total = torch.full((2, vocab), float("nan"), device=DEVICE)
+        rows = torch.full((2, width + 6), -1.0, device=DEVICE)
+        run(sample_sum, base[2:3], addend, params, key, ids[1:2], total[1:2], *(
+            (table, rows[1:2, 6:]) if gather else ()))
+        got.append((ids, total, rows, key))
+    (ids, total, rows, key), (f_ids, f_total, f_rows, f_key) = got
+    assert_equal("total", total[1], f_total[1], ctx)
+    assert torch.equal(total[1], base[2] + addend[0]) and f_total[0].isnan().all(), ctx
+    assert_same_draws(sampling.distribution(total[1:2], params), torch.tensor([s, 11], device=DEVICE), ids[1:2],
+                      f_ids[1:2], ctx)
+    assert (f_ids[0::2] == -7).all(), f"wrote outside out {ctx}"
+    assert_equal("counter", key, f_key, ctx)
+    if gather:
+        assert_equal("next row", table[f_ids[1]], f_rows[1, 6:], ctx)
+    assert (f_rows[0] == -1).all() and (f_rows[1, :6] == -1).all() and (gather or (f_rows == -1).all()), ctx
+    with pytest.raises(ValueError, match="next_row.shape"):
+        run(sampling.fast_sample_sum, base[2:3], addend, params, key, ids[1:2], total[1:2], table, rows[:, 6:])
+    with pytest.raises(TypeError, match="addend"):
+        run(sampling.fast_sample_sum, base[2:3], addend.double(), params, key, ids[1:2], total[1:2])
+
+
 @pytest.mark.parametrize("k", [0, 1, 4])
 def test_the_accept_kernels_accept_what_the_reference_accepts(k):
     s = seed()

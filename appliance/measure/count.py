@@ -106,7 +106,8 @@ class DeclaredReads:
                                           linear_expand=self._products(ops.linear_expand, rows, expand_kind),
                                           engram=self._products(ops.engram, tokens, engram_kind),
                                           index_scores=self._index_scores(ops.index_scores),
-                                          index_select=self._index_select(ops.index_select))
+                                          index_select=self._index_select(ops.index_select),
+                                          sample_sum=self._sample_sum(ops.sample_sum))
         try:
             yield
         finally:
@@ -198,6 +199,15 @@ class DeclaredReads:
                 times = SELECT_PASSES * ((min(k, scores.shape[1]) > 0) + (top_blocks > 0))
                 kernel[-1].bytes_read += (times - 1) * nbytes(scores)
             return out
+
+        return call
+
+    def _sample_sum(self, sample_sum):
+        """DSpark's Markov step reads its table (the Markov embedding, 132 MB in V4.1-Flash) at the row of
+        each token it draws, not the table."""
+        def call(base, addend, params, key, out, total, table=None, next_row=None):
+            with self.rec.gather(table, out.numel() * _row(table)) if table is not None else ExitStack():
+                return sample_sum(base, addend, params, key, out, total, table, next_row)
 
         return call
 

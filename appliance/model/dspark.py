@@ -214,13 +214,15 @@ class DSpark:
         base = self.head(self.norm(x), torch.float32)  # [B, V]
         out = out or Draft.empty(k, c.vocab_size, x.device, confidence=True)
         # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
-        # (the Markov step reads its row from here)
+        # (the Markov step reads its row from here; each step's sampler writes the next one's)
         features = torch.empty(k, c.dim + self.markov_embed.shape[1], dtype=torch.float32, device=x.device)
         features[:, :c.dim].copy_(x[:k])
-        y = anchor
+        mu = features[:, c.dim:]
+        torch.index_select(self.markov_embed, 0, anchor, out=mu[:1])
         for i in range(k):  # the Markov chain: strictly sequential
-            mu = torch.index_select(self.markov_embed, 0, y, out=features[i:i + 1, c.dim:])  # [1, rank]
-            torch.add(base[i:i + 1], self.markov_head(mu, torch.float32), out=out.logits[i:i + 1])
-            y = self.rt.ops.sample(out.logits[i:i + 1], params, key, out.ids[i:i + 1])
+            last = i + 1 == k
+            self.rt.ops.sample_sum(base[i:i + 1], self.markov_head(mu[i:i + 1], torch.float32), params, key,
+                                   out.ids[i:i + 1], out.logits[i:i + 1], None if last else self.markov_embed,
+                                   None if last else mu[i + 1:i + 2])
         out.confidence.copy_(self.confidence(features, torch.float32)[:, 0])
         return out
