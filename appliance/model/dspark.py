@@ -204,8 +204,8 @@ class DSpark:
         step.block_rows = state.offsets[:B].unsqueeze(0).expand(B, -1)  # one row viewed by every query
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
-            for stage in self.stages:
-                X, pre = stage(X, pre, step)
+            for s, stage in enumerate(self.stages):  # a stage's MoE combined by the next stage's site
+                X, pre = stage(X, pre, step, fuse=s + 1 < len(self.stages))
             x = ops.hc_collapse(X, pre)
         else:
             for stage in self.stages:
