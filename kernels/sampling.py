@@ -272,7 +272,7 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
                          out_ptr,  # out int64 [R]: each row's token (DRAW)
                          b_ptr, a_ptr,  # SUM: float32 [R, V] rows the logits are the sum of (row strides
                          stride_b, stride_a,  # stride_b, stride_a), stored into l's rows first
-                         tab_ptr,  # GATHER: float32 [N, W] table whose row of each drawn token ...
+                         tab_ptr,  # GATHER: float32 [V, W] table whose row of each drawn token ...
                          row_ptr,  # ... is stored into row r of [R, W] (row stride stride_row)
                          W, stride_row,
                          V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, SUM: tl.constexpr,
@@ -405,16 +405,15 @@ def fast_sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tens
     """The kernel for `sample_sum` (same signature): fast_sample's launch, whose programs first store their
     row's sum (the float32 add, torch's bits) and last the drawn token's table row; one launch, not four."""
     r, v = total.shape
-    width = table.shape[-1] if table is not None else 0
-    for name, t, shape in (("base", base, (r, v)), ("addend", addend, (r, v)), ("total", total, (r, v)),
-                           ("table", table, (v, width)), ("next_row", next_row, (r, width))):
-        if t is not None or name == "next_row" and table is not None:
-            require(t is not None and tuple(t.shape) == shape, f"{name}.shape", None if t is None else
-                    tuple(t.shape), f"must be {shape}")
-            require_dtype(t, name, (torch.float32,))
-            require_rows(t, name)
-    require(table is None or table.is_contiguous(), "table.stride", None if table is None else table.stride(),
-            "must be contiguous")
+    given = [("base", base, (r, v)), ("addend", addend, (r, v)), ("total", total, (r, v))]
+    if table is not None:  # a row for each token, W wide
+        given += [("table", table, (v, table.shape[-1])), ("next_row", next_row, (r, table.shape[-1]))]
+        require(table.is_contiguous(), "table.stride", table.stride(), "must be contiguous")
+    for name, t, shape in given:
+        require(t is not None and tuple(t.shape) == shape, f"{name}.shape", t if t is None else tuple(t.shape),
+                f"must be {shape}")
+        require_dtype(t, name, (torch.float32,))
+        require_rows(t, name)
     _check_out(out, r, total.device)
     if not v:
         out.zero_()
