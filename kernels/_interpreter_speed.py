@@ -1,7 +1,7 @@
 """Speed for Triton's interpreter (CPU runs of the kernels: the tests, `--path fast` without a GPU).
 
 The interpreter runs a kernel's Python body once per program, each `tl` operation through the language's
-type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Five of its costs do
+type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Six of its costs do
 nothing for these kernels and are removed here; what the kernels compute is unchanged (the same numpy
 calls, bitwise). A change is skipped where a Triton version lacks or has changed the internal it replaces
 (the kernels then run as before, slower). Never used on a GPU: compiled kernels do none of this.
@@ -11,7 +11,9 @@ import builtins
 import dataclasses
 import functools
 import inspect
+import numbers
 
+import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -25,6 +27,7 @@ def apply() -> None:
     _shared_block_types()
     if hasattr(interpreter, "interpreter_semantic"):
         _no_broadcast_of_equal_shapes()
+        _binary_types_planned_once()
 
 
 def _no_overflow_checks() -> None:
@@ -150,3 +153,61 @@ def _no_broadcast_of_equal_shapes() -> None:
         return broadcast(lhs, rhs)
 
     semantic.broadcast_impl_value = broadcast_unless_equal
+
+
+def _binary_types_planned_once() -> None:
+    """A binary operation's type checks (its pointer rules, the computation type of its operands' types) depend
+    on the two types alone, yet run in full on every operation (~40 us), as does the cast of an operand already
+    of the computation type and the splat of a Python number through a scalar tensor and a new block type
+    (~40 us more). The computation type is found once per pair of types and flags, by the language's own
+    rules (an illegal pair raises there, every time); an operand is then cast only where its type differs, and
+    a number next to a block of the computation type is made a block at once (the language's checked scalar,
+    filled as its splat fills it)."""
+    semantic = interpreter.interpreter_semantic
+    check = semantic.binary_op_type_checking_impl
+    number = numbers.Number
+    np_dtype = interpreter._get_np_dtype
+    plans: dict[builtins.tuple, object] = {}  # (types, flags) -> computation type (None: no arithmetic check)
+
+    def key_of(x, is_number):
+        if is_number:
+            return semantic.to_tensor_type(x).name, True
+        t = x.dtype
+        return t.name, getattr(t, "address_space", None)
+
+    def operand(x, is_number, ret, other):
+        if not is_number:
+            return x if x.dtype.name == ret.name else semantic.cast(x, ret)
+        scalar = semantic._cast_to_computation_type(x, ret)  # the range checks, the value's rounding
+        if other.type.is_block() and other.dtype.name == ret.name:  # what the broadcast would splat it to
+            data = np.full(other.handle.data.shape, scalar.handle.data, dtype=np_dtype(ret))
+            return tl.tensor(interpreter.TensorHandle(data, ret), other.type)
+        return scalar
+
+    def planned(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        lhs_number, rhs_number = isinstance(lhs, number), isinstance(rhs, number)
+        if lhs_number and rhs_number:
+            return check(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        key = (key_of(lhs, lhs_number), key_of(rhs, rhs_number), allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
+               div_or_mod)
+        ret = plans.get(key, plans)
+        if ret is plans:
+            out = check(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)  # raises if illegal
+            l_ty = semantic.to_tensor_type(lhs) if lhs_number else lhs.dtype
+            r_ty = semantic.to_tensor_type(rhs) if rhs_number else rhs.dtype
+            arithmetic = arithmetic_check and not l_ty.is_ptr() and not r_ty.is_ptr()
+            plans[key] = semantic.computation_type_impl(l_ty, lhs_number, r_ty, rhs_number, div_or_mod) \
+                if arithmetic else None
+            return out
+        if ret is None:
+            lhs, rhs = semantic.to_tensor(lhs), semantic.to_tensor(rhs)
+        else:
+            if lhs_number:  # the tensor first: the number splats to its cast
+                rhs = operand(rhs, False, ret, None)
+                lhs = operand(lhs, True, ret, rhs)
+            else:
+                lhs = operand(lhs, False, ret, None)
+                rhs = operand(rhs, rhs_number, ret, lhs)
+        return semantic.broadcast_impl_value(lhs, rhs)
+
+    semantic.binary_op_type_checking_impl = planned

@@ -83,3 +83,36 @@ def test_block_types_are_shared_by_value_and_a_broadcasting_kernel_matches_torch
     assert tl.block_type(pointer, [4]) is not tl.block_type(const, [4])
     copied = copy.copy(f32)  # made without arguments, then given f32's attributes (Triton's own types cannot
     assert copied == f32 and copied is not f32  # be deep-copied or pickled: their shape tuple recurses)
+
+
+@triton.jit
+def _mixed_types(f_ptr, i_ptr, j_ptr, out_ptr, n, k, BN: tl.constexpr):
+    r = tl.arange(0, BN)
+    f = tl.load(f_ptr + r, mask=r < n, other=1.0)
+    i = tl.load(i_ptr + r, mask=r < n, other=1)
+    j = tl.load(j_ptr + r, mask=r < n, other=1)  # int64
+    # a block with a Python float and int (either side), int32 with int64 and a scalar int32, a division of two
+    # ints (float32), a comparison, a pointer offset by a scalar: each pair of types planned once, taken again
+    for _ in range(2):
+        out = (2.5 * f - 1) + (i + 3) * j + (7 - i) / (i * i + 1) + (f > 0.25) + k * i + f * k
+        out = out + tl.load(f_ptr + k - k + r, mask=r < n, other=0.0)
+    tl.store(out_ptr + r, out, mask=r < n)
+
+
+@triton.jit
+def _pointer_plus_float(f_ptr, BN: tl.constexpr):
+    tl.store(f_ptr + tl.arange(0, BN), tl.load(f_ptr + 0.5 + tl.arange(0, BN)))
+
+
+def test_binary_types_planned_once_give_torchs_values_and_an_illegal_pair_is_refused_every_time():
+    for _ in range(3):
+        n, k = torch.randint(1, 40, ()).item(), torch.randint(-9, 9, ()).item()
+        f, i = torch.randn(n), torch.randint(-50, 50, (n,), dtype=torch.int32)
+        j = torch.randint(-(1 << 40), 1 << 40, (n,), dtype=torch.int64)
+        out = torch.empty(n)
+        _mixed_types[(1,)](f, i, j, out, n, k, BN=triton.next_power_of_2(n))
+        want = (2.5 * f - 1) + (i + 3) * j + (7 - i) / (i * i + 1) + (f > 0.25) + k * i + f * k + f
+        assert torch.equal(out, want), (n, k)
+    for _ in range(2):  # the language's refusal each time: an illegal pair is never planned
+        with pytest.raises(Exception, match="invalid operands of type pointer<fp32> and "):
+            _pointer_plus_float[(1,)](torch.zeros(4), BN=4)
