@@ -62,7 +62,7 @@ def test_replayed_cycles_with_and_without_drafting_give_the_eager_tokens_without
     from their captures: with the family's drafter (V4.1: one of its two modes, drawn per run), and plain on
     V4.1. Both hold at once: the replay reproduces the eager steps, and a verify of k + 1 rows the k + 1
     single steps, token for token (one eager run fewer per family than checking each alone; the drafting
-    alone over 256 tokens on the reference path: tests/test_speculative.py)."""
+    alone over 128 tokens on the reference path: tests/test_speculative.py)."""
     # adaptive trims drafts by a verify-cost table it measures at load; the interpreter's timings mean
     # nothing, so the table is set (longer verifies cost a little more)
     monkeypatch.setattr(Speculator, "calibrate", lambda self, model, repeats=5: setattr(

@@ -36,13 +36,15 @@ def greedy(lm, prompt, n, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_output_with_drafting_equals_no_drafting_over_256_tokens(drafter_models, family):
+def test_greedy_output_with_drafting_equals_no_drafting_over_128_tokens(drafter_models, family):
+    # 128 tokens (the window of 16 wraps eight times over); the long check (BENCHMARKS.md) decodes 128 on the
+    # fast path with each drafter
     lm = drafter_models[family]
     prompt = torch.randint(0, lm.cfg.vocab_size, (23,)).tolist()
-    want, _ = greedy(lm, prompt, 256)
+    want, _ = greedy(lm, prompt, 128)
     # one of the five draft lengths, drawn anew each run (all five cost minutes a family), and adaptive
     for draft, k in [("auto", random.randint(1, 5)), ("adaptive", 5)]:
-        got, done = greedy(lm, prompt, 256, draft=draft, draft_tokens=k)
+        got, done = greedy(lm, prompt, 128, draft=draft, draft_tokens=k)
         assert got == want, f"{family} --draft {draft} k={k}: first mismatch at {_first_mismatch(got, want)}"
         assert done.speculative["cycles"] > 0 and done.speculative["drafted"] >= done.speculative["cycles"]
 
