@@ -1,7 +1,7 @@
 """Speed for Triton's interpreter (CPU runs of the kernels: the tests, `--path fast` without a GPU).
 
 The interpreter runs a kernel's Python body once per program, each `tl` operation through the language's
-type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Six of its costs do
+type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Seven of its costs do
 nothing for these kernels and are removed here; what the kernels compute is unchanged (the same numpy
 calls, bitwise). A change is skipped where a Triton version lacks or has changed the internal it replaces
 (the kernels then run as before, slower). Never used on a GPU: compiled kernels do none of this.
@@ -22,6 +22,8 @@ def apply() -> None:
     _no_overflow_checks()
     if hasattr(interpreter, "_patch_lang") and hasattr(interpreter, "_LangPatchScope"):
         _patch_language_once_per_launch()
+    if hasattr(interpreter, "_patch_builtin") and hasattr(interpreter, "_patch_attr"):
+        _builtins_listed_once_and_called_directly()
     if hasattr(interpreter, "_get_np_dtype"):
         _cached_numpy_dtypes()
     _shared_block_types()
@@ -66,6 +68,34 @@ def _patch_language_once_per_launch() -> None:
 
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch_then_forget
+
+
+def _builtins_listed_once_and_called_directly() -> None:
+    """A launch patches every builtin of the language's modules, listing each module's members anew (~0.3 ms a
+    launch) though the builtins never change; each patched builtin then copies its keyword arguments less
+    `_semantic` and calls the builtin's wrapper, which checks that `_semantic` is given. The builtins are
+    listed once per module (as `_patch_builtin` finds them: the language unpatched between launches), and a
+    patched one calls the builtin's own function with the interpreter's semantic (what the wrapper calls)."""
+    patch_attr, semantic = interpreter._patch_attr, interpreter.interpreter_semantic
+    listed: dict[int, list] = {}  # id of a module or class of the language -> its (name, builtin)s
+
+    def patch_builtin(pkg, builder, scope):
+        found = listed.get(id(pkg))
+        if found is None:
+            found = listed[id(pkg)] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+        for name, member in found:
+            fn = getattr(member, "__wrapped__", None)  # functools.wraps' link to the builtin's function
+            if fn is None:
+                patch_attr(pkg, name, member, builder, scope)
+                continue
+
+            def direct(*args, _fn=fn, **kwargs):
+                kwargs["_semantic"] = semantic
+                return _fn(*args, **kwargs)
+
+            scope.set_attr(pkg, name, direct)
+
+    interpreter._patch_builtin = patch_builtin
 
 
 def _cached_numpy_dtypes() -> None:
