@@ -74,26 +74,28 @@ def _builtins_listed_once_and_called_directly() -> None:
     """A launch patches every builtin of the language's modules, listing each module's members anew (~0.3 ms a
     launch) though the builtins never change; each patched builtin then copies its keyword arguments less
     `_semantic` and calls the builtin's wrapper, which checks that `_semantic` is given. The builtins are
-    listed once per module (as `_patch_builtin` finds them: the language unpatched between launches), and a
-    patched one calls the builtin's own function with the interpreter's semantic (what the wrapper calls)."""
+    listed once per module (as `_patch_builtin` finds them: the language unpatched between launches), each
+    with its patched form, made once: it calls the builtin's own function with the interpreter's semantic
+    (what the wrapper calls)."""
     patch_attr, semantic = interpreter._patch_attr, interpreter.interpreter_semantic
-    listed: dict[int, list] = {}  # id of a module or class of the language -> its (name, builtin)s
+    listed: dict[int, list] = {}  # id of a module or class of the language -> its (name, builtin, patched)s
+
+    def direct(fn):
+        def call(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return fn(*args, **kwargs)
+        return call
 
     def patch_builtin(pkg, builder, scope):
         found = listed.get(id(pkg))
-        if found is None:
-            found = listed[id(pkg)] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
-        for name, member in found:
-            fn = getattr(member, "__wrapped__", None)  # functools.wraps' link to the builtin's function
-            if fn is None:
+        if found is None:  # functools.wraps' link to the builtin's function, where it has one
+            found = listed[id(pkg)] = [(n, m, direct(m.__wrapped__) if hasattr(m, "__wrapped__") else None)
+                                       for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+        for name, member, patched in found:
+            if patched is None:
                 patch_attr(pkg, name, member, builder, scope)
-                continue
-
-            def direct(*args, _fn=fn, **kwargs):
-                kwargs["_semantic"] = semantic
-                return _fn(*args, **kwargs)
-
-            scope.set_attr(pkg, name, direct)
+            else:
+                scope.set_attr(pkg, name, patched)
 
     interpreter._patch_builtin = patch_builtin
 
