@@ -84,8 +84,8 @@ def arithmetic_skipped():
     selected, which torch operations index with) and returns. What the fast path allocates never depends on
     a value (its shapes are fixed by the call, as a graph's capture needs), so a load's and a prefill's bytes
     are the same without the arithmetic (on the default model, a 96-token prefill in chunks of 48: 363,968
-    bytes at most either way) at a twentieth of the interpreter's time; the kernels' values are the other
-    tests'. Under the interpreter only (every CPU run)."""
+    bytes at most either way; the CPU it saves: BENCHMARKS.md); the kernels' values are the other tests'.
+    Under the interpreter only (every CPU run)."""
     from triton.runtime import interpreter
 
     launch = interpreter.GridExecutor.__call__
