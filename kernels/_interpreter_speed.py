@@ -1,7 +1,7 @@
 """Speed for Triton's interpreter (CPU runs of the kernels: the tests, `--path fast` without a GPU).
 
 The interpreter runs a kernel's Python body once per program, each `tl` operation through the language's
-type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Seven of its costs do
+type checks and a numpy call (~0.1 ms of Python each, ~90 thousand a tiny forward). Eight of its costs do
 nothing for these kernels and are removed here; what the kernels compute is unchanged (the same numpy
 calls, bitwise). A change is skipped where a Triton version lacks or has changed the internal it replaces
 (the kernels then run as before, slower). Never used on a GPU: compiled kernels do none of this.
@@ -28,7 +28,8 @@ def apply() -> None:
         _cached_numpy_dtypes()
     _shared_block_types()
     if hasattr(interpreter, "interpreter_semantic"):
-        _no_broadcast_of_equal_shapes()
+        _broadcasts_planned_once()
+        _expand_dims_planned_once()
         _binary_types_planned_once()
 
 
@@ -123,7 +124,8 @@ def _shared_block_types() -> None:
     """Every tl operation makes its result's block type (the shape unwrapped, checked, wrapped in the
     language's tuple: ~30 us) and a tensor that wraps that shape again (~15 us): two fifths of a tiny
     prefill. A block type is a value (element type and shape, never changed once made), so one object serves
-    every equal one and holds the tensors' wrapped shape (never changed: operations make new tensors).
+    every equal one and holds the tensors' wrapped shape (never changed: operations make new tensors); a
+    scalar type holds its tensors' (no axes) too.
     Applied only where both constructors set what Triton 3.9's do (else they run as they are)."""
     block_type, tensor = tl.core.block_type, tl.core.tensor
     init_type, init_tensor = block_type.__init__, tensor.__init__
@@ -153,8 +155,7 @@ def _shared_block_types() -> None:
         shaped = type.__dict__.get("_tensor_shape")
         if shaped is None:
             init_tensor(self, handle, type)
-            if type.is_block():
-                type._tensor_shape = (self.numel, self.shape)
+            type._tensor_shape = (self.numel, self.shape)  # a scalar's too: numel 1, shape ()
             return
         self.handle, self.type, self.dtype = handle, type, type.scalar
         self.numel, self.shape = shaped
@@ -170,21 +171,77 @@ _TENSOR_INIT_NAMES = {"__init__", "constexpr", "dtype", "handle", "is_block", "m
                       "shape", "super", "tuple", "type"}
 
 
-def _no_broadcast_of_equal_shapes() -> None:
+def _broadcasts_planned_once() -> None:
     """Most binary operations take two tensors of one shape (a block and its mask, pointers and offsets),
-    which need no broadcast; the language still compares their shapes as its tuples (~25 us). Those return
-    at once, as they would after the comparison."""
+    which need no broadcast; the language still compares their shapes as its tuples (~25 us). Those return at
+    once. A broadcast of a block with a scalar tensor or a block of another shape (a fifth of a tiny forward's
+    operations) makes its result types anew each time (a type per step: ~60 us), though they depend on the
+    operands' types alone: they are found once per pair of types, by the language's own broadcast (an
+    incompatible pair raises there, every time), and an operand is then splat, given its leading axes and
+    broadcast by the numpy calls the interpreter's builder makes. Only shared block types
+    (`_shared_block_types`: one object per element type and shape, kept for the process) key a plan."""
     semantic = interpreter.interpreter_semantic
     broadcast = semantic.broadcast_impl_value
+    np_dtype = interpreter._get_np_dtype
+    handle = interpreter.TensorHandle
+    plans: dict[builtins.tuple, builtins.tuple] = {}  # (lhs key, rhs key) -> each operand's result type or None
 
-    def broadcast_unless_equal(lhs, rhs):
+    def key_of(t):  # a shared block type by identity, a scalar type by its name and address space
+        if t.is_block():
+            return id(t) if "_dims" in t.__dict__ else None
+        return t.name, getattr(t, "address_space", None)
+
+    def made(x, ty):  # x as the block of type ty: splat (a scalar), leading axes added, then broadcast
+        if ty is None:
+            return x
+        data = x.handle.data
+        if not x.type.is_block():
+            return tl.tensor(handle(np.full(ty._dims, data, dtype=np_dtype(ty.scalar)), ty.scalar), ty)
+        if data.ndim < len(ty._dims):
+            data = data.reshape((1,) * (len(ty._dims) - data.ndim) + data.shape)
+        return tl.tensor(handle(np.broadcast_to(data, ty._dims), ty.scalar), ty)
+
+    def planned(lhs, rhs):
         lt, rt = lhs.type, rhs.type
-        dims = getattr(lt, "_dims", None)
-        if lt is rt or (dims is not None and dims == getattr(rt, "_dims", None)):
+        dims = lt.__dict__.get("_dims")
+        if lt is rt or (dims is not None and dims == rt.__dict__.get("_dims")):
             return lhs, rhs
-        return broadcast(lhs, rhs)
+        lk, rk = key_of(lt), key_of(rt)
+        plan = plans.get((lk, rk)) if lk is not None and rk is not None else None
+        if plan is None:
+            out = broadcast(lhs, rhs)  # raises for an incompatible pair
+            if lk is not None and rk is not None and (lt.is_block() or rt.is_block()):
+                types = [o.type if o.type is not x.type else None for o, x in ((out[0], lhs), (out[1], rhs))]
+                if all(t is None or "_dims" in t.__dict__ for t in types):
+                    plans[lk, rk] = builtins.tuple(types)
+            return out
+        return made(lhs, plan[0]), made(rhs, plan[1])
 
-    semantic.broadcast_impl_value = broadcast_unless_equal
+    semantic.broadcast_impl_value = planned
+
+
+def _expand_dims_planned_once() -> None:
+    """A new axis (`x[:, None]`, a broadcast's leading axes) makes its result type from the operand's shape
+    unwrapped anew (~25 us); for a shared block type it is found once per type and axis, by the language's own
+    expand_dims (a refused axis raises there, every time), and the operand then takes the numpy call the
+    interpreter's builder makes."""
+    semantic = interpreter.interpreter_semantic
+    expand = semantic.expand_dims
+    handle = interpreter.TensorHandle
+    plans: dict[builtins.tuple, object] = {}  # (id of a shared block type, axis) -> the result's type
+
+    def planned(input, axis):
+        ty = input.type
+        shared = "_dims" in ty.__dict__ and type(axis) is int
+        ret = plans.get((id(ty), axis)) if shared else None
+        if ret is None:
+            out = expand(input, axis)  # raises for a refused axis
+            if shared and "_dims" in out.type.__dict__:
+                plans[id(ty), axis] = out.type
+            return out
+        return tl.tensor(handle(np.expand_dims(input.handle.data, axis), ty.scalar), ret)
+
+    semantic.expand_dims = planned
 
 
 def _binary_types_planned_once() -> None:

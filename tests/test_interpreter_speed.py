@@ -1,8 +1,8 @@
 """The interpreter's shortcuts (kernels/_interpreter_speed.py) change no result: a kernel that calls the
 standard library's jit functions inside a launch computes what torch does, the language is as it was after
 the launch, every dtype maps to the numpy dtype the interpreter's own table gives, and a kernel whose
-operations broadcast in every way (with block types shared and equal shapes not broadcast) computes what
-torch does."""
+operations broadcast in every way (with block types shared, equal shapes not broadcast and each pair of
+types' broadcast planned once) computes what torch does, and an incompatible pair is refused every time."""
 
 import copy
 
@@ -116,3 +116,37 @@ def test_binary_types_planned_once_give_torchs_values_and_an_illegal_pair_is_ref
     for _ in range(2):  # the language's refusal each time: an illegal pair is never planned
         with pytest.raises(Exception, match="invalid operands of type pointer<fp32> and "):
             _pointer_plus_float[(1,)](torch.zeros(4), BN=4)
+
+
+@triton.jit
+def _planned_broadcasts(a_ptr, b_ptr, s_ptr, out_ptr, n, m, BN: tl.constexpr, BM: tl.constexpr):
+    r = tl.arange(0, BN)
+    c = tl.arange(0, BM)
+    s = tl.load(s_ptr)  # a scalar tensor
+    a = tl.load(a_ptr + r, mask=r < n, other=0.0)
+    rows = r[:, None] < n
+    for _ in range(2):  # each pair of types planned on its first broadcast, taken on the second
+        # a scalar pointer with a block of offsets, a scalar tensor with a block (either side), a block with a
+        # block of fewer axes (leading axes added), [BN, 1] with [1, BM] (either side)
+        b = tl.load(b_ptr + r[:, None] * m + c[None, :], mask=rows & (c[None, :] < m), other=0.0)
+        out = s * b + (a * s)[:, None] + (c * 1.0 + b) + c[None, :] * a[:, None] - b / s
+    tl.store(out_ptr + r[:, None] * m + c[None, :], out, mask=rows & (c[None, :] < m))
+
+
+@triton.jit
+def _incompatible_broadcast(out_ptr, BN: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, BN), tl.arange(0, BN)[:, None] + tl.arange(0, 2 * BN)[:, None])
+
+
+def test_planned_broadcasts_give_torchs_values_and_an_incompatible_pair_is_refused_every_time():
+    for _ in range(3):
+        n, m = torch.randint(1, 40, (2,)).tolist()
+        a, b, s = torch.randn(n), torch.randn(n, m), torch.randn(1)
+        out = torch.empty(n, m)
+        _planned_broadcasts[(1,)](a, b, s, out, n, m, BN=triton.next_power_of_2(n), BM=triton.next_power_of_2(m))
+        c = torch.arange(m)
+        want = s * b + (a * s)[:, None] + (c * 1.0 + b) + c[None, :] * a[:, None] - b / s
+        assert torch.equal(out, want), (n, m)
+    for _ in range(2):  # the language's refusal each time: an incompatible pair is never planned
+        with pytest.raises(Exception, match="incompatible dimensions"):
+            _incompatible_broadcast[(1,)](torch.zeros(4, dtype=torch.int32), BN=4)
