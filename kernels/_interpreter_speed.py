@@ -251,7 +251,8 @@ def _binary_types_planned_once() -> None:
     (~40 us more). The computation type is found once per pair of types and flags, by the language's own
     rules (an illegal pair raises there, every time); an operand is then cast only where its type differs, and
     a number next to a block of the computation type is made a block at once (the language's checked scalar,
-    filled as its splat fills it)."""
+    filled as its splat fills it). A Python number's checked scalar is made once per value and computation
+    type (a scalar tensor is never changed: operations make new ones)."""
     semantic = interpreter.interpreter_semantic
     check = semantic.binary_op_type_checking_impl
     number = numbers.Number
@@ -264,10 +265,23 @@ def _binary_types_planned_once() -> None:
         t = x.dtype
         return t.name, getattr(t, "address_space", None)
 
+    scalars: dict[builtins.tuple, object] = {}  # (number's type, value, computation type) -> its checked scalar
+
+    def scalar_of(x, ret):  # the range checks and the value's rounding, once per Python int, float or bool
+        if type(x) not in (int, float, bool):
+            return semantic._cast_to_computation_type(x, ret)
+        key = type(x), x.hex() if type(x) is float else x, ret.name  # hex: -0.0 and 0.0 apart
+        found = scalars.get(key)
+        if found is None:
+            if len(scalars) >= 4096:  # offsets and counters are numbers too: bounded
+                scalars.clear()
+            found = scalars[key] = semantic._cast_to_computation_type(x, ret)
+        return found
+
     def operand(x, is_number, ret, other):
         if not is_number:
             return x if x.dtype.name == ret.name else semantic.cast(x, ret)
-        scalar = semantic._cast_to_computation_type(x, ret)  # the range checks, the value's rounding
+        scalar = scalar_of(x, ret)
         if other.type.is_block() and other.dtype.name == ret.name:  # what the broadcast would splat it to
             data = np.full(other.handle.data.shape, scalar.handle.data, dtype=np_dtype(ret))
             return tl.tensor(interpreter.TensorHandle(data, ret), other.type)

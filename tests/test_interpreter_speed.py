@@ -96,6 +96,7 @@ def _mixed_types(f_ptr, i_ptr, j_ptr, out_ptr, n, k, BN: tl.constexpr):
     for _ in range(2):
         out = (2.5 * f - 1) + (i + 3) * j + (7 - i) / (i * i + 1) + (f > 0.25) + k * i + f * k
         out = out + tl.load(f_ptr + k - k + r, mask=r < n, other=0.0)
+        out = out + (1.0 / (f * 0.0) > 0) + 2 * (1.0 / (f * -0.0) > 0)  # zeros of either sign: infinities
     tl.store(out_ptr + r, out, mask=r < n)
 
 
@@ -112,6 +113,7 @@ def test_binary_types_planned_once_give_torchs_values_and_an_illegal_pair_is_ref
         out = torch.empty(n)
         _mixed_types[(1,)](f, i, j, out, n, k, BN=triton.next_power_of_2(n))
         want = (2.5 * f - 1) + (i + 3) * j + (7 - i) / (i * i + 1) + (f > 0.25) + k * i + f * k + f
+        want = want + (1.0 / (f * 0.0) > 0) + 2 * (1.0 / (f * -0.0) > 0)
         assert torch.equal(out, want), (n, k)
     for _ in range(2):  # the language's refusal each time: an illegal pair is never planned
         with pytest.raises(Exception, match="invalid operands of type pointer<fp32> and "):
