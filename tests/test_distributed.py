@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -188,3 +189,23 @@ def test_the_fixed_order_sum_adds_in_rank_order_and_the_collectives_bench_runs_o
     report = json.loads(p.stdout)
     assert report["ranks"] == 4 and report["backend"] == "gloo"
     assert {r["allreduce"] for r in report["runs"]} == {"nccl"} and all(r["us"]["median"] > 0 for r in report["runs"])
+
+
+def test_a_normal_exit_ends_the_watchers_then_destroys_the_process_group():
+    """appliance/parallel/world.py `_exit_normally` (atexit): the rank says it is done, its watcher threads
+    end and its process group is destroyed before the interpreter's teardown (a gloo group left to it once
+    aborted a rank of four after its work: exit code -6)."""
+    from appliance.parallel import world as w
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        world = w.World(0, 1, "cpu")
+        watcher = threading.Thread(target=world.quit.wait)  # leaves when the rank quits
+        watcher.start()
+        w._exit_normally(world, store, [watcher])
+        assert not watcher.is_alive() and not torch.distributed.is_initialized()
+        assert store.get("done/0") == b"1"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

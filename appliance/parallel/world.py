@@ -228,15 +228,18 @@ def start(devices: str) -> World:
 
 def _exit_normally(world: World, store, watchers: list[threading.Thread]) -> None:
     """At a normal exit (os._exit, a failure, skips this): say so in the store, so the peers do not take
-    the silence for a death, and end the watcher threads before the interpreter goes (a thread still
-    inside a store call at shutdown aborts the process)."""
+    the silence for a death, end the watcher threads and destroy the process group before the interpreter
+    goes (a thread still inside a store call, or the backend's own threads left to the interpreter's
+    teardown, abort the process: "terminate called without an active exception", exit code -6)."""
     store.set(f"done/{world.rank}", "1")
     world.quit.set()
     # a store call on a loaded box (four ranks on two cores) can take seconds: a second's wait once let a
-    # heartbeat still inside one abort a follower at exit ("terminate called without an active exception")
+    # heartbeat still inside one abort a follower at exit
     deadline = time.monotonic() + EXIT_WAIT_S
     for t in watchers:
         t.join(timeout=max(deadline - time.monotonic(), 0))
+    if torch.distributed.is_initialized():  # its work is done: the command's last collective has returned
+        torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:
