@@ -171,6 +171,19 @@ _TENSOR_INIT_NAMES = {"__init__", "constexpr", "dtype", "handle", "is_block", "m
                       "shape", "super", "tuple", "type"}
 
 
+def _scalar_key(t) -> builtins.tuple:
+    """What tells scalar types apart in a plan's key: the name (a pointer's names its element and constness)
+    and the address space."""
+    return t.name, getattr(t, "address_space", None)
+
+
+def _filled(value, shape, ty):
+    """A block of type `ty` (`shape`: its dims) holding a scalar's value everywhere, as the interpreter's
+    splat fills one."""
+    return tl.tensor(interpreter.TensorHandle(np.full(shape, value, dtype=interpreter._get_np_dtype(ty.scalar)),
+                                              ty.scalar), ty)
+
+
 def _broadcasts_planned_once() -> None:
     """Most binary operations take two tensors of one shape (a block and its mask, pointers and offsets),
     which need no broadcast; the language still compares their shapes as its tuples (~25 us). Those return at
@@ -182,21 +195,20 @@ def _broadcasts_planned_once() -> None:
     (`_shared_block_types`: one object per element type and shape, kept for the process) key a plan."""
     semantic = interpreter.interpreter_semantic
     broadcast = semantic.broadcast_impl_value
-    np_dtype = interpreter._get_np_dtype
     handle = interpreter.TensorHandle
     plans: dict[builtins.tuple, builtins.tuple] = {}  # (lhs key, rhs key) -> each operand's result type or None
 
     def key_of(t):  # a shared block type by identity, a scalar type by its name and address space
         if t.is_block():
             return id(t) if "_dims" in t.__dict__ else None
-        return t.name, getattr(t, "address_space", None)
+        return _scalar_key(t)
 
     def made(x, ty):  # x as the block of type ty: splat (a scalar), leading axes added, then broadcast
         if ty is None:
             return x
         data = x.handle.data
         if not x.type.is_block():
-            return tl.tensor(handle(np.full(ty._dims, data, dtype=np_dtype(ty.scalar)), ty.scalar), ty)
+            return _filled(data, ty._dims, ty)
         if data.ndim < len(ty._dims):
             data = data.reshape((1,) * (len(ty._dims) - data.ndim) + data.shape)
         return tl.tensor(handle(np.broadcast_to(data, ty._dims), ty.scalar), ty)
@@ -256,14 +268,12 @@ def _binary_types_planned_once() -> None:
     semantic = interpreter.interpreter_semantic
     check = semantic.binary_op_type_checking_impl
     number = numbers.Number
-    np_dtype = interpreter._get_np_dtype
     plans: dict[builtins.tuple, object] = {}  # (types, flags) -> computation type (None: no arithmetic check)
 
     def key_of(x, is_number):
         if is_number:
             return semantic.to_tensor_type(x).name, True
-        t = x.dtype
-        return t.name, getattr(t, "address_space", None)
+        return _scalar_key(x.dtype)
 
     scalars: dict[builtins.tuple, object] = {}  # (number's type, value, computation type) -> its checked scalar
 
@@ -283,8 +293,7 @@ def _binary_types_planned_once() -> None:
             return x if x.dtype.name == ret.name else semantic.cast(x, ret)
         scalar = scalar_of(x, ret)
         if other.type.is_block() and other.dtype.name == ret.name:  # what the broadcast would splat it to
-            data = np.full(other.handle.data.shape, scalar.handle.data, dtype=np_dtype(ret))
-            return tl.tensor(interpreter.TensorHandle(data, ret), other.type)
+            return _filled(scalar.handle.data, other.handle.data.shape, other.type)
         return scalar
 
     def planned(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
