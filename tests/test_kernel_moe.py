@@ -4,8 +4,8 @@ the shared expert) and the mHC expand of their sum, against the references.
 
 Tolerance (kernels/moe.py): router weights within 2^-20 relative (float32 score functions), indices equal;
 expert outputs within 2^-12 of the largest output for float32 and 2^-6 for bfloat16 (a float32 GEMM sum can
-move an FP8 code of h by one e4m3 step). Rows together equal rows one at a time, bit for bit; a row of NaN
-logits still selects k distinct experts in range."""
+move an FP8 code of h by one e4m3 step: in float32, one row may take bfloat16's tolerance). Rows together
+equal rows one at a time, bit for bit; a row of NaN logits still selects k distinct experts in range."""
 
 import pytest
 import torch
@@ -18,6 +18,21 @@ from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invari
 
 W_TOL = 2.0**-20
 TOL = {torch.float32: 2.0**-12, torch.bfloat16: 2.0**-6}
+
+
+def assert_streams_close(want, got, context):
+    """Streams within TOL of the largest output, except that in float32 one row may be off by as much as
+    bfloat16's: one e4m3 step of one element of its h (an FP8 rounding of h that the kernel's float32 GEMM
+    sum, in another order than the reference's, puts on the other side of a rounding boundary: seen once in
+    the suite's runs, every other row within 2^-24)."""
+    tol, scale = TOL[want.dtype], want.abs().max()
+    off = ((got - want).abs().flatten(1).amax(1) > tol * scale).nonzero().flatten()
+    if want.dtype == torch.float32 and len(off) == 1:
+        assert_close("streams of a row with one e4m3 step of h", want[off], got[off], 0.0,
+                     TOL[torch.bfloat16] * scale.item(), context=context)
+        got = got.clone()
+        got[off] = want[off]  # the other rows: within float32's tolerance
+    assert_close("streams", want, got, tol, context=context)
 
 
 def by_expert(w, idx):
@@ -61,7 +76,7 @@ def check_ffn(*case, **kw):
     gw, gi = by_expert(got[1], got[2])
     assert_equal("indices", wi, gi, ctx)
     assert_close("weights", ww, gw, W_TOL, context=ctx)
-    assert_close("streams", want[0], got[0], TOL[args[0].dtype], context=ctx)
+    assert_streams_close(want[0], got[0], ctx)
 
 
 @pytest.mark.parametrize("m,d,inter,e,k,fmt,dt,before,shared,limit", [
@@ -151,7 +166,7 @@ def test_a_long_call_stages_its_rows_once_and_its_chunks_give_the_same_bits(nati
         whole = streams(slice(0, rows))
         parts = torch.cat([streams(slice(a, b)) for a, b in zip(edges, edges[1:])])
     assert_equal("streams in chunks", whole, parts, ctx)
-    assert_close("streams", moe.reference_ffn(*args)[0], whole, TOL[dt], context=ctx)
+    assert_streams_close(moe.reference_ffn(*args)[0], whole, ctx)
     # four calls, each staging x and h for the routed experts' launches and again for the shared expert's
     assert len(staged) == 4 * 2 * 2 or not kernels._triton.INTERPRET, f"stagings {staged} {ctx}"
     assert native or not kernels._triton.INTERPRET, "no expert product multiplied in the checkpoint's formats"
