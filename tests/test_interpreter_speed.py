@@ -1,6 +1,8 @@
 """The interpreter's shortcuts (kernels/_interpreter_speed.py) change no result: a kernel that calls the
 standard library's jit functions inside a launch computes what torch does, the language is as it was after
-the launch, every dtype maps to the numpy dtype the interpreter's own table gives, and a kernel whose
+the launch, every dtype maps to the numpy dtype the interpreter's own table gives, a float conversion looked
+up in a table gives the interpreter's own conversion's bits (float32 subnormals, infinities and NaN
+included), and a kernel whose
 operations broadcast in every way (with block types shared, equal shapes not broadcast and each pair of
 types' broadcast planned once) computes what torch does, and an incompatible pair is refused every time."""
 
@@ -47,6 +49,33 @@ def test_the_cached_dtype_lookup_gives_the_interpreters_own_mapping_for_every_dt
         assert interpreter._get_np_dtype(block) == numpy_dtype_of(block), name
     pointer = tl.pointer_type(tl.float32)
     assert interpreter._get_np_dtype(pointer) == numpy_dtype_of(pointer)
+
+
+@pytest.mark.parametrize("src,dst,rounding", [
+    ("float32", "bfloat16", None), ("bfloat16", "float32", None), ("float32", "float8e4nv", "RTNE"),
+    ("float8e4nv", "float32", None), ("float8e4nv", "float16", "RTNE"), ("float32", "float8e5", "RTNE"),
+    ("bfloat16", "float8e4nv", "RTNE"), ("float32", "float16", "RTNE"),  # the last keeps 11 bits: not by table
+])
+def test_float_conversions_by_table_give_the_interpreters_own_bits(src, dst, rounding):
+    import numpy as np
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+    assert hasattr(convert, "original"), "the conversion shortcut is not applied with this Triton"
+    src, dst = getattr(tl, src), getattr(tl, dst)
+    rounding = rounding and getattr(interpreter._ir.ROUNDING_MODE, rounding)
+    bits = src.primitive_bitwidth
+    codes = torch.randint(0, 1 << bits, (4096,), dtype=torch.int64).numpy().astype(f"uint{bits}")
+    if bits == 32:  # every kind of float32: zeros, subnormals (read whole), infinities and NaN
+        codes[:64] = np.array([0, 1 << 31, 1, 0x7FFFFF, 0x80400001, 0x7F800000, 0xFF800000, 0x7FC00001] * 8,
+                              dtype=np.uint32)
+        codes[64:1024] &= np.uint32(0x807FFFFF)  # exponent 0: zeros and subnormals
+    shape = (64, 64) if torch.rand(()) < 0.5 else (4096,)
+    x = codes.view(np.float32) if bits == 32 else codes
+    got, want = convert(x.reshape(shape), src, dst, rounding), convert.original(x.reshape(shape), src, dst, rounding)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    differ = np.flatnonzero(got.ravel() != want.ravel())
+    assert not len(differ), [(hex(codes[i]), hex(got.ravel()[i]), hex(want.ravel()[i])) for i in differ[:8]]
 
 
 @triton.jit
