@@ -124,8 +124,8 @@ def _cached_numpy_dtypes() -> None:
 
 def _float_conversions_by_table() -> None:
     """The interpreter converts between float formats (bfloat16 <-> float32 in every cast, float32 -> e4m3
-    and back in the activation quantization) bit by bit in ~20 numpy passes (~0.15 ms a block: a tenth of a
-    prefill in the checkpoint's formats). Each element's result depends on its own bits alone, and for these
+    and back in the activation quantization) bit by bit in ~20 numpy passes (~0.15 ms a block: a fourth of a
+    prefill's CPU in the checkpoint's formats). Each element's result depends on its own bits alone, and for these
     inputs on 16 of them: an 8- or 16-bit code, or a normal or zero float32's sign, exponent and top 7
     mantissa bits where the result keeps at most 7 of them, cut-off bit included. Those results are looked
     up in a table the interpreter's own conversion makes of every such code, once per pair of formats and
