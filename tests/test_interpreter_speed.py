@@ -2,9 +2,9 @@
 standard library's jit functions inside a launch computes what torch does, the language is as it was after
 the launch, every dtype maps to the numpy dtype the interpreter's own table gives, a float conversion looked
 up in a table gives the interpreter's own conversion's bits (float32 subnormals, infinities and NaN
-included), and a kernel whose
-operations broadcast in every way (with block types shared, equal shapes not broadcast and each pair of
-types' broadcast planned once) computes what torch does, and an incompatible pair is refused every time."""
+included), and a kernel whose operations broadcast in every way (with block types shared, equal shapes not
+broadcast and each pair of types' broadcast planned once) computes what torch does, and an incompatible pair
+is refused every time."""
 
 import copy
 

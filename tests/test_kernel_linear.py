@@ -47,10 +47,10 @@ def bound(x, w, act_block, out_dt, want, groups=1):
 
 
 def assert_within_but_one_row(name, want, got, x, product, out_dt, normalized, context):
-    """`bound`, and where x is the reference's RMSNorm of the rows (`normalized`), which the kernel normalizes
-    in its own float32 order, one element of a row may then take the e4m3 code next to the reference's, so one row
-    may be past the bound by one e4m3 step of one element (a normal code's step is at most 2^-3 of it: 2^-3
-    max_i |x_i w_ji|); seen once in the suite's runs, every other row within the bound."""
+    """`bound`; where x is the reference's RMSNorm of the rows (`normalized`: the kernel normalizes in its own
+    float32 order, so an element may take the e4m3 code next to the reference's), one row may be past it by
+    one e4m3 step of one element (a normal code's step is at most 2^-3 of it: 2^-3 max_i |x_i w_ji|). Seen
+    once in the suite's runs; every other row keeps the bound."""
     base = bound(x, product.weight, product.act_block, out_dt, want)
     rows = ((got.double() - want.double()).abs() > base).any(-1).nonzero().flatten()
     if normalized and product.act_block and len(rows) == 1:
