@@ -26,7 +26,8 @@ def apply() -> None:
         _builtins_listed_once_and_called_directly()
     if hasattr(interpreter, "_get_np_dtype"):
         _cached_numpy_dtypes()
-    if hasattr(interpreter, "_convert_float") and hasattr(interpreter, "_ir"):
+    if (hasattr(interpreter, "_ir") and list(inspect.signature(getattr(interpreter, "_convert_float", len)).parameters)
+            == ["input", "input_dtype", "output_dtype", "rounding_mode"]):
         _float_conversions_by_table()
     _shared_block_types()
     if hasattr(interpreter, "interpreter_semantic"):
