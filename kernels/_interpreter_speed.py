@@ -26,8 +26,8 @@ def apply() -> None:
         _builtins_listed_once_and_called_directly()
     if hasattr(interpreter, "_get_np_dtype"):
         _cached_numpy_dtypes()
-    if (hasattr(interpreter, "_ir") and list(inspect.signature(getattr(interpreter, "_convert_float", len)).parameters)
-            == ["input", "input_dtype", "output_dtype", "rounding_mode"]):
+    if hasattr(interpreter, "_ir") and hasattr(interpreter, "_convert_float") and list(inspect.signature(
+            interpreter._convert_float).parameters) == ["input", "input_dtype", "output_dtype", "rounding_mode"]:
         _float_conversions_by_table()
     _shared_block_types()
     if hasattr(interpreter, "interpreter_semantic"):
@@ -126,32 +126,32 @@ def _cached_numpy_dtypes() -> None:
 def _float_conversions_by_table() -> None:
     """The interpreter converts between float formats (bfloat16 <-> float32 in every cast, float32 -> e4m3
     and back in the activation quantization) bit by bit in ~20 numpy passes (~0.15 ms a block: a fourth of a
-    prefill's CPU in the checkpoint's formats). Each element's result depends on its own bits alone, and for these
-    inputs on 16 of them: an 8- or 16-bit code, or a normal or zero float32's sign, exponent and top 7
+    prefill's CPU in the checkpoint's formats). Each element's result depends on its own bits alone, and for
+    these inputs on 16 of them: an 8- or 16-bit code, or a normal or zero float32's sign, exponent and top 7
     mantissa bits where the result keeps at most 7 of them, cut-off bit included. Those results are looked
     up in a table the interpreter's own conversion makes of every such code, once per pair of formats and
-    rounding; a float32 subnormal (whose normalization reads its low bits) is converted as before."""
+    rounding (which also decides, once, whether the pair is tabled); a float32 subnormal (whose normalization
+    reads its low bits) is converted as before."""
     convert, rtne = interpreter._convert_float, interpreter._ir.ROUNDING_MODE.RTNE
 
     @functools.cache
-    def table(src, dst, rounding) -> np.ndarray:  # 2^16 results: 256 KB at most
-        codes = np.arange(1 << 16, dtype=np.uint32)
-        if src.primitive_bitwidth == 32:
-            return convert(codes << 16, src, dst, rounding)
-        return convert(codes[:1 << src.primitive_bitwidth].astype(f"uint{src.primitive_bitwidth}"), src, dst,
-                       rounding)
+    def table(src, dst, rounding) -> np.ndarray | None:  # 2^16 results at most (256 KB); None: not tabled
+        bits = src.primitive_bitwidth
+        if bits <= 16:
+            return convert(np.arange(1 << bits, dtype=f"uint{bits}"), src, dst, rounding)
+        if src != tl.float32 or dst.fp_mantissa_width + (rounding == rtne) > 7:  # reads more than 16 bits
+            return None
+        return convert(np.arange(1 << 16, dtype=np.uint32) << 16, src, dst, rounding)
 
     def by_table(input, src, dst, rounding):
         bits = src.primitive_bitwidth
-        if input.dtype.itemsize * 8 != bits:
+        found = table(src, dst, rounding) if input.dtype.itemsize * 8 == bits else None
+        if found is None:
             return convert(input, src, dst, rounding)
         if bits <= 16:
-            return table(src, dst, rounding)[input.view(f"uint{bits}")]
-        kept = dst.fp_mantissa_width + (rounding == rtne)
-        if src != tl.float32 or kept > 7:
-            return convert(input, src, dst, rounding)
+            return found[input.view(f"uint{bits}")]
         codes = input.view(np.uint32)
-        out = table(src, dst, rounding)[codes >> 16]
+        out = found[codes >> 16]
         subnormal = ((codes & 0x7F800000) == 0) & ((codes & 0x7FFFFF) != 0)
         if subnormal.any():
             out[subnormal] = convert(codes[subnormal], src, dst, rounding)
