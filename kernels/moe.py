@@ -38,6 +38,7 @@ from ._triton import (
     NATIVE_BLOCK_SCALED,
     NATIVE_E4M3,
     bf16_rne,
+    counters,
     dependent_launch,
     device_function,
     device_of,
@@ -361,11 +362,29 @@ def _shared_codes(qc_ptr, qs_ptr, KQ, first, ACT_BLOCK: tl.constexpr):
     return qc_ptr + first * KQ, qs_ptr + first * (KQ // ACT_BLOCK)
 
 
-@triton.jit(do_not_specialize=["P"])
+@device_function
+def _row_sums(o_ptr, pos_ptr, rs_ptr, counter, M, K, D, BN: tl.constexpr):
+    """A program's count-in for its N tile; the tile's last program to count in adds each row m's pairs' outputs
+    (rows pos[m] of o, in expert order: the combine's `output_row`) at the tile's columns into rs's row m, float32,
+    and resets the count."""
+    tl.debug_barrier()  # the program's stores precede its count-in
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < D
+        for m in range(M):
+            y = output_row((o_ptr,), 0, pos_ptr, (o_ptr,), m, K, 0, cols, cmask, D, 1, 1, True, False, False, False,
+                           False)
+            tl.store(rs_ptr + m * D + cols, y, mask=cmask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replays this one)
+
+
+@triton.jit(do_not_specialize=["P", "M"])
 def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out [P, D] float32 or (a long call) x's dtype: each pair's expert output (its values)
                  os_ptr, OS_ROW,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
+                 rs_ptr, pos_ptr, cnt_ptr, M, K,  # ROW_SUMS: out float32 [M, D] each row's routed pairs' sum (pairs
+                                                  # pos [M, K] in expert order), counters [N tiles]
                  pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
                  qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
                  P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
@@ -375,12 +394,16 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
                  PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PUBLISH: tl.constexpr,  # ranks: o (and a split shared expert's os) this rank's symmetric buffer,
-                 PDL: tl.constexpr):     # published to them (0: not)
+                 ROW_SUMS: tl.constexpr,
+                 PUBLISH: tl.constexpr,  # ranks: o, or rs where ROW_SUMS (and a split shared expert's os) this
+                 PDL: tl.constexpr):     # rank's symmetric buffer, published to them (0: not)
     dependent_launch(PDL)
-    if PUBLISH:  # the pairs' outputs go to the slot of this rank's next call
+    if PUBLISH:  # what travels goes to the slot of this rank's next call
         c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
-        o_ptr += base
+        if ROW_SUMS:
+            rs_ptr += base
+        else:
+            o_ptr += base
         if S_PARTIAL:
             os_ptr += base
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
@@ -401,6 +424,8 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                 _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, I_S, IW, D,
                             s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
                             X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
+    if ROW_SUMS:
+        _row_sums(o_ptr, pos_ptr, rs_ptr, cnt_ptr + tl.program_id(1), M, K, D, BN)
     if PUBLISH:
         rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
 
@@ -474,14 +499,14 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
     same bits on every rank, whatever the batch; over symmetric memory the down kernel publishes them:
     parallel/sharding.py Comm.sum_produced) and `shared_split` (this rank holds a slice of the shared expert's
     intermediate, not all of it); the reference form calls it as `reduce(outputs, shared64)`. In a decode step's
-    call the per-pair outputs between down and the combine are summed over ranks, one collective, the combine adding
-    them. A routed pair's output comes from the one rank holding its expert (zeros on the others), so its sum is
-    exact and every rank then adds each row's experts in the same order as one rank would: the routed part equals
-    one rank's bit for bit. A long call (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank
-    first, then the ranks' sums by rows (`_combined_by_shares`): associated by rank, within float32 rounding of one
-    rank's; it takes the shared expert whole for its rows (`_own_shared`). A decode step's split shared expert
-    leaves its partial unrounded, the fixed-order sum rounded in the combine (within float32 rounding of one
-    rank's)."""
+    call the down launch sums each row's routed pairs in expert order on every rank (`_row_sums_into`), and those
+    rows (with a split shared expert's partial rows) are summed over ranks, one collective, as the combine loads
+    them: associated by rank, within float32 rounding of one rank's (whole experts: each rank's sum over the
+    pairs of its experts), two rows a token over the links where every pair's partial made seven. A long call
+    (`reduce.share(rows)`: a prefill chunk) sums each row's pairs on their rank first, then the ranks' sums by
+    rows (`_combined_by_shares`), as associated; it takes the shared expert whole for its rows (`_own_shared`).
+    A decode step's split shared expert leaves its partial unrounded, the fixed-order sum rounded in the
+    combine (within float32 rounding of one rank's)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(x.dim() == 2, "x.dim()", x.dim(), "must be 2 ([M, D])")
     m, d = x.shape
@@ -538,34 +563,46 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         out = torch.empty_like(X)
         _combined_by_shares(o, rows, sent, pos, X, post, comb, out, reduce, share)
         return out, weights, idx
-    # (4) the sum in expert order, the shared expert, the expand; expert parallel, every rank's pairs added in
-    # rank order as the combine loads them (the down kernel publishing them where the sum takes it)
-    combine = functools.partial(_combine, pos=pos, X=X, post=post, comb=comb, out=None, pending=pending)
+    # (4) the sum in expert order, the shared expert, the expand
+    combine = functools.partial(_combine, X=X, post=post, comb=comb, out=None, pending=pending)
     if reduce is None:
         experts_into(o, o_shared, os_row, split)
-        out = combine([o], has_shared=shared is not None, split=False)
-    elif split:
-        out = reduce.sum_produced(o.shape, lambda to: _pairs_into(experts_into, o, o.shape[0], split, to),
-                                  lambda parts: combine(parts, has_shared=True, split=True))
-    else:  # a replicated shared expert is whole on every rank: only the routed pairs travel
-        routed = m * top_k
-        out = reduce.sum_produced((routed, d), lambda to: _pairs_into(experts_into, o, routed, split, to),
-                                  lambda parts: combine(parts, has_shared=shared is not None, split=False,
-                                                        shared=o[routed:] if shared is not None else None))
+        return combine([o], pos, has_shared=shared is not None, split=False), weights, idx
+    # with ranks, each row's routed pairs summed on every rank by the down launch (and a split shared expert's
+    # partial row after them) travel, added in rank order as the combine loads them: each row then one pair
+    rows = m * (2 if split else 1)
+    one = unit_rows(dev, m)
+    out = reduce.sum_produced((rows, d), lambda to: _row_sums_into(experts_into, o, pos, rows, split, to),
+                              lambda parts: combine(parts, one, has_shared=shared is not None, split=split,
+                                                    shared=None if split or shared is None else o[m * top_k:]))
     return out, weights, idx
 
 
-def _pairs_into(experts_into, o: torch.Tensor, rows: int, split: bool, to: rank_sum.Publish | None):
-    """(2, 3) of a decode step's expert-parallel call, its sum's producer (Comm.sum_produced): the outputs
-    into o, its first `rows` returned (the pairs that travel); or (`to`) those rows into this rank's
-    symmetric buffer and published by the down kernel (the rest, a replicated shared expert's, into o): what
-    it wrote, a view of the buffer's first slot (the consumer waits on `to`)."""
-    if to is None:
-        experts_into(o, o, 0, split)
-        return o[:rows]
-    sent = to.buffer[:rows * o.shape[1]].view(rows, o.shape[1])  # its first slot: the kernel adds the call's
-    experts_into(sent, sent if split else o, 0, split, to)
+def _row_sums_into(experts_into, o: torch.Tensor, pos: torch.Tensor, rows: int, split: bool,
+                   to: rank_sum.Publish | None) -> torch.Tensor:
+    """(2, 3) of a decode step's call with ranks, its sum's producer (Comm.sum_produced): the pairs' outputs
+    into o, and what travels into `rows` rows returned: each row's routed pairs summed (the down launch), then a
+    split shared expert's partial rows; into this rank's symmetric buffer where `to` (a view of its first slot:
+    the kernel writes the call's slot and publishes it; the consumer waits on `to`), else a new tensor. A
+    replicated shared expert's rows stay in o, after the routed pairs."""
+    p, d = o.shape
+    sent = (torch.empty((rows, d), dtype=torch.float32, device=o.device) if to is None else
+            to.buffer[:rows * d].view(rows, d))
+    experts_into(o, sent if split else o, p - rows if split else 0, split, to, (sent, pos))
     return sent
+
+
+def unit_rows(dev: torch.device, m: int) -> torch.Tensor:
+    """int64 [m, 1] of 0..m-1 (a view: no launch in a captured cycle): the pairs of a combine whose row m is
+    its only pair, row m. One tensor per device and power-of-two size, kept for the process (a graph may hold
+    its address)."""
+    key = (dev.type, dev.index, max(64, pow2(m)))
+    if key not in _UNIT_ROWS:
+        _UNIT_ROWS[key] = torch.arange(key[2], dtype=torch.int64, device=dev)
+    return _UNIT_ROWS[key][:m].view(m, 1)
+
+
+_UNIT_ROWS: dict = {}
 
 
 def _native(dev: torch.device, ab: int, align: int) -> int:
@@ -582,10 +619,12 @@ _ALONE = types.SimpleNamespace(world=1, shared_split=False, share=lambda rows: (
 
 
 def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split,
-             to: rank_sum.Publish | None = None) -> None:
+             to: rank_sum.Publish | None = None, sums: tuple | None = None) -> None:
     """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
     sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row;
-    `to`: o (and a split shared expert's o_shared, then o) is this rank's symmetric buffer, published."""
+    `sums` (rs [M, D] float32, pos [M, K]): each row's routed pairs also summed into rs by the down launch;
+    `to`: o, or rs where `sums` (and a split shared expert's o_shared), is this rank's symmetric buffer,
+    published."""
     (d, dev), (pe, pr, pw, first, end) = (x.shape[1], x.device), pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
@@ -630,14 +669,17 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common, **pdl(x.device))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
-    pub, world = to.check(o.numel()) if to is not None else ((h, (h,), 0, 0), 0)
-    _down_kernel[(programs, triton.cdiv(d, bn_down))](
-        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, *pub, *q_down, n_pairs,
+    pub, world = to.check((sums[0] if sums is not None else o).numel()) if to is not None else ((h, (h,), 0, 0), 0)
+    rs, pos = sums if sums is not None else (o, pe.view(-1, 1))
+    tiles = triton.cdiv(d, bn_down)
+    _down_kernel[(programs, tiles)](
+        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, rs, pos, counters(dev, tiles), pos.shape[0],
+        pos.shape[1], *pub, *q_down, n_pairs,
         per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
-        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, PUBLISH=world, **common,
-        **pdl(h.device))
+        APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, ROW_SUMS=sums is not None,
+        PUBLISH=world, **common, **pdl(h.device))
 
 
 def _own_shared(x, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:

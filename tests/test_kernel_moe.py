@@ -224,6 +224,35 @@ def test_the_combine_adds_the_ranks_partials_as_the_rank_order_sum_does(dt):
             assert_equal("streams", apart, inside, ctx)
 
 
+@pytest.mark.parametrize("grid", ["one program walks the pairs", "a program per pair"])
+def test_with_ranks_a_decode_step_sends_each_rows_pairs_summed_in_expert_order(monkeypatch, grid):
+    """With ranks, a decode step's down launch sums each row's routed pairs (its tiles' last programs: one
+    program walking every pair, or a program per pair counting in) and what travels is those rows, then a
+    split shared expert's partial rows: the rows torch's float32 adds of the pairs' outputs in expert order
+    give, bit for bit."""
+    if grid == "a program per pair":
+        monkeypatch.setattr(moe, "pairs_per_program", lambda n_pairs: 1)
+    s = seed()
+    m, k = int(torch.randint(1, 6, ())), 3
+    args = ffn_args(m, 96, 64, 7, k, "fp4", torch.float32, False, True, 10.0)
+    calls = []
+    row_sums_into = moe._row_sums_into
+    monkeypatch.setattr(moe, "_row_sums_into", lambda into, o, pos, *a: calls.append(
+        (o, pos, row_sums_into(into, o, pos, *a))) or calls[-1][2])
+    for split in (False, True):
+        run(moe.fast_ffn, *args, reduce=Ranks(split, 4, False, s))
+        o, pos, sent = calls.pop()
+        ctx = f"(seed {s}, {m} rows, shared split: {split}, {grid})"
+        assert sent.shape == (m * (1 + split), 96), f"{tuple(sent.shape)} {ctx}"
+        want = torch.zeros((m, 96))
+        for j in range(k):
+            want = want + o[pos[:, j]].cpu()
+        assert_equal("rows' pairs' sums", want, sent[:m].cpu(), ctx)
+        assert (pos.cpu().diff(dim=1) > 0).all(), f"a row's pairs out of expert order {ctx}"
+        if split:  # the shared expert's partial: not one of the routed pairs' sums
+            assert sent[m:].abs().sum() > 0 and not torch.equal(sent[m:], sent[:m]), ctx
+
+
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_a_long_calls_pairs_kept_in_the_activations_dtype_give_a_decode_steps_bits(monkeypatch, dt):
     """A long call sums each row's pairs on its rank (kernels/moe.py `_combined_by_shares`): their outputs are

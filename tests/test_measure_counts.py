@@ -383,8 +383,8 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
     """The released V4.1-Flash on 4 x B300 (meta build): every kernel priced at a named bound, both cycles
     beside the anchors; its experts split by their intermediate over the ranks (no rank busier: no imbalance
     term), which the placement pricing finds cheaper than whole experts per rank, the more so with measured
-    routing that puts every pick on one rank's experts; a malformed routing file is refused naming the
-    option and the line."""
+    routing that puts every pick on one rank's experts; the MoE's sum over ranks two rows a token; a malformed
+    routing file is refused naming the option and the line."""
     args = ("--model", released_config, "--devices", 4, "--gpu", "b300", "--draft-tokens", 3, "--accepted", 2.5,
             "--context", 4096, "--json")
     report = bench_model(*args)
@@ -397,7 +397,12 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         assert cyc["against_anchors"]["vs_vllm_p90"] == pytest.approx(counted["tokens_per_s"] / 826.0)
         assert "launches" not in cyc["count"]
         experts = cyc["placement"]["routed_experts"]
-        assert 0 < experts["split_intermediate_row_sums"] < experts["split_intermediate"] < experts["expert_parallel"]
+        assert 0 < experts["split_intermediate"] < experts["expert_parallel"]
+        # a layer's two sums over ranks (the backbone's, a drafter's of its rows): the attention's output rows;
+        # the MoE's rows' pairs' sums and the split shared expert's partial rows (not every pair's partial)
+        sums = sorted({c["bytes"] for c in cyc["count"]["collectives"]["payloads"] if c["op"] == "symm_"})
+        half = sums[:len(sums) // 2]
+        assert sums == half + [2 * s for s in half], sums
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by

@@ -29,7 +29,7 @@ def calls(cfg, rows: int) -> dict[str, tuple[int, ...]]:
     """The shapes of a forward's sums over ranks at `rows` rows and the model's whole context (the
     capacity's three terms, parallel/sharding.py `largest_sum`)."""
     scored = cfg.max_context // min(r for r in cfg.compress_ratios if r) + 1
-    return {"moe pairs": (rows * (cfg.n_activated_experts + 1), cfg.dim), "index scores": (rows, scored),
+    return {"moe rows": (rows * 2, cfg.dim), "index scores": (rows, scored),
             "output": (rows, cfg.dim)}
 
 

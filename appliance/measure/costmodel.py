@@ -330,11 +330,10 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
     """Where the routed experts and Engram's replicated `wkv` cost least, priced on the counted cycle (seconds
     a cycle of what differs between the placements):
     - routed experts: `expert_parallel` (each rank holds a quarter of the experts whole): the busiest rank's
-      extra reads (the imbalance term) and each MoE call's sum over ranks of its pairs' float32 outputs (rows x
-      (top-k + 1) x dim, the shared expert's partial among them); `split_intermediate` (every expert split
-      by its intermediate dimension over the ranks, parallel/sharding.py): no imbalance, the same gather of
-      every pair's partial; `split_intermediate_row_sums` (not built): the pairs' partials combined per row
-      before the sum over ranks, rows x dim;
+      extra reads (the imbalance term) and each MoE call's sum over ranks, which both placements send the same:
+      each row's routed pairs summed on its rank and the shared expert's partial row (rows x 2 x dim float32,
+      kernels/moe.py `_row_sums_into`); `split_intermediate` (every expert split by its intermediate dimension
+      over the ranks, parallel/sharding.py): no imbalance, the same sum;
     - Engram's `wkv`, `replicated` (every rank reads it whole; as built) against `split_outputs` (not built:
       each rank its 1/world of the outputs, one more launch for the layer's epilogue after the outputs are
       gathered, and an all-gather of rows x (hc + 1) dim / world float32 outputs)."""
@@ -343,7 +342,7 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
     shares: dict = {}
     # the sums over ranks as the count takes them: over symmetric memory, or gathered
     sums = "symm_" if any(c["op"] == "symm_" for c in count["collectives"]["payloads"]) else "allgather_"
-    experts = dict.fromkeys(("expert_parallel", "split_intermediate", "split_intermediate_row_sums"), 0.0)
+    experts = dict.fromkeys(("expert_parallel", "split_intermediate"), 0.0)
     engram = {"replicated": 0.0, "split_outputs": 0.0}
     for la in count["launches"]:
         t = launch_terms(la, gpu)
@@ -351,11 +350,10 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: lis
             key = tuple(la["routing"])
             experts["expert_parallel"] += busier_rank_s(la, gpu, world, routing, shares)
             if "gate_up" in la["name"]:  # one sum over ranks per MoE call
-                _, top_k, rows = key
-                pairs = collective_s(sums, rows * (top_k + 1) * dim * 4, world, gpu)
-                experts["expert_parallel"] += pairs
-                experts["split_intermediate"] += pairs
-                experts["split_intermediate_row_sums"] += collective_s(sums, rows * dim * 4, world, gpu)
+                rows = key[2]
+                sent = collective_s(sums, rows * 2 * dim * 4, world, gpu)
+                experts["expert_parallel"] += sent
+                experts["split_intermediate"] += sent
         elif la["name"] == "kernels.engram._layer_kernel":
             engram["replicated"] += max(t.values())
             engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la["kind"], gpu)

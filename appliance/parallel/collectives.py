@@ -5,7 +5,7 @@ samples identically) and for every batch shape (a verify of k+1 rows must equal 
 all-reduce guarantees neither: its ring and tree algorithms, chunking and protocol change the order of the
 additions with the payload size. So the partials are gathered and added in rank order, ((p0 + p1) + p2) +
 p3, elementwise, in one launch (kernels/rank_sum.py), or by the kernel that uses the sum as it loads the
-partials (`into`: the attention's output and the MoE's pairs, kernels/rank_sum.py `rank_load`): the result
+partials (`into`: the attention's output and the MoE's rows, kernels/rank_sum.py `rank_load`): the result
 depends only on the four partials. Two ways to gather, chosen by `--allreduce`:
 
 - `nccl` (gloo on CPU): an all-gather into [world, n], then the ordered adds. Captured in a CUDA graph with

@@ -309,13 +309,13 @@ EP_MOE_BLOCKER = ("the expert-parallel MoE on the reference path reads the selec
 
 def largest_sum(cfg, rows: int, context: int) -> int:
     """The most float32 values one fast-path sum over ranks takes in a forward of `rows` rows at `context`
-    positions: the MoE's per-pair outputs (rows x (top_k + 1) x dim: the routed pairs and a split shared
-    expert), the indexer's head-summed scores (rows x the compressed rows it scores, at most context over
-    the smallest ratio), an output projection (rows x dim). A symmetric-memory sum of this capacity takes
-    every call of a decode cycle in one piece (parallel/collectives.py)."""
+    positions: the MoE's rows (rows x 2 x dim: each row's routed pairs summed, a split shared expert's
+    partial; kernels/moe.py `_row_sums_into`), the indexer's head-summed scores (rows x the compressed rows it
+    scores, at most context over the smallest ratio), an output projection (rows x dim). A symmetric-memory sum
+    of this capacity takes every call of a decode cycle in one piece (parallel/collectives.py)."""
     ratios = [r for r in cfg.compress_ratios if r]
     scored = context // min(ratios) + 1 if ratios else 0
-    return rows * max(cfg.dim * (cfg.n_activated_experts + 1), scored)
+    return rows * max(cfg.dim * 2, scored)
 
 
 def verify_rows(cfg, drafter: bool) -> int:
