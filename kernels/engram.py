@@ -16,13 +16,16 @@ rows of d + d/32 bytes over the host link (V4.1-Flash: 24 rows of 264 B = 6.3 KB
 token for its two Engram layers).
 """
 
+import functools
+
 import torch
 
-from . import linear
+from . import linear, rank_sum
 from ._triton import (
     INTERPRET,
     counters,
     dependent_launch,
+    device_function,
     device_of,
     is_long,
     pdl,
@@ -36,6 +39,7 @@ from ._triton import (
 )
 from .formats import e8m0_to_float
 from .linear import PackedWeight, check_act_block, check_weight, kernel_args, staged_product, weight_product
+from .rank_sum import publish_slot, rank_arrive, rank_publish
 from .rows import STAGE_TILES, fp8_rows_tile, scratch_area, stage_codes, stage_launch, stage_scratch
 
 
@@ -66,33 +70,90 @@ def layer_reference(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 # One launch: programs (output tile, row block) compute kv = wkv(rows) for their tile, the act tiles read from
 # the looked-up rows (dequantized, then the official FP8 quantization); the row block's last program (a
-# counter) computes each row's gates from the whole kv row and writes X'. float32 throughout; per row.
+# counter) computes each row's gates from the whole kv row and writes X'. float32 throughout; per row. Split
+# over ranks, each rank's launch computes its columns of kv (its rows of wkv) and publishes them, and a second
+# launch, a program a row block, gathers every rank's columns as it loads them and computes the gates.
+
+
+@device_function
+def _kv_tile(kv_parts, base, r64, c, mask, NS, WORLD: tl.constexpr):
+    """kv at rows r64, columns c (broadcast together), float32: column c from rank c // NS's part, at its row
+    stride NS (one part: the whole row, NS = N)."""
+    if WORLD == 1:
+        return tl.load(kv_parts[0] + base + r64 * NS + c, mask=mask, other=0.0).to(tl.float32)
+    v = tl.zeros(c.shape, dtype=tl.float32) + tl.zeros(r64.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):  # each column is one rank's: the others' masked off (+ 0)
+        v += tl.load(kv_parts[r] + base + r64 * NS + c - r * NS, mask=mask & (c // NS == r), other=0.0)
+    return v
+
+
+@device_function
+def _gates(kv_parts, base, X_ptr, om_ptr, out_ptr, rows, row_mask, hc, D, NS, eps, WORLD: tl.constexpr,
+           OUT_BF16: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr):
+    """Rows `rows`' gates from their whole kv rows (hc keys, then the value) and X' = X + gate value stored."""
+    r64 = rows.to(tl.int64)
+    k = tl.arange(0, BHC)
+    km = k < hc
+    # the gates: sums over D in BD-wide blocks, in order (float32)
+    xs = tl.zeros((rows.shape[0], BHC), dtype=tl.float32)
+    ks = tl.zeros((rows.shape[0], BHC), dtype=tl.float32)
+    dot = tl.zeros((rows.shape[0], BHC), dtype=tl.float32)
+    m3 = row_mask[:, None, None] & km[None, :, None]
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        cm = m3 & (cols[None, None, :] < D)
+        x = tl.load(X_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :], mask=cm,
+                    other=0.0).to(tl.float32)
+        key = _kv_tile(kv_parts, base, r64[:, None, None], k[None, :, None] * D + cols[None, None, :], cm, NS, WORLD)
+        om = tl.load(om_ptr + k[:, None] * D + cols[None, :], mask=km[:, None] & (cols[None, :] < D), other=0.0)
+        xs += tsum(x * x, axis=2)
+        ks += tsum(key * key, axis=2)
+        dot += tsum(x * om[None, :, :] * key, axis=2)
+    rho = (1.0 / tl.sqrt_rn(xs / D + eps)) * (1.0 / tl.sqrt_rn(ks / D + eps))
+    delta = dot * rho * (1.0 / tl.sqrt_rn(D * 1.0))
+    mag = tl.sqrt_rn(tl.maximum(tl.abs(delta), 1e-6))
+    z = tl.where(delta > 0, mag, tl.where(delta < 0, -mag, 0.0))
+    gate = 1.0 / (1.0 + tl.exp(-z))
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        cm = m3 & (cols[None, None, :] < D)
+        x = tl.load(X_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :], mask=cm,
+                    other=0.0).to(tl.float32)
+        v = _kv_tile(kv_parts, base, r64[:, None], hc * D + cols[None, :], row_mask[:, None] & (cols[None, :] < D),
+                     NS, WORLD)
+        tl.store(out_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
+                 round_out(x + gate[:, :, None] * v[:, None, :], OUT_BF16), mask=cm)
 
 
 @triton.jit(do_not_specialize=["T"])  # row counts vary call by call: one compile
 def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memory: read by every program)
                   scale_ptr,  # E8M0 bytes [T, C, HD / 32]
-                  w_ptr, s_ptr,  # wkv weight data and scale bytes [(hc + 1) D, C HD] (linear.weight_tile)
-                  kv_ptr,     # scratch [T, (hc + 1) D] in X's dtype: the product
+                  w_ptr, s_ptr,  # wkv's (or this rank's rows of it) weight data and scale bytes [NL, C HD]
+                  kv_ptr,     # out [T, NS]: the product's NL columns, in X's dtype (GATES) or float32 (its values)
                   X_ptr,      # streams [T, hc, D]
                   om_ptr,     # float32 [hc, D] omega
                   out_ptr,    # out [T, hc, D]
                   cnt_ptr,    # int32 counters (one per row block), zero between launches
                   qc_ptr, qs_ptr,  # scratch (NATIVE): per program, [BM, KQ] codes, [BM, KQ / 32] scales; PRESTAGED:
                   # every row's, which rows.stage_launch wrote
-                  T, K, hc, D, stride_wn, stride_sn, eps,
+                  pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
+                  T, K, hc, D, NL, NS, stride_wn, stride_sn, eps,
                   FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, ACT_BLOCK: tl.constexpr,
                   DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, PRESTAGED: tl.constexpr, OUT_BF16: tl.constexpr,
+                  GATES: tl.constexpr,  # the row block's last program computes the gates (one device's launch)
+                  PUBLISH: tl.constexpr,  # ranks: kv is this rank's symmetric buffer, published to them (0: not)
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BHC: tl.constexpr,
                   PDL: tl.constexpr):
     dependent_launch(PDL)
+    if PUBLISH:  # this rank's columns go to the slot of its next call
+        c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
+        kv_ptr += base
     tile = tl.program_id(0)
     pid_m = tl.program_id(1)
-    N = (hc + 1) * D
     rows = pid_m * BM + tl.arange(0, BM)
     row_mask = rows < T
     offs_n = tile * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
+    n_mask = offs_n < NL
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // BO).to(tl.int64) * stride_sn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -116,48 +177,38 @@ def _layer_kernel(codes_ptr,  # e4m3 [T, C, HD] the looked-up rows (device memor
             acc = weight_product(w_rows, s_rows, n_mask, a, k0, K, acc, FMT, BI, ACT_BLOCK, 1, DOT_BF16, NATIVE, BM,
                                  BN, BK)
     r64 = rows.to(tl.int64)
-    tl.store(kv_ptr + r64[None, :] * N + offs_n[:, None], round_out(acc, OUT_BF16),
+    tl.store(kv_ptr + r64[None, :] * NS + offs_n[:, None], round_out(acc, OUT_BF16),
              mask=n_mask[:, None] & row_mask[None, :])
-    tl.debug_barrier()  # every thread's part of the product is written before the counter's release
-    if tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        k = tl.arange(0, BHC)
-        km = k < hc
-        # the gates: sums over D in BD-wide blocks, in order (float32)
-        xs = tl.zeros((BM, BHC), dtype=tl.float32)
-        ks = tl.zeros((BM, BHC), dtype=tl.float32)
-        dot = tl.zeros((BM, BHC), dtype=tl.float32)
-        m3 = row_mask[:, None, None] & km[None, :, None]
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            cm = m3 & (cols[None, None, :] < D)
-            x = tl.load(X_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :], mask=cm,
-                        other=0.0).to(tl.float32)
-            key = tl.load(kv_ptr + r64[:, None, None] * N + k[None, :, None] * D + cols[None, None, :], mask=cm,
-                          other=0.0).to(tl.float32)
-            om = tl.load(om_ptr + k[:, None] * D + cols[None, :], mask=km[:, None] & (cols[None, :] < D), other=0.0)
-            xs += tsum(x * x, axis=2)
-            ks += tsum(key * key, axis=2)
-            dot += tsum(x * om[None, :, :] * key, axis=2)
-        rho = (1.0 / tl.sqrt_rn(xs / D + eps)) * (1.0 / tl.sqrt_rn(ks / D + eps))
-        delta = dot * rho * (1.0 / tl.sqrt_rn(D * 1.0))
-        mag = tl.sqrt_rn(tl.maximum(tl.abs(delta), 1e-6))
-        z = tl.where(delta > 0, mag, tl.where(delta < 0, -mag, 0.0))
-        gate = 1.0 / (1.0 + tl.exp(-z))
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            cm = m3 & (cols[None, None, :] < D)
-            x = tl.load(X_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :], mask=cm,
-                        other=0.0).to(tl.float32)
-            v = tl.load(kv_ptr + r64[:, None] * N + hc * D + cols[None, :],
-                        mask=row_mask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
-            tl.store(out_ptr + (r64[:, None, None] * hc + k[None, :, None]) * D + cols[None, None, :],
-                     round_out(x + gate[:, :, None] * v[:, None, :], OUT_BF16), mask=cm)
-        tl.atomic_xchg(cnt_ptr + pid_m, 0)  # ready for the next launch (a graph replays this one)
+    if GATES:
+        tl.debug_barrier()  # every thread's part of the product is written before the counter's release
+        if tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            _gates((kv_ptr,), 0, X_ptr, om_ptr, out_ptr, rows, row_mask, hc, D, NS, eps, 1, OUT_BF16, BD, BHC)
+            tl.atomic_xchg(cnt_ptr + pid_m, 0)  # ready for the next launch (a graph replays this one)
+    if PUBLISH:
+        rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gates_kernel(kv_parts,  # every rank's float32 [T, NS] columns of kv (a tuple, rank order)
+                  X_ptr, om_ptr, out_ptr,  # as for _layer_kernel
+                  flags, rank, capacity,  # kv's Publish (kernels/rank_sum.py arrival_args; WAIT)
+                  T, hc, D, NS, eps,
+                  WORLD: tl.constexpr, WAIT: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr,
+                  BD: tl.constexpr, BHC: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    _gates(kv_parts, base, X_ptr, om_ptr, out_ptr, rows, rows < T, hc, D, NS, eps, WORLD, OUT_BF16, BD, BHC)
 
 
 def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: PackedWeight,
-               act_block: int | None, omega: torch.Tensor, eps: float) -> torch.Tensor:
-    """The kernel for `layer_reference` (same signature; within one rounding of X's dtype of it): one launch."""
+               act_block: int | None, omega: torch.Tensor, eps: float, split=None) -> torch.Tensor:
+    """The kernel for `layer_reference` (same signature; within one rounding of X's dtype of it): one launch.
+    `split`, a decode step's call over ranks (parallel/sharding.py EngramSplit): `weight`, this rank's rows
+    [lo, lo + n) of wkv, in every rank's stride `width` (rank r's first row r width), and `gather_produced(shape,
+    produce, consume)` (every rank's float32 columns of kv in rank order given to `consume`, over symmetric
+    memory published by the product's launch itself: Comm.gather_produced): two launches, this rank's columns
+    of the product, then the gates, every rank's columns read as they are loaded; the same bits as one."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([T, hc, D])")
     t, hc, d = X.shape
@@ -178,14 +229,49 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
     out = torch.empty_like(X)
     if t == 0:
         return out
-    data, sc, swn, ssn, fmt, bo, bi = kernel_args(wkv)
     native = linear.native_kind(dev, [wkv], [ab])
     bm, bn, bk, _ = linear.plan([(n, ab, n)], k, dev, native, may_be_long=bool(native))
+    blocks = triton.cdiv(t, bm)
+    # the gates' tiles are [BM, hc, BD] float32, several live at once: 2048 elements keep them in registers
+    bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
+    gates = dict(OUT_BF16=X.dtype == torch.bfloat16, BD=bd, BHC=pow2(hc))
+    product = functools.partial(_product, codes, scales, X, omega, out, float(eps), ab, native, (bm, bn, bk), gates)
+    if split is None:
+        product(wkv, torch.empty((t, n), dtype=X.dtype, device=dev), None, True)
+        return out
+    width = split.width
+    nl = check_weight(split.weight, "split.weight")[0]
+    require(split.weight.shape[1] == k and 0 < nl <= width, "split.weight.shape", split.weight.shape,
+            f"must be [1..{width}, {k}]")
+    require(not is_long(bm), "split", t, "rows: a long call's rows take wkv whole")
+
+    def produce(to):
+        kv = (torch.empty((t, width), dtype=torch.float32, device=dev) if to is None else
+              to.buffer[:t * width].view(t, width))
+        product(split.weight, kv, to, False)
+        return kv
+
+    def consume(parts):
+        wait, waits = rank_sum.arrival_args(parts)
+        _gates_kernel[(blocks,)](tuple(parts), X, omega, out, *wait, t, hc, d, width, float(eps), WORLD=len(parts),
+                                 WAIT=waits, BM=bm, **gates, **pdl(X.device))
+        return out
+
+    return split.gather_produced((t, width), produce, consume)
+
+
+def _product(codes, scales, X, omega, out, eps: float, ab: int, native: int, tiles: tuple, gates: dict,
+             w: PackedWeight, kv: torch.Tensor, to, fused: bool) -> None:
+    """The layer's launch: kv [T, NS] = w(rows) (w wkv's rows, or a rank's of them), in X's dtype with the
+    gates (`fused`: one device's call) or float32 without (`to`: kv is this rank's symmetric buffer,
+    published)."""
+    (t, _, d), (bm, bn, bk), dev = X.shape, tiles, X.device
+    k = codes.shape[1] * codes.shape[2]
+    data, sc, swn, ssn, fmt, bo, bi = kernel_args(w)
+    nl = w.shape[0]
     prestaged = is_long(bm)  # a long call: the rows quantized once for every program
     blocks = triton.cdiv(t, bm)
-    cnt = counters(dev, blocks)
-    kv = torch.empty((t, n), dtype=X.dtype, device=dev)
-    programs = triton.cdiv(n, bn) * blocks
+    programs = triton.cdiv(nl, bn) * blocks
     if prestaged:
         qc, qs, _ = stage_launch(codes.view(t, k), codes, 0.0, False, fmt, native, ab, blocks * bm, bk,
                                  fp8_scales=scales.view(torch.uint8).view(t, k // 32))
@@ -193,14 +279,13 @@ def fast_layer(X: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wkv: 
         qc, qs = stage_scratch(programs, bm, triton.cdiv(k, bk) * bk, dev)
     else:
         qc = qs = kv
-    # the gates' tiles are [BM, hc, BD] float32, several live at once: 2048 elements keep them in registers
-    bd = min(pow2(d), 4096 if INTERPRET else max(16, 2048 // (bm * pow2(hc))))
-    _layer_kernel[(triton.cdiv(n, bn), blocks)](
-        codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, cnt, qc, qs, t, k, hc, d, swn, ssn,
-        float(eps), FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab, DOT_BF16=wkv.bf16_exact and not INTERPRET, NATIVE=native,
-        PRESTAGED=prestaged, OUT_BF16=X.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, BD=bd,
-        BHC=pow2(hc), **pdl(codes.device))
-    return out
+    pub, world = to.check(kv.numel()) if to is not None else ((kv, (kv,), 0, 0), 0)
+    _layer_kernel[(triton.cdiv(nl, bn), blocks)](
+        codes, scales.view(torch.uint8), data, sc, kv, X, omega, out, counters(dev, blocks), qc, qs, *pub, t, k,
+        X.shape[1], d, nl, kv.shape[1], swn, ssn, eps, FMT=fmt, BO=bo, BI=bi, ACT_BLOCK=ab,
+        DOT_BF16=w.bf16_exact and not INTERPRET, NATIVE=native, PRESTAGED=prestaged, GATES=fused, PUBLISH=world,
+        BM=bm, BN=bn, BK=bk,
+        **gates, **pdl(codes.device))
 
 
 # --- the lookup: row ids, then the rows ---------------------------------------------------------------------

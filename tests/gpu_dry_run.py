@@ -352,11 +352,12 @@ def drive_long_calls(failures: list):
 def drive_split_specializations(failures: list):
     """What a rank of four launches that one device does not, at V4.1 shapes: the MoE with a quarter of
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
-    its four ranks' partials added by the combine, the attention's by the mHC expand; the one-launch sum over
-    four ranks (a symmetric sum's pieces, `bench collectives`); each gathered and over symmetric memory (the
-    publish launch, the consumers' in-kernel waits). The gathers are stand-ins: nothing runs."""
+    its four ranks' rows added by the combine, the attention's by the mHC expand; an Engram layer's product
+    of a quarter of wkv's rows and its gates over four ranks' columns; the one-launch sum over four ranks (a
+    symmetric sum's pieces, `bench collectives`); each gathered and over symmetric memory (the publish launch,
+    the consumers' in-kernel waits). The gathers are stand-ins: nothing runs."""
     import kernels._triton as kt
-    from kernels import bench, linear, mhc, moe, rank_sum
+    from kernels import bench, engram, linear, mhc, moe, rank_sum
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -404,8 +405,25 @@ def drive_split_specializations(failures: list):
     except Exception:
         failures.append({"case": "a long call's sums by rows", "error": traceback.format_exc()[-2000:]})
     site = (torch.randn(24, 4 * s.dim), torch.randn(24), torch.rand(3))  # an mHC site's fn, base, scale (hc 4)
+    # an Engram layer's wkv split by outputs (parallel/sharding.py EngramSplit, rank 1 of 4): its columns of
+    # the product gathered, or published by the product's launch and waited for by the gates'
+    cols = (s.engram_ngram - 1) * s.engram_heads
+    wkv = bench.fp8_weight(5 * s.dim, cols * s.engram_dim, (s.block,) * 2)
+    width = -(-5 * s.dim // s.block // 4) * s.block
+    rows = wkv.rows(width, 2 * width)
+    engram_splits = [types.SimpleNamespace(width=width, weight=rows, gather_produced=g) for g in (four_produced,
+                                                                                                  produced)]
     for dt in (torch.bfloat16, torch.float32):
         for m in (1, 6):
+            try:
+                codes = torch.randint(0, 120, (m, cols, s.engram_dim), dtype=torch.uint8).view(torch.float8_e4m3fn)
+                scales = torch.randint(120, 130, (m, cols, s.engram_dim // 32), dtype=torch.uint8)
+                for es in engram_splits:
+                    engram.fast_layer(torch.randn(m, 4, s.dim).to(dt), codes, scales, wkv, s.block,
+                                      torch.randn(4, s.dim), 1e-20, split=es)
+            except Exception:
+                failures.append({"case": f"Engram split over four ranks {dt} M={m}",
+                                 "error": traceback.format_exc()[-2000:]})
             try:
                 x, X = torch.randn(m, s.dim).to(dt), torch.randn(m, 4, s.dim).to(dt)
                 for reduce, sum_into in ((split, four), (split_symm, published)):

@@ -165,3 +165,60 @@ class TestEngramFromHostMemoryOnCuda:
         for w, o in zip(want, got):
             assert torch.equal(w.view(torch.uint8) if w.dtype != torch.int64 else w,
                                o.view(torch.uint8) if o.dtype != torch.int64 else o)
+
+
+class Slices:
+    """parallel/sharding.py EngramSplit for rank `rank` of `world` made-up ranks, each holding rows [r width,
+    (r + 1) width) of wkv (whole scale blocks, the last rank the rest): `gather_produced` gives the consumer
+    every rank's product, the others' made by the same launch on their rows (`Mine` captures it)."""
+
+    def __init__(self, args, world: int, rank: int):
+        self.args, self.world, self.rank = args, world, rank
+        wkv = args[3]
+        blocks = -(-wkv.shape[0] // wkv.block[0])
+        self.width = -(-blocks // world) * wkv.block[0]
+        self.weight = self.rows(rank)
+
+    def rows(self, r: int):
+        wkv = self.args[3]
+        return wkv.rows(r * self.width, min(wkv.shape[0], (r + 1) * self.width))
+
+    def gather_produced(self, shape, produce, consume):
+        parts = [produce(None) if r == self.rank else engram.fast_layer(*self.args, split=Mine(self, r))
+                 for r in range(self.world)]
+        assert all(tuple(p.shape) == shape and p.dtype == torch.float32 for p in parts), [p.shape for p in parts]
+        return consume(parts)
+
+
+class Mine:
+    """Rank r's launch of a split layer, stopped at its product (what it would send)."""
+
+    def __init__(self, slices: Slices, r: int):
+        self.width, self.weight = slices.width, slices.rows(r)
+
+    def gather_produced(self, shape, produce, consume):
+        return produce(None)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_a_layer_split_over_ranks_gives_one_devices_bits(native, dt):
+    """Each rank's launch multiplies its rows of wkv into its columns of kv, and the gates' launch gathers
+    every rank's columns as it loads them: the streams one device's launch gives, bit for bit, for 2 and 4
+    ranks (4: 96, 96, 96 and 32 of wkv's 320 rows, whole scale blocks of 32)."""
+    s = seed()
+    t = int(torch.randint(1, 7, ()))
+    args = layer(t, 4, 64, 64, 5, dt, 32)
+    whole = run(engram.fast_layer, *args)
+    for world in (2, 4):
+        rank = int(torch.randint(world, ()))
+        ctx = f"(seed {s}, {dt}, {t} rows, rank {rank} of {world})"
+        got = run(engram.fast_layer, *args, split=Slices(args, world, rank))
+        assert torch.equal(whole, got), f"streams differ {ctx}: {(whole.float() - got.float()).abs().max()}"
+
+
+def test_a_split_layer_refuses_rows_of_another_width_naming_the_field():
+    args = layer(2, 4, 64, 64, 5, torch.float32, 32)
+    split = Slices(args, 4, 1)
+    split.weight = args[3].rows(0, 128)  # wider than the ranks' stride of 96
+    with pytest.raises(ValueError, match=r"split\.weight\.shape"):
+        engram.fast_layer(*args, split=split)

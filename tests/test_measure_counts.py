@@ -398,11 +398,18 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         assert "launches" not in cyc["count"]
         experts = cyc["placement"]["routed_experts"]
         assert 0 < experts["split_intermediate"] < experts["expert_parallel"]
-        # a layer's two sums over ranks (the backbone's, a drafter's of its rows): the attention's output rows;
-        # the MoE's rows' pairs' sums and the split shared expert's partial rows (not every pair's partial)
-        sums = sorted({c["bytes"] for c in cyc["count"]["collectives"]["payloads"] if c["op"] == "symm_"})
-        half = sums[:len(sums) // 2]
-        assert sums == half + [2 * s for s in half], sums
+    # over symmetric memory, a layer's two sums over ranks (the backbone's rows', a DSpark stage's): the
+    # attention's output rows, float32; the MoE's rows' pairs' sums and the split shared expert's partial rows
+    # (not every pair's partial); an Engram layer's rank's columns of its product (whole blocks of wkv's rows)
+    from appliance.model.config import load_config
+
+    cfg = load_config(released_config)
+    block = cfg.weight_block[0]
+    engram = -(-(cfg.hc_mult + 1) * cfg.dim // block // 4) * block
+    for cyc, rows, stage in ((plain, 1, None), (verify, 4, 5)):
+        sums = {c["bytes"] for c in cyc["count"]["collectives"]["payloads"] if c["op"] == "symm_"}
+        want = {n * w * 4 for n in (rows, stage) if n for w in (cfg.dim, 2 * cfg.dim)} | {rows * engram * 4}
+        assert sums == want, (sorted(sums), sorted(want))
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by

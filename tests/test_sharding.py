@@ -1,7 +1,7 @@
 """Where a split model's weights live (appliance/parallel/sharding.py): the MoE's experts (`shard_moe`), every
 rank a share of each expert's intermediate, or whole experts per rank, `--experts` choosing, auto by whether
 the slices keep the checkpoint's scale blocks whole; the attention's query heads split and its indexer whole
-(`shard_attention`). (The four-rank runs in test_distributed.py check what the ranks compute.)"""
+(`shard_attention`); an Engram layer's wkv split by outputs on the fast path (`shard_engram`). (The four-rank runs in test_distributed.py check what the ranks compute.)"""
 
 from types import SimpleNamespace
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from appliance.errors import ApplianceError
-from appliance.parallel.sharding import Comm, shard_attention, shard_moe
-from kernels.bench import fp4_weight
+from appliance.parallel.sharding import Comm, shard_attention, shard_engram, shard_moe
+from kernels.bench import fp4_weight, fp8_weight
 
 
 def moe(inter: int, experts: int = 8, dim: int = 64):
@@ -45,6 +45,26 @@ def test_whole_experts_when_asked_even_where_they_split():
     shard_moe(m, Comm(2, 4), "whole")
     assert [e is not None for e in m.experts] == [False, False, False, False, True, True, False, False]
     assert m.experts[4][0].shape == (128, 64)
+
+
+def engram_layer(rows: int, path: str = "fast"):
+    return SimpleNamespace(wkv=SimpleNamespace(weight=fp8_weight(rows, 64, (32, 32))), split=None,
+                           rt=SimpleNamespace(ops=SimpleNamespace(path=path)))
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_an_engram_layers_wkv_splits_by_outputs_in_whole_blocks_on_the_fast_path(rank):
+    """320 rows of 32-row scale blocks over four ranks: 96 a rank in every rank's stride, the last rank the
+    32 left; the reference path and a wkv of fewer blocks than ranks stay whole."""
+    e = engram_layer(320)
+    whole = e.wkv.weight.dequantize()
+    shard_engram(e, Comm(rank, 4))
+    lo, hi = 96 * rank, min(320, 96 * (rank + 1))
+    assert e.split.width == 96 and e.split.weight.shape == (hi - lo, 64)
+    assert e.split.weight.dequantize().equal(whole[lo:hi]) and e.wkv.weight.shape == (320, 64)
+    for kept in (engram_layer(320, "reference"), engram_layer(96)):
+        shard_engram(kept, Comm(rank, 4))
+        assert kept.split is None
 
 
 @pytest.mark.parametrize("rank", [0, 2])

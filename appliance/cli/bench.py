@@ -323,7 +323,7 @@ def bench_model(model_dir, n_devices, gpu, k, accepted, context, dtype, routing,
         count.pop("torch_ops")
         count["capture_violations"] = len(count["capture_violations"])
         prediction = cm.predict(count, device, n_devices, tokens, calls)
-        placement = cm.placement(count, device, n_devices, cfg.dim, cfg.hc_mult, calls)
+        placement = cm.placement(count, device, n_devices, cfg.dim, calls)
         count.pop("launches")  # priced one by one in the prediction's kernel table
         report["cycles"].append({"draft_tokens": k if draft != "none" else 0, "count": count,
                                  "prediction": prediction, "against_anchors": cm.against_anchors(prediction),

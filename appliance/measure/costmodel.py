@@ -326,41 +326,27 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
             "busiest_rank_share": {f"{e} experts, top-{k}, {r} rows": v for (e, k, r), v in shares.items()}}
 
 
-def placement(count: dict, gpu: GPU, world: int, dim: int, hc: int, routing: list | None = None) -> dict:
-    """Where the routed experts and Engram's replicated `wkv` cost least, priced on the counted cycle (seconds
-    a cycle of what differs between the placements):
-    - routed experts: `expert_parallel` (each rank holds a quarter of the experts whole): the busiest rank's
-      extra reads (the imbalance term) and each MoE call's sum over ranks, which both placements send the same:
-      each row's routed pairs summed on its rank and the shared expert's partial row (rows x 2 x dim float32,
-      kernels/moe.py `_row_sums_into`); `split_intermediate` (every expert split by its intermediate dimension
-      over the ranks, parallel/sharding.py): no imbalance, the same sum;
-    - Engram's `wkv`, `replicated` (every rank reads it whole; as built) against `split_outputs` (not built:
-      each rank its 1/world of the outputs, one more launch for the layer's epilogue after the outputs are
-      gathered, and an all-gather of rows x (hc + 1) dim / world float32 outputs)."""
+def placement(count: dict, gpu: GPU, world: int, dim: int, routing: list | None = None) -> dict:
+    """Where the routed experts cost least, priced on the counted cycle (seconds a cycle of what differs
+    between the placements): `expert_parallel` (each rank holds a quarter of the experts whole): the busiest
+    rank's extra reads (the imbalance term) and each MoE call's sum over ranks, which both placements send the
+    same: each row's routed pairs summed on its rank and the shared expert's partial row (rows x 2 x dim
+    float32, kernels/moe.py `_row_sums_into`); `split_intermediate` (every expert split by its intermediate
+    dimension over the ranks, parallel/sharding.py): no imbalance, the same sum."""
     if world <= 1:
         return {}
     shares: dict = {}
     # the sums over ranks as the count takes them: over symmetric memory, or gathered
     sums = "symm_" if any(c["op"] == "symm_" for c in count["collectives"]["payloads"]) else "allgather_"
     experts = dict.fromkeys(("expert_parallel", "split_intermediate"), 0.0)
-    engram = {"replicated": 0.0, "split_outputs": 0.0}
     for la in count["launches"]:
-        t = launch_terms(la, gpu)
         if la["routing"] is not None:
-            key = tuple(la["routing"])
             experts["expert_parallel"] += busier_rank_s(la, gpu, world, routing, shares)
             if "gate_up" in la["name"]:  # one sum over ranks per MoE call
-                rows = key[2]
-                sent = collective_s(sums, rows * 2 * dim * 4, world, gpu)
+                sent = collective_s(sums, la["routing"][2] * 2 * dim * 4, world, gpu)
                 experts["expert_parallel"] += sent
                 experts["split_intermediate"] += sent
-        elif la["name"] == "kernels.engram._layer_kernel":
-            engram["replicated"] += max(t.values())
-            engram["split_outputs"] += (max(t["bytes"], t["issue"], t["tensor"]) / world + launch_s(la["kind"], gpu)
-                                        + collective_s("allgather_", count["width"] * (hc + 1) * dim // world * 4,
-                                                       world, gpu))
-    return {"routed_experts": dict(experts, cheaper=min(experts, key=experts.get)),
-            "engram_wkv": dict(engram, cheaper=min(engram, key=engram.get)) if engram["replicated"] else None}
+    return {"routed_experts": dict(experts, cheaper=min(experts, key=experts.get))}
 
 
 def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, fixed: float) -> dict:

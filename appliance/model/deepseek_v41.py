@@ -240,7 +240,7 @@ class StaggeredBlock:
         holds its share of the rows (`step.share`: the mHC sites and Engram work those only) and gathers each
         sub-block's input; the sums over ranks return the share's rows."""
         if self.engram is not None:
-            X = self.engram(X, engram_rows)
+            X = self.engram(X, engram_rows, step.split)
         # DSpark reads the stream entering a captured layer, averaged over the copies
         if isinstance(X, torch.Tensor):
             xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)

@@ -155,9 +155,15 @@ class Engram:
         qw = ckpt.tensor(f"{prefix}.q_weight", (cfg.hc_mult, cfg.dim))
         kw = ckpt.tensor(f"{prefix}.k_weight", (cfg.hc_mult, cfg.dim))
         self.omega = None if qw is None or kw is None else (qw.float() * kw.float())
+        self.split = None  # over ranks: a decode step's wkv split by outputs (parallel/sharding.py EngramSplit)
 
-    def __call__(self, X: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, X: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], by_rows: bool = False
+                 ) -> torch.Tensor:
         """X [T, hc, D] -> X + gate * value, from this layer's looked-up rows (codes [T, n_cols, d], scales
-        [T, n_cols, d / 32]: `EngramHash.lookup`)."""
+        [T, n_cols, d / 32]: `EngramHash.lookup`). `by_rows`: X is this rank's share of a long call's rows,
+        which take wkv whole; a decode step's call over ranks takes this rank's rows of it (`split`)."""
         codes, scales = rows
-        return self.rt.ops.engram(X, codes, scales, self.wkv.weight, self.wkv.act_block, self.omega, self.norm_eps)
+        args = (X, codes, scales, self.wkv.weight, self.wkv.act_block, self.omega, self.norm_eps)
+        if self.split is None or by_rows:
+            return self.rt.ops.engram(*args)
+        return self.rt.ops.engram(*args, split=self.split)

@@ -25,11 +25,13 @@ the reduce hooks that sum partial results over ranks.
   is replicated (selection must be identical everywhere).
 - head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
   all-gathered, so sampling sees the same logits as a single device.
-- embedding, mHC, Engram: replicated (the Engram tables stay memory-mapped on the host, shared by the
-  page cache of every rank's process). A long call on the fast path holds its residual streams by rows
-  (appliance/model/step.py `Step.share`): each rank runs the mHC sites and Engram on its share of the rows,
-  where its sub-blocks' outputs arrive (the attention's product for its rows, the MoE's sums by rows), and
-  gathers each sub-block's input in X's dtype: a quarter of the streams' bytes a rank.
+- embedding, mHC: replicated. Engram: its tables replicated (memory-mapped on the host, shared by the page
+  cache of every rank's process); its `wkv` split by outputs for a decode step (each rank its rows' columns
+  of the product, gathered in the gates' launch: `EngramSplit`), whole for a long call's rows. A long call
+  on the fast path holds its residual streams by rows (appliance/model/step.py `Step.share`): each rank runs
+  the mHC sites and Engram on its share of the rows, where its sub-blocks' outputs arrive (the attention's
+  product for its rows, the MoE's sums by rows), and gathers each sub-block's input in X's dtype: a quarter
+  of the streams' bytes a rank.
 On the reference path reductions run in float64 and are rounded once, like the single-device reference:
 splitting does not change the function (up to the order of a float64 sum). On the fast path they run in
 float32, added in rank order (`Comm.sum`, appliance/parallel/collectives.py): the same bits on every rank
@@ -82,6 +84,11 @@ class Comm:
         them (its kernel's `rank_sum.rank_load`), so the sum takes no launch of its own. The producer writes
         its partial into symmetric memory where the sum takes it there (`to`: kernels/rank_sum.py Publish), else
         returns it (`to` None): parallel/collectives.py `produced_into`."""
+        return self.sum.produced_into(shape, produce, consume)
+
+    def gather_produced(self, shape: tuple[int, ...], produce, consume):
+        """`sum_produced`'s exchange for a product split by its outputs: `consume` gets every rank's float32
+        part of `shape` in rank order and reads each where it lies (a gather, nothing added)."""
         return self.sum.produced_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
@@ -277,6 +284,37 @@ def shard_moe(moe: MoE, comm: Comm, experts: str = "auto", long_calls: bool = Tr
     moe.reduce = ExpertReduce(comm, reference, shared_split, whole_shared)
 
 
+class EngramSplit:
+    """An Engram layer's `wkv` split by its outputs for a decode step's call (kernels/engram.py fast_layer
+    `split`): this rank's rows [rank width, rank width + n) of it (`weight`, a view: a long call's rows take
+    wkv whole), every rank's columns of the product gathered in its gates' launch (`gather_produced`)."""
+
+    def __init__(self, wkv, comm: Comm):
+        block = wkv.block[0] if wkv.format == "fp8" else 1
+        self.width = -(-wkv.shape[0] // block // comm.world) * block  # whole scale blocks a rank
+        start = comm.rank * self.width
+        self.weight = wkv.rows(start, min(wkv.shape[0], start + self.width))
+        self.comm = comm
+
+    @staticmethod
+    def fits(wkv, world: int) -> bool:
+        """Whether every rank holds at least one scale block of wkv's rows."""
+        block = wkv.block[0] if wkv.format == "fp8" else 1
+        rows = -(-wkv.shape[0] // block)
+        return rows - (world - 1) * -(-rows // world) > 0
+
+    def gather_produced(self, shape, produce, consume):
+        return self.comm.gather_produced(shape, produce, consume)
+
+
+def shard_engram(engram, comm: Comm) -> None:
+    """Split a fast-path Engram layer's `wkv` by its outputs for decode steps (`EngramSplit`), where every rank
+    gets whole scale blocks: a rank reads a quarter of it (V4.1-Flash: 157 MB a layer whole)."""
+    wkv = engram.wkv.weight
+    if wkv is not None and engram.rt.ops.path != "reference" and EngramSplit.fits(wkv, comm.world):
+        engram.split = EngramSplit(wkv, comm)
+
+
 def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
     """Split `model` (and its drafter) in place for this rank, the MoE's experts as `experts` says
     (`shard_moe`). Returns why the split model's steps cannot be captured in CUDA graphs (empty when they
@@ -284,6 +322,8 @@ def shard(model, drafter, comm: Comm, experts: str = "auto") -> list[str]:
     for layer in model.layers:
         shard_attention(layer.attn, comm)
         shard_moe(layer.ffn, comm, experts)
+        if getattr(layer, "engram", None) is not None:
+            shard_engram(layer.engram, comm)
     head = VocabParallel(model.head, comm)
     model.head = head
     for m in (model, drafter):  # the fast path's long calls hold their streams by rows (model.Step)
@@ -311,11 +351,15 @@ def largest_sum(cfg, rows: int, context: int) -> int:
     """The most float32 values one fast-path sum over ranks takes in a forward of `rows` rows at `context`
     positions: the MoE's rows (rows x 2 x dim: each row's routed pairs summed, a split shared expert's
     partial; kernels/moe.py `_row_sums_into`), the indexer's head-summed scores (rows x the compressed rows it
-    scores, at most context over the smallest ratio), an output projection (rows x dim). A symmetric-memory sum
+    scores, at most context over the smallest ratio), an output projection (rows x dim), a rank's columns of
+    an Engram layer's product (rows x (hc + 1) dim / world, in whole scale blocks: at most half of it and a
+    block on two ranks or more, `EngramSplit`). A symmetric-memory sum
     of this capacity takes every call of a decode cycle in one piece (parallel/collectives.py)."""
     ratios = [r for r in cfg.compress_ratios if r]
     scored = context // min(ratios) + 1 if ratios else 0
-    return rows * max(cfg.dim * 2, scored)
+    block = cfg.weight_block[0] if cfg.weight_block else 1
+    engram = (cfg.hc_mult + 1) * cfg.dim // 2 + block if getattr(cfg, "engram", None) is not None else 0
+    return rows * max(cfg.dim * 2, scored, engram)
 
 
 def verify_rows(cfg, drafter: bool) -> int:
