@@ -1,7 +1,8 @@
 """Where a split model's weights live (appliance/parallel/sharding.py): the MoE's experts (`shard_moe`), every
 rank a share of each expert's intermediate, or whole experts per rank, `--experts` choosing, auto by whether
 the slices keep the checkpoint's scale blocks whole; the attention's query heads split and its indexer whole
-(`shard_attention`); an Engram layer's wkv split by outputs on the fast path (`shard_engram`). (The four-rank runs in test_distributed.py check what the ranks compute.)"""
+(`shard_attention`); an Engram layer's wkv split by outputs on the fast path (`shard_engram`). (The four-rank
+runs in test_distributed.py check what the ranks compute.)"""
 
 from types import SimpleNamespace
 
