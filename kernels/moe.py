@@ -395,15 +395,12 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  S_PARTIAL: tl.constexpr,  # the shared expert is this rank's slice: its sum stays float32
                  PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  ROW_SUMS: tl.constexpr,
-                 PUBLISH: tl.constexpr,  # ranks: o, or rs where ROW_SUMS (and a split shared expert's os) this
-                 PDL: tl.constexpr):     # rank's symmetric buffer, published to them (0: not)
+                 PUBLISH: tl.constexpr,  # ranks (with ROW_SUMS): rs (and a split shared expert's os) this rank's
+                 PDL: tl.constexpr):     # symmetric buffer, published to them (0: not)
     dependent_launch(PDL)
-    if PUBLISH:  # what travels goes to the slot of this rank's next call
+    if PUBLISH:  # the rows that travel go to the slot of this rank's next call
         c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
-        if ROW_SUMS:
-            rs_ptr += base
-        else:
-            o_ptr += base
+        rs_ptr += base
         if S_PARTIAL:
             os_ptr += base
     for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
@@ -623,8 +620,7 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
     """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
     sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row;
     `sums` (rs [M, D] float32, pos [M, K]): each row's routed pairs also summed into rs by the down launch;
-    `to`: o, or rs where `sums` (and a split shared expert's o_shared), is this rank's symmetric buffer,
-    published."""
+    `to` (with `sums`): rs (and a split shared expert's o_shared) is this rank's symmetric buffer, published."""
     (d, dev), (pe, pr, pw, first, end) = (x.shape[1], x.device), pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
@@ -669,8 +665,8 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
         HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common, **pdl(x.device))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
-    pub, world = to.check((sums[0] if sums is not None else o).numel()) if to is not None else ((h, (h,), 0, 0), 0)
-    rs, pos = sums if sums is not None else (o, pe.view(-1, 1))
+    pub, world = to.check(sums[0].numel()) if to is not None else ((h, (h,), 0, 0), 0)
+    rs, pos = sums if sums is not None else (o, pe.view(-1, 1))  # without sums: placeholders, never read
     tiles = triton.cdiv(d, bn_down)
     _down_kernel[(programs, tiles)](
         h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, rs, pos, counters(dev, tiles), pos.shape[0],

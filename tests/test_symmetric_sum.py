@@ -55,7 +55,20 @@ def symmetric_sums(world, seed: int) -> dict:
                                           "values": t.numel(), "parts": [n, m]}
     out["lagging"] = lagging(world, symm, gather, g, random.Random(seed))
     out["produced"] = produced(symm, gather, g)
+    out["gathered"] = gathered(symm, gather, g)
     return out
+
+
+def gathered(symm: SymmSum, gather: GatherSum, g: torch.Generator) -> list[bool]:
+    """A product split by its outputs whose part is larger than a slot (a short prefill chunk's Engram
+    columns, `Comm.gather_produced`): its consumer gets every rank's part, as all-gathered, not one sum of
+    pieces."""
+    same = []
+    for n in (symm.capacity + 1, 3 * symm.capacity):
+        t = torch.randn(n, generator=g)
+        k, parts = symm.gathered_into((n,), lambda to, t=t: t, lambda parts: (len(parts), torch.stack(list(parts))))
+        same.append(k == 4 and torch.equal(parts, gather.into(t, torch.stack)))
+    return same
 
 
 def produced(symm: SymmSum, gather: GatherSum, g: torch.Generator) -> list[bool]:
@@ -103,6 +116,7 @@ def test_the_symmetric_sum_stand_in_takes_a_2048_token_chunk_and_the_largest_ver
         assert r["left_behind"] == [], r["left_behind"]  # the shared files are unlinked once mapped
         assert all(r["lagging"]), f"rank {rank}: a consumer read a lagging peer's slot early: {r['lagging']}"
         assert all(r["produced"]), f"rank {rank}: a product published by its own kernel: {r['produced']}"
+        assert all(r["gathered"]), f"rank {rank}: a part past a slot not gathered whole: {r['gathered']}"
         for what, c in r["calls"].items():
             assert c["equal"], f"rank {rank}: {what}: the symmetric sum differs from the gathered one"
         verify = {w: c for w, c in r["calls"].items() if w.startswith("verify")}

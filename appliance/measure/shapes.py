@@ -136,7 +136,7 @@ class ShapeComm:
 
         return self.symm.produced_into(shape, publishing, consume)
 
-    gather_produced = sum_produced  # Comm.gather_produced: the same exchange, its consumer reads, not adds
+    gather_produced = sum_produced  # Comm.gather_produced: the same exchange (a decode step's part fits a slot)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Comm.exchange: an all-to-all of this rank's part for each rank."""

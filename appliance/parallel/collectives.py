@@ -65,6 +65,8 @@ class GatherSum:
         as here)."""
         return self.into(produce(None), consume)
 
+    gathered_into = produced_into  # every rank's part to a consumer that reads them where they lie
+
 
 class SymmSum:
     """Buffers every rank can read, peers read in place: symmetric memory (GPU peer-to-peer, `PeerMemory`) on
@@ -81,7 +83,7 @@ class SymmSum:
     kind = "symm"
 
     def __init__(self, world: int, rank: int, capacity: int, device: torch.device, group=None, memory=None):
-        self.world, self.rank, self.capacity = world, rank, capacity
+        self.world, self.rank, self.capacity, self.group = world, rank, capacity, group
         memory = memory or (PeerMemory if device.type == "cuda" else HostMemory)
         self.buffers = memory(world, rank, rank_sum.SLOTS * capacity, torch.float32, device, group)
         self.flags = memory(world, rank, world + 1, torch.int64, device, group)
@@ -110,6 +112,14 @@ class SymmSum:
         n = math.prod(shape)
         if not 0 < n <= self.capacity:
             return self.into(produce(None), consume)
+        return self._published(shape, produce, consume)
+
+    def gathered_into(self, shape: tuple[int, ...], produce, consume):
+        """`produced_into` for a consumer that reads every rank's part where it lies (a product split by its
+        outputs): a part larger than a slot (a short prefill chunk's) is all-gathered, never cut into pieces
+        (pieces are summed)."""
+        if not 0 < math.prod(shape) <= self.capacity:
+            return GatherSum(self.world, self.group).into(produce(None), consume)
         return self._published(shape, produce, consume)
 
     def _piece(self, t: torch.Tensor, consume):
@@ -207,6 +217,10 @@ class CheckedSum:
     def produced_into(self, shape: tuple[int, ...], produce, consume):
         self.check(f"{self.kind} sum", torch.empty(shape, device="meta"))  # the call's dtype and shape
         return self.sum.produced_into(shape, produce, consume)
+
+    def gathered_into(self, shape: tuple[int, ...], produce, consume):
+        self.check(f"{self.kind} gather", torch.empty(shape, device="meta"))
+        return self.sum.gathered_into(shape, produce, consume)
 
 
 def peers_reachable(world: int) -> bool:

@@ -89,7 +89,7 @@ class Comm:
     def gather_produced(self, shape: tuple[int, ...], produce, consume):
         """`sum_produced`'s exchange for a product split by its outputs: `consume` gets every rank's float32
         part of `shape` in rank order and reads each where it lies (a gather, nothing added)."""
-        return self.sum.produced_into(shape, produce, consume)
+        return self.sum.gathered_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [world, ...]: this rank's part for each rank -> [world, ...] every rank's part for this one, in
@@ -290,18 +290,23 @@ class EngramSplit:
     wkv whole), every rank's columns of the product gathered in its gates' launch (`gather_produced`)."""
 
     def __init__(self, wkv, comm: Comm):
-        block = wkv.block[0] if wkv.format == "fp8" else 1
-        self.width = -(-wkv.shape[0] // block // comm.world) * block  # whole scale blocks a rank
+        blocks, block = self.blocks(wkv)
+        self.width = -(-blocks // comm.world) * block  # whole scale blocks a rank, the last rank the rest
         start = comm.rank * self.width
         self.weight = wkv.rows(start, min(wkv.shape[0], start + self.width))
         self.comm = comm
 
     @staticmethod
-    def fits(wkv, world: int) -> bool:
-        """Whether every rank holds at least one scale block of wkv's rows."""
+    def blocks(wkv) -> tuple[int, int]:
+        """(wkv's row blocks, rows a block): FP8's scale blocks, else single rows."""
         block = wkv.block[0] if wkv.format == "fp8" else 1
-        rows = -(-wkv.shape[0] // block)
-        return rows - (world - 1) * -(-rows // world) > 0
+        return -(-wkv.shape[0] // block), block
+
+    @staticmethod
+    def fits(wkv, world: int) -> bool:
+        """Whether every rank holds at least one block of wkv's rows."""
+        blocks, _ = EngramSplit.blocks(wkv)
+        return blocks - (world - 1) * -(-blocks // world) > 0
 
     def gather_produced(self, shape, produce, consume):
         return self.comm.gather_produced(shape, produce, consume)
@@ -353,8 +358,8 @@ def largest_sum(cfg, rows: int, context: int) -> int:
     partial; kernels/moe.py `_row_sums_into`), the indexer's head-summed scores (rows x the compressed rows it
     scores, at most context over the smallest ratio), an output projection (rows x dim), a rank's columns of
     an Engram layer's product (rows x (hc + 1) dim / world, in whole scale blocks: at most half of it and a
-    block on two ranks or more, `EngramSplit`). A symmetric-memory sum
-    of this capacity takes every call of a decode cycle in one piece (parallel/collectives.py)."""
+    block on two ranks or more, `EngramSplit`). A symmetric-memory sum of this capacity takes every call of a
+    decode cycle in one piece (parallel/collectives.py)."""
     ratios = [r for r in cfg.compress_ratios if r]
     scored = context // min(ratios) + 1 if ratios else 0
     block = cfg.weight_block[0] if cfg.weight_block else 1
