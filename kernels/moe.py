@@ -769,6 +769,6 @@ def _combined_by_shares(o, shared_rows, sent, pos, X, post, comb, out, reduce, s
     n = hi - lo
     if n:  # row i's pairs' sums at row i (added in rank order by the combine), its shared expert's row i of
         # shared_rows (in x's dtype)
-        _combine([r[:n] for r in received], torch.arange(n, device=o.device).view(n, 1), X, post, comb, out,
+        _combine([r[:n] for r in received], unit_rows(o.device, n), X, post, comb, out,
                  shared_rows is not None, False, shared_rows)
 
