@@ -28,8 +28,11 @@ target's, its logits' argmax beside it, and the drafter's: the distribution kern
 row's candidate next token (the residual max(0, p - r) renormalized, or p for the last row) as the race does,
 and the last program to finish makes the acceptance tests u * r < p in float32 over the generator's values,
 picks the first miss, and writes the cycle's result and the advanced counter (the forced count too, for
-benchmarks). Tolerance: probabilities within 2^-20 of the largest (float32 exp and sums over V in a
-different order than torch's: a few ulps); the kept set is the reference's except at exact ties on the
+benchmarks). Logits a vocabulary-parallel head leaves split by columns over the ranks (`SplitLogits`) are read
+where they lie: a launch's program first stores its row from every rank's columns (waiting for them inside
+the launch where they are in symmetric memory), then runs as above, on the same bits. Tolerance:
+probabilities within 2^-20 of the largest (float32 exp and sums over V in a different order than torch's: a
+few ulps); the kept set is the reference's except at exact ties on the
 top-p boundary, where all tied entries are kept (the reference's order among ties is its sort's,
 unspecified), or where a partial mass is within those ulps of top_p times the total; a draw is the
 reference's except where the reference's race values p / E of the two entries are within 2^-18 of each
@@ -39,6 +42,7 @@ reference's except where u * r and p are that close.
 
 import torch
 
+from . import rank_sum
 from ._triton import (
     INTERPRET,
     counters,
@@ -56,6 +60,7 @@ from ._triton import (
     triton,
     tsum,
 )
+from .rank_sum import rank_arrive
 
 _M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
 _M2 = -7723592293110705685  # 0x94d049bb133111eb
@@ -109,10 +114,45 @@ def draw(p: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return (p.double() / e).argmax(-1)
 
 
+class SplitLogits:
+    """Logits [R, V] as the ranks hold them, split by columns (a vocabulary-parallel head:
+    appliance/parallel/sharding.py VocabParallel): `parts`, float32 [R, V / world] each in rank order, in
+    symmetric memory (a `rank_sum.Partials`: the sampler's kernel waits for them and reads every rank's
+    columns where they lie, so the logits are never gathered) or gathered (plain tensors). Rows slice as a
+    tensor's do."""
+
+    def __init__(self, parts):
+        widths = {tuple(p.shape) for p in parts}
+        require(len(widths) == 1 and len(next(iter(widths))) == 2, "parts", sorted(widths),
+                "must be one [R, V / world] shape")
+        for r, p in enumerate(parts):
+            require_dtype(p, f"parts[{r}]", (torch.float32,))
+            require(p.is_contiguous(), f"parts[{r}].is_contiguous()", False, "must be contiguous")
+        self.parts = parts
+        self.width = parts[0].shape[1]
+        self.shape = torch.Size((parts[0].shape[0], len(parts) * self.width))
+
+    def __getitem__(self, rows: slice) -> "SplitLogits":
+        published = getattr(self.parts, "published", None)
+        sliced = [p[rows] for p in self.parts]
+        return SplitLogits(sliced if published is None else rank_sum.Partials(sliced, published))
+
+    def whole(self) -> torch.Tensor:
+        """[R, V] in one tensor (a torch consumer's: gathered parts only, `rank_sum.plain`)."""
+        rank_sum.plain(self.parts, "logits")
+        return torch.cat(list(self.parts), dim=1)
+
+
+def _whole(logits):
+    return logits.whole() if isinstance(logits, SplitLogits) else logits
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None
            ) -> torch.Tensor:
     """Greedy when params[0] (temperature) is 0, else a draw: both computed, one selected (no branch on a
-    device value). -> int64 [R], written into `out` where given (a caller's buffer: no copy after)."""
+    device value). -> int64 [R], written into `out` where given (a caller's buffer: no copy after).
+    `logits` may be a `SplitLogits` (gathered: the reference reads a tensor)."""
+    logits = _whole(logits)
     greedy = logits.argmax(-1)
     drawn = draw(distribution(logits, params), key)
     return _into(out, torch.where(params[0] == 0, greedy, drawn))
@@ -122,9 +162,10 @@ def sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tensor, k
                total: torch.Tensor, table: torch.Tensor | None = None, next_row: torch.Tensor | None = None
                ) -> torch.Tensor:
     """DSpark's Markov step: sample from base + addend (float32 [R, V]: the head's logits and the Markov
-    head's), the sum kept in `total` (the draft's logits), the ids in `out`; where `table` is given, its row
-    of each drawn id into `next_row` [R, W] (the next step's Markov input). -> out."""
-    torch.add(base, addend, out=total)
+    head's; either may be a `SplitLogits`), the sum kept in `total` (the draft's logits), the ids in
+    `out`; where `table` is given, its row of each drawn id into `next_row` [R, W] (the next step's Markov
+    input). -> out."""
+    torch.add(_whole(base), _whole(addend), out=total)
     sample(total, params, key, out)
     if table is not None:
         torch.index_select(table, 0, out, out=next_row)
@@ -144,7 +185,8 @@ def accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tenso
     """target logits [k+1, V], drafts [k], draft_logits [k, V], force [] int64 (benchmarks: accept exactly
     min(force, k) drafts, then the target's argmax; -1: off) -> int64 [k+3]: the tokens produced j+1, the
     accepted drafts j, then k+1 ids (the j accepted drafts, the next token b, zeros): the decode cycle's result,
-    written into `out` where given."""
+    written into `out` where given. `target` may be a `SplitLogits`."""
+    target = _whole(target)
     k = drafts.numel()
     # greedy
     best = target.argmax(-1)
@@ -263,20 +305,51 @@ def _row_distribution(lrow, prow, params_ptr, V, seed, base, TOP: tl.constexpr, 
     return top_i, best_i
 
 
+@device_function
+def _split_load(parts, row, cols, width, V, WORLD: tl.constexpr, BV: tl.constexpr):
+    """The float32 values at `cols` (a block) of a row held by columns over WORLD ranks (`SplitLogits`; one
+    whole row: WORLD 1): rank r's columns [r width, (r+1) width) at parts[r] + row - r width."""
+    x = tl.zeros((BV,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        lo = r * width
+        mine = (cols >= lo) & (cols < lo + width) & (cols < V)
+        x = tl.where(mine, tl.load(parts[r] + row + cols - lo, mask=mine, other=0.0), x)
+    return x
+
+
+@device_function
+def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts, width_b, stride_b, V,
+              SUM: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, WORLD_B: tl.constexpr, BV: tl.constexpr):
+    """Store row r of the rows held by columns at `a_parts` (waited for over symmetric memory: WAIT) into
+    `l_row`, added to row r of `b_parts`' first (SUM: the float32 add as torch makes it, b + a)."""
+    base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        x = _split_load(a_parts, base + r * stride_a, cols, width, V, WORLD, BV)
+        if SUM:
+            x = _split_load(b_parts, r * stride_b, cols, width_b, V, WORLD_B, BV) + x
+        tl.store(l_row + cols, x, mask=cols < V)
+    tl.debug_barrier()  # stored before this program reads the row back
+
+
 @triton.jit
-def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
+def _distribution_kernel(a_parts,  # FILL: WORLD pointers, rows held by columns (`width` each, row stride
+                         width, stride_a,  # stride_a; one whole row: WORLD 1), stored into l's rows first
+                         flags, rank, capacity,  # ... waited for over symmetric memory (WAIT: arrival_args)
+                         l_ptr,  # logits [R, V] (any float dtype), row stride stride_l
                          p_ptr,  # out float32 [R, V]: the truncated, renormalized distribution
                          params_ptr,  # float32 [3]: temperature, top_p, top_k (read on the device)
                          key_ptr,  # int64 [2]: seed, counter (DRAW: advanced by R * V, by the last program)
                          cnt_ptr,  # int32 counter of finished programs, zero between launches (DRAW)
                          out_ptr,  # out int64 [R]: each row's token (DRAW)
-                         b_ptr, a_ptr,  # SUM: float32 [R, V] rows the logits are the sum of (row strides
-                         stride_b, stride_a,  # stride_b, stride_a), stored into l's rows first
+                         b_parts, width_b, stride_b,  # SUM: rows held as a's (WORLD_B ranks, never waited
+                         # for), added to a's before they are stored
                          tab_ptr,  # GATHER: float32 [V, W] table whose row of each drawn token ...
                          row_ptr,  # ... is stored into row r of [R, W] (row stride stride_row)
                          W, stride_row,
-                         V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, SUM: tl.constexpr,
-                         GATHER: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
+                         V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, FILL: tl.constexpr, SUM: tl.constexpr,
+                         WORLD: tl.constexpr, WORLD_B: tl.constexpr, WAIT: tl.constexpr, GATHER: tl.constexpr,
+                         BW: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     seed = tl.zeros((1,), dtype=tl.int64)
@@ -284,13 +357,9 @@ def _distribution_kernel(l_ptr,  # logits [R, V] (any float dtype), row stride s
     if DRAW:  # the counter as every program reads it, before the last one advances it
         seed = tl.load(key_ptr + tl.arange(0, 1))
         base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
-    if SUM:  # the float32 sum as torch adds it, stored as the row the passes below read
-        for v0 in range(0, V, BV):
-            cols = v0 + tl.arange(0, BV)
-            total = tl.load(b_ptr + r * stride_b + cols, mask=cols < V) + tl.load(a_ptr + r * stride_a + cols,
-                                                                                 mask=cols < V)
-            tl.store(l_ptr + r * stride_l + cols, total, mask=cols < V)
-        tl.debug_barrier()  # stored before this program reads the row back
+    if FILL:  # the row the passes below read: the split logits, or the float32 sum as torch adds it
+        _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_ptr + r * stride_l, b_parts, width_b,
+                  stride_b, V, SUM, WAIT, WORLD, WORLD_B, BV)
     top_i, best_i = _row_distribution(l_ptr + r * stride_l, p_ptr + r * V, params_ptr, V, seed, base,
                                       DRAW, DRAW, BV)
     if DRAW:  # the greedy token where the temperature is 0
@@ -318,12 +387,29 @@ def _check_logits(logits: torch.Tensor, name: str, params: torch.Tensor) -> None
     require(tuple(params.shape) == (3,), "params.shape", tuple(params.shape), "must be (3,): temperature, top_p, top_k")
 
 
+def _parts_args(rows) -> tuple:
+    """The kernels' arguments for rows held by columns (a `SplitLogits`, or a plain float32 [R, V] tensor:
+    one rank's whole rows): (pointers, width, row stride) and their WORLD."""
+    parts = rows.parts if isinstance(rows, SplitLogits) else [rows]
+    require(len(parts) <= rank_sum.MAX_WORLD, "len(parts)", len(parts), f"must be at most {rank_sum.MAX_WORLD}")
+    return (tuple(parts), parts[0].shape[1], parts[0].stride(0)), len(parts)
+
+
+def _fill_args(fill) -> tuple:
+    """The distribution and accept kernels' FILL arguments for `fill` (`_parts_args`' and the wait's) and
+    their WORLD and WAIT."""
+    args, world = _parts_args(fill)
+    wait, waits = rank_sum.arrival_args(getattr(fill, "parts", [fill]))
+    return (*args, *wait), world, waits
+
+
 def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, summands: tuple | None = None,
+                  out: torch.Tensor | None = None, fill=None, base=None,
                   gather: tuple | None = None) -> torch.Tensor:
     """fast_distribution's launch; with `key`, each row's token drawn in it too (fast_sample) into `out`;
-    `summands` (base, addend): the logits stored as their sum first, `gather` (table, next_row): each drawn
-    token's table row stored (fast_sample_sum)."""
+    `fill` (a float32 [R, V] tensor or a `SplitLogits`): the rows stored into `logits` first, added to
+    `base`'s where given (either form, never waited for: fast_sample_sum's sum); `gather` (table,
+    next_row): each drawn token's table row stored (fast_sample_sum)."""
     _check_logits(logits, "logits", params)
     dev = device_of(logits, params, key)
     r, v = logits.shape
@@ -331,11 +417,13 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
     if r and v:
         bv = min(pow2(v), 4096 if INTERPRET else 2048)
         draw = key is not None
-        b, a = summands or (p, p)  # placeholders where SUM is off: never read
-        table, row = gather or (p, p)
-        _distribution_kernel[(r,)](logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
-                                   out if draw else p, b, a, b.stride(0), a.stride(0), table, row, table.shape[1],
-                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv, SUM=summands is not None,
+        table, row = gather or (p, p)  # placeholders where unused (and p for fill and base): never read
+        a_args, world, waits = _fill_args(p if fill is None else fill)
+        b_args, world_b = _parts_args(p if base is None else base)
+        _distribution_kernel[(r,)](*a_args, logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
+                                   out if draw else p, *b_args, table, row, table.shape[1],
+                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv, FILL=fill is not None,
+                                   SUM=base is not None, WORLD=world, WORLD_B=world_b, WAIT=waits,
                                    GATHER=gather is not None, BW=pow2(table.shape[1]) if gather else 1,
                                    **pdl(logits.device))
     return p
@@ -381,12 +469,15 @@ def _block_argmax(x, cols, V, BV: tl.constexpr, best, best_i):
     return tl.where(better, cmax, best), tl.where(better, ci, best_i)
 
 
-def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def fast_sample(logits, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `sample` (same signature): one launch, the distribution kernel drawing from each row as
     it stores it (the race in float32 over the reference's counter values: the same draws except where two
     entries' p / E are within a few float32 ulps, the tolerance above), the greedy argmax of the logits
-    beside it, one selected by the temperature on the device; the ids written into `out` where given."""
+    beside it, one selected by the temperature on the device; the ids written into `out` where given. A
+    `SplitLogits`' rows are read where the ranks hold them, into a row of the launch's own first."""
+    fill = logits if isinstance(logits, SplitLogits) else None
+    if fill is not None:
+        logits = torch.empty(fill.shape, dtype=torch.float32, device=fill.parts[0].device)
     _check_logits(logits, "logits", params)
     r, v = logits.shape
     if out is None:
@@ -395,17 +486,24 @@ def fast_sample(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor, o
         _check_out(out, r, logits.device)
         if not v:
             out.zero_()
-    _distribution(logits, params, key, out)
+    _distribution(logits, params, key, out, fill=fill)
     return out
 
 
-def fast_sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tensor, key: torch.Tensor,
-                    out: torch.Tensor, total: torch.Tensor, table: torch.Tensor | None = None,
-                    next_row: torch.Tensor | None = None) -> torch.Tensor:
+def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor, total: torch.Tensor,
+                    table: torch.Tensor | None = None, next_row: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `sample_sum` (same signature): fast_sample's launch, whose programs first store their
-    row's sum (the float32 add, torch's bits) and last the drawn token's table row; one launch, not four."""
+    row's sum (the float32 add, torch's bits; `SplitLogits` read where the ranks hold them: a gathered base, an
+    addend in symmetric memory too) and last the drawn token's table row; one launch, not four."""
     r, v = total.shape
-    given = [("base", base, (r, v)), ("addend", addend, (r, v)), ("total", total, (r, v))]
+    given = [("total", total, (r, v))]
+    for name, rows in (("base", base), ("addend", addend)):
+        if isinstance(rows, SplitLogits):
+            require(tuple(rows.shape) == (r, v), f"{name}.shape", tuple(rows.shape), f"must be {(r, v)}")
+        else:
+            given.append((name, rows, (r, v)))
+    require(getattr(getattr(base, "parts", None), "published", None) is None, "base", "published logits",
+            "must be gathered (the launch waits for its addend only)")
     if table is not None:  # a row for each token, W wide
         given += [("table", table, (v, table.shape[-1])), ("next_row", next_row, (r, table.shape[-1]))]
         require(table.is_contiguous(), "table.stride", table.stride(), "must be contiguous")
@@ -417,7 +515,7 @@ def fast_sample_sum(base: torch.Tensor, addend: torch.Tensor, params: torch.Tens
     _check_out(out, r, total.device)
     if not v:
         out.zero_()
-    _distribution(total, params, key, out, (base, addend), None if table is None else (table, next_row))
+    _distribution(total, params, key, out, addend, base, None if table is None else (table, next_row))
     return out
 
 
@@ -430,7 +528,9 @@ def _check_out(out: torch.Tensor, n: int, device: torch.device) -> None:
 
 
 @triton.jit
-def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
+def _accept_kernel(a_parts, width, stride_a,  # FILL: the target rows held by columns (the distribution
+                   flags, rank, capacity,  # kernel's), stored into t's rows first
+                   t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
                    dl_ptr,      # [K, V] the drafter's, row stride stride_d
                    p_ptr,       # float32 [K+1, V] scratch: the target rows' distributions
                    r_ptr,       # float32 [K, V] scratch: the drafter's
@@ -442,9 +542,13 @@ def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dt
                    draws_ptr,   # int64 [K+1] scratch: row i's draw, the next token if i is the first miss
                    cnt_ptr,     # int32 counter of finished programs (zero between launches)
                    out_ptr,     # out int64 [K+3]: j+1, j, the K+1 ids (accept's result)
-                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, FILL: tl.constexpr,
+                   WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     i = tl.program_id(0).to(tl.int64)
+    if FILL:
+        _fill_row(a_parts, width, stride_a, flags, rank, capacity, i, t_ptr + i * stride_t, (t_ptr,), 0, 0, V, False,
+                  WAIT, WORLD, 1, BV)
     seed = tl.load(key_ptr + tl.arange(0, 1))
     counter = tl.load(key_ptr + 1 + tl.arange(0, 1))
     base = counter + K + i * V  # the acceptance tests take the first K values, the rows' races the next
@@ -502,11 +606,15 @@ def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dt
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (a graph replays this one)
 
 
-def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
+def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params: torch.Tensor,
                 key: torch.Tensor, force: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `accept` (same signature and result), one launch: each program makes its row's
     distributions (the target's, with its logits' argmax, and the drafter's) and draws from them; the last to
-    finish accepts (writing `out` where given)."""
+    finish accepts (writing `out` where given). A `SplitLogits` target's rows are read where the ranks hold
+    them, into rows of the launch's own first."""
+    fill = target if isinstance(target, SplitLogits) else None
+    if fill is not None:
+        target = torch.empty(fill.shape, dtype=torch.float32, device=fill.parts[0].device)
     require(target.dim() == 2, "target.dim()", target.dim(), "must be 2 ([k+1, V])")
     k, v = drafts.numel(), target.shape[1]
     require(tuple(target.shape) == (k + 1, v), "target.shape", tuple(target.shape), f"must be ({k + 1}, V): k+1 rows")
@@ -526,7 +634,8 @@ def fast_accept(target: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.
     else:
         _check_out(out, k + 3, dev)
     bv = min(pow2(v), 4096 if INTERPRET else 2048)
-    _accept_kernel[(k + 1,)](target, draft_logits, p, r, best, drafts, key, params, force, draws, counters(dev, 1),
-                             out, k, v, target.stride(0), draft_logits.stride(0) if k else v, KB=pow2(k + 1), BV=bv,
-                             **pdl(dev))
+    a_args, world, waits = _fill_args(p if fill is None else fill)
+    _accept_kernel[(k + 1,)](*a_args, target, draft_logits, p, r, best, drafts, key, params, force, draws,
+                             counters(dev, 1), out, k, v, target.stride(0), draft_logits.stride(0) if k else v,
+                             KB=pow2(k + 1), BV=bv, FILL=fill is not None, WORLD=world, WAIT=waits, **pdl(dev))
     return out

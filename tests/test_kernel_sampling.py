@@ -8,7 +8,7 @@ together equal rows one at a time, bit for bit."""
 import pytest
 import torch
 
-from kernels import sampling
+from kernels import rank_sum, sampling
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
 
@@ -210,3 +210,61 @@ def test_sample_and_accept_write_a_callers_buffer_and_name_a_wrong_one():
             run(sample, logits, params, key.clone(), buf[:k])
         with pytest.raises(ValueError, match="out.shape"):
             run(accept, logits, drafts, draft_logits, params, key.clone(), f, buf[:k])
+
+
+def split_over_ranks(logits: torch.Tensor, world: int, published: bool) -> sampling.SplitLogits:
+    """`logits` [R, V] held by columns over `world` made-up ranks: gathered (plain tensors), or each rank's
+    part in the second slot of its symmetric buffer as rank 1 of them sees it after every rank published two
+    calls (the first slot NaN: a kernel that read it would draw from NaN)."""
+    rows, width = logits.shape[0], logits.shape[1] // world
+    parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(world)]
+    if not published:
+        return sampling.SplitLogits(parts)
+    n = rows * width
+    buffers = [torch.full((rank_sum.SLOTS * n,), float("nan"), device=DEVICE) for _ in range(world)]
+    for b, p in zip(buffers, parts):
+        b[n:].copy_(p.reshape(-1))
+    flags = [torch.tensor([2] * world + [0], device=DEVICE) for _ in range(world)]
+    to = rank_sum.Publish(buffers[1], flags, 1)
+    return sampling.SplitLogits(rank_sum.Partials([b[:n].view(rows, width) for b in buffers], to))
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_the_samplers_read_logits_split_over_ranks_where_the_ranks_hold_them(published):
+    """A vocabulary-parallel head's logits, held by columns over the ranks (gathered, or in symmetric memory
+    read in place after the wait): sample, the Markov step and accept give the ids, counters and sums they
+    give for the whole rows, bit for bit, rows sliced as the cycle slices them (the Markov step's base gathered
+    by columns too); the reference takes gathered parts and refuses published ones, naming them, as the Markov
+    step refuses a published base (it waits for its addend only)."""
+    s = seed()
+    world, width, k = int(torch.randint(2, 5, ())), int(torch.randint(40, 200, ())), int(torch.randint(1, 5, ()))
+    vocab = world * width
+    target, draft_logits = torch.randn(k + 1, vocab, device=DEVICE) * 2, torch.randn(k, vocab, device=DEVICE) * 2
+    drafts = torch.randint(0, vocab, (k,), device=DEVICE)
+    drafts[:1] = target[:1].argmax(-1)
+    split = split_over_ranks(target, world, published)
+    f, ctx = torch.tensor(-1, device=DEVICE), f"(seed {s}, world {world}, V={vocab}, k={k})"
+    assert tuple(split.shape) == (k + 1, vocab) and tuple(split[-1:].shape) == (1, vocab), ctx
+    for temperature in (0.0, 0.9):
+        params = params_of(temperature, 0, 0.95, DEVICE)
+        got = []
+        for logits, base in ((target, draft_logits), (split, split_over_ranks(draft_logits, world, False))):
+            key = torch.tensor([s, 5], device=DEVICE)
+            ids = run(sampling.fast_sample, logits[-1:], params, key)
+            total, markov = torch.empty(1, vocab, device=DEVICE), torch.empty(1, dtype=torch.long, device=DEVICE)
+            run(sampling.fast_sample_sum, base[:1], logits[1:2], params, key, markov, total)
+            accepted = run(sampling.fast_accept, logits, drafts, draft_logits, params, key, f)
+            got.append((ids, total, markov, accepted, key))
+        for name, want, have in zip(("ids", "sum", "markov ids", "accepted", "counter"), *got):
+            assert_equal(name, want, have, f"T={temperature} {ctx}")
+    assert torch.equal(got[0][1], draft_logits[:1] + target[1:2]), ctx
+    params = params_of(0.0, 0, 1.0, DEVICE)
+    if published:
+        with pytest.raises(ValueError, match="logits"):
+            sampling.sample(split, params, torch.tensor([s, 0], device=DEVICE))
+        ids, total = torch.empty(1, dtype=torch.long, device=DEVICE), torch.empty(1, vocab, device=DEVICE)
+        with pytest.raises(ValueError, match="base"):
+            sampling.fast_sample_sum(split[:1], target[:1], params, torch.tensor([s, 0], device=DEVICE), ids, total)
+    else:
+        ids = sampling.sample(split, params, torch.tensor([s, 0], device=DEVICE))
+        assert_equal("reference ids", target.argmax(-1), ids, ctx)

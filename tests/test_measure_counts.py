@@ -400,16 +400,24 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         assert 0 < experts["split_intermediate"] < experts["expert_parallel"]
     # over symmetric memory, a layer's two sums over ranks (the backbone's rows', a DSpark stage's): the
     # attention's output rows, float32; the MoE's rows' pairs' sums and the split shared expert's partial rows
-    # (not every pair's partial); an Engram layer's rank's columns of its product (whole blocks of wkv's rows)
+    # (not every pair's partial); an Engram layer's rank's columns of its product (whole blocks of wkv's rows);
+    # the rank's columns of the logits a sampler reads in place (the head's rows, each Markov step's one row).
+    # The one all-gather left: DSpark's base logits (its five rows, read by the Markov steps after other
+    # exchanges), by rows, without a concatenation.
     from appliance.model.config import load_config
 
     cfg = load_config(released_config)
     block = cfg.weight_block[0]
     engram = -(-(cfg.hc_mult + 1) * cfg.dim // block // 4) * block
+    columns = cfg.vocab_size // 4 * 4
     for cyc, rows, stage in ((plain, 1, None), (verify, 4, 5)):
-        sums = {c["bytes"] for c in cyc["count"]["collectives"]["payloads"] if c["op"] == "symm_"}
+        payloads = cyc["count"]["collectives"]["payloads"]
+        sums = {c["bytes"] for c in payloads if c["op"] == "symm_"}
         want = {n * w * 4 for n in (rows, stage) if n for w in (cfg.dim, 2 * cfg.dim)} | {rows * engram * 4}
+        want |= {rows * columns} | ({columns} if stage else set())
         assert sums == want, (sorted(sums), sorted(want))
+        gathers = [(c["bytes"], c["count"]) for c in payloads if c["op"] != "symm_"]
+        assert gathers == ([(stage * columns, 1)] if stage else []), gathers
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by

@@ -122,13 +122,15 @@ class Target:
     keep_streams: bool
 
     def forward(self, tokens: torch.Tensor, logits: str = "all", start: torch.Tensor | None = None,
-                reach: int | None = None):
+                reach: int | None = None, sampled: str = ""):
         """The one call of the target: without `start` an eager forward at the state's length (prefill, tests;
         exact shapes, the length advances), with it a static one at positions start.. (a device scalar),
-        none past reach - 1 (a cycle step; the host counts what it kept)."""
+        none past reach - 1 (a cycle step; the host counts what it kept); `sampled`: the logits go only to
+        samplers (ops.sample, ops.accept), which read a split head's where the ranks hold them
+        (parallel/sharding.py VocabParallel)."""
         bound = None if reach is None else reach - 1
         return self.model.forward(tokens, self.state, logits=logits, index_keys=self.index_keys, start=start,
-                                  keep_streams=self.keep_streams, bound=bound)
+                                  keep_streams=self.keep_streams, bound=bound, sampled=sampled)
 
     def inputs(self) -> dict[str, torch.Tensor]:
         return self.state.buffers()
@@ -150,7 +152,7 @@ class PlainCycle:
     def __call__(self) -> dict[str, torch.Tensor]:
         target, buf = self.target, self.buf
         with target.state.journal.off():  # a cycle's writes are not journaled (state.py, `Journal`)
-            out = target.forward(buf.anchor, "last", buf.positions[1:], self.reach)
+            out = target.forward(buf.anchor, "last", buf.positions[1:], self.reach, sampled="next")
         target.ops.sample(out.logits[-1:], buf.params, buf.key, self.result[2:])
         return {"result": self.result}
 
@@ -194,7 +196,7 @@ class VerifyStep:
         # not journaled (state.py, `Journal`): the writes for rejected positions, the drafter's rows of N+j..
         # included, are rewritten before anything reads them
         with state.journal.off(), spec.state.journal.off():
-            out = target.forward(tokens, "all", N, self.reach)
+            out = target.forward(tokens, "all", N, self.reach, sampled="next")
             rows = spec.drafter.rows(out)
             spec.rows.write(out.step.positions, rows.reshape(k + 1, -1), buf.row_slots[1:k + 2])  # N .. N + k
             target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force, self.result)

@@ -103,10 +103,12 @@ class ShapeComm:
         return t.contiguous()
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Comm.all_gather: received along dim 0, then concatenated along another `dim` (a launch)."""
         self._record("allgather_", t)
-        shape = list(t.shape)
-        shape[dim] *= self.world
-        return self._received(shape, t)
+        parts = self._received([self.world, *t.shape], t)
+        if dim % t.dim() == 0:
+            return parts.view(self.world * t.shape[0], *t.shape[1:])
+        return torch.cat(list(parts), dim=dim)
 
     def sum(self, t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
             round_to: torch.dtype | None = None) -> torch.Tensor:

@@ -43,7 +43,9 @@ class Dense:
     def load(cls, rt, ckpt: Checkpoint, name, out_f, in_f, block=None):
         return cls(rt, ckpt.linear(name, out_f, in_f, block, kind="dense"))
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, sampled: str = "") -> torch.Tensor:
+        """`sampled`: where the product goes only to samplers' kernels, when they read it (a split head's
+        need not be gathered: parallel/sharding.py VocabParallel); one device's is whole either way."""
         return self.rt.ops.linear(x, self.weight, None, out_dtype)
 
 

@@ -238,20 +238,22 @@ class V4Model:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
 
-    def final(self, X: torch.Tensor, rows: slice, step) -> torch.Tensor:
-        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split)."""
+    def final(self, X: torch.Tensor, rows: slice, step, sampled: str = "") -> torch.Tensor:
+        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
+        `sampled`: they go only to samplers' kernels, which read them then (the head's, blocks.Dense)."""
         if not step.split:
-            return self.head(self.hc_head.normed(X[rows], self.norm), torch.float32)
-        return self.head(step.gather(self.hc_head.normed(X, self.norm))[rows], torch.float32)
+            return self.head(self.hc_head.normed(X[rows], self.norm), torch.float32, sampled)
+        return self.head(step.gather(self.hc_head.normed(X, self.norm))[rows], torch.float32, sampled)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
+                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None,
+                sampled: str = "") -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
-        past `bound`) into the state."""
+        past `bound`) into the state; `sampled`: the logits go only to samplers' kernels (`final`)."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
         X = self.embed_tokens(tokens[step.share])
         for layer in self.layers:
             X = layer(X, step)
-        out = self.final(X, slice(-1, None) if logits == "last" else slice(None), step)
+        out = self.final(X, slice(-1, None) if logits == "last" else slice(None), step, sampled)
         finish(step)
         return Output(out, step, step.gather(X) if keep_streams else None)

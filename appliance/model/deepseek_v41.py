@@ -322,21 +322,24 @@ class V41Model:
             X, pre = self.layers[L](X, pre, step, engram_rows.get(L), fuse)
         return X, pre
 
-    def final(self, X, pre, rows: slice = slice(None), step: Step | None = None) -> torch.Tensor:
-        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split)."""
+    def final(self, X, pre, rows: slice = slice(None), step: Step | None = None, sampled: str = ""
+              ) -> torch.Tensor:
+        """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
+        `sampled`: they go only to samplers' kernels, which read them then (the head's, blocks.Dense)."""
         n, split = self.norm, step is not None and step.split
         mine = slice(None) if split else rows
         z = self.rt.ops.hc_pre(X[mine], pre[mine], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
         # the head takes z as it is: a bfloat16 row is its own float32 value (no cast launch, one MMA part)
-        return self.head(step.gather(z)[rows] if split else z, torch.float32)
+        return self.head(step.gather(z)[rows] if split else z, torch.float32, sampled)
 
     def forward(self, tokens: torch.Tensor, state: DecodeState, logits: str = "all", index_keys: str = "own",
-                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None) -> Output:
+                keep_streams: bool = False, start: torch.Tensor | None = None, bound: int | None = None,
+                sampled: str = "") -> Output:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
-        past `bound`) into the state."""
+        past `bound`) into the state; `sampled`: the logits go only to samplers' kernels (`final`)."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
         X, pre = self.embed_tokens(tokens[step.share], state)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
-        out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step)
+        out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step, sampled)
         finish(step)
         return Output(out, step, step.gather(X) if keep_streams else None)

@@ -211,7 +211,7 @@ class DSpark:
             for stage in self.stages:
                 X = stage(X, step)
             x = self.hc_head(X)
-        base = self.head(self.norm(x), torch.float32)  # [B, V]
+        base = self.head(self.norm(x), torch.float32, sampled="later")  # [B, V]: the Markov steps' to add
         out = out or Draft.empty(k, c.vocab_size, x.device, confidence=True)
         # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
         # (the Markov step reads its row from here; each step's sampler writes the next one's)
@@ -221,8 +221,8 @@ class DSpark:
         torch.index_select(self.markov_embed, 0, anchor, out=mu[:1])
         for i in range(k):  # the Markov chain: strictly sequential
             last = i + 1 == k
-            self.rt.ops.sample_sum(base[i:i + 1], self.markov_head(mu[i:i + 1], torch.float32), params, key,
-                                   out.ids[i:i + 1], out.logits[i:i + 1], None if last else self.markov_embed,
-                                   None if last else mu[i + 1:i + 2])
+            markov = self.markov_head(mu[i:i + 1], torch.float32, sampled="next")  # the sampler's alone
+            self.rt.ops.sample_sum(base[i:i + 1], markov, params, key, out.ids[i:i + 1], out.logits[i:i + 1],
+                                   None if last else self.markov_embed, None if last else mu[i + 1:i + 2])
         out.confidence.copy_(self.confidence(features, torch.float32)[:, 0])
         return out

@@ -23,8 +23,9 @@ the reduce hooks that sum partial results over ranks.
   every layer, splitting it costs nothing extra because its partial sum travels in the same all-reduce as
   the routed slots (a long call takes it whole for the rank's share of the rows: ExpertReduce). The router
   is replicated (selection must be identical everywhere).
-- head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits and they are
-  all-gathered, so sampling sees the same logits as a single device.
+- head (and DSpark's Markov head): vocab-parallel, each rank computes its slice of the logits; they are
+  all-gathered, or, where they go only to a sampler (a cycle's steps), its kernel reads every rank's
+  columns where they lie (`VocabParallel`), so sampling sees the same logits as a single device.
 - embedding, mHC: replicated. Engram: its tables replicated (memory-mapped on the host, shared by the page
   cache of every rank's process); its `wkv` split by outputs for a decode step (each rank its rows' columns
   of the product, gathered in the gates' launch: `EngramSplit`), whole for a long call's rows. A long call
@@ -47,6 +48,7 @@ from appliance.model.blocks import Dense, GroupedOutput, Linear, MoE
 from appliance.model.mtp import MAX_DRAFTS as MTP_MAX_DRAFTS
 from appliance.model.rowsplit import ALL_ROWS, query_share
 from appliance.parallel.collectives import all_gather
+from kernels.sampling import SplitLogits
 
 
 class Comm:
@@ -168,15 +170,32 @@ def partial_sum(rt, comm: Comm):
 
 
 class VocabParallel:
-    """A dense head holding this rank's slice of the vocabulary; logits are all-gathered."""
+    """A dense head holding this rank's slice of the vocabulary; logits are all-gathered into one tensor, or,
+    where they go only to samplers' kernels on the fast path, left by columns (kernels/sampling.py
+    SplitLogits: the kernels read each rank's columns where they lie), as `sampled` says:
+    - "next": read by the next sampler launch, before any other exchange over ranks: the product published
+      by its kernel over symmetric memory (all-gathered where it passes a slot, or without it), the sampler
+      waiting for it in its launch: no collective launch, no concatenation;
+    - "later": read by sampler launches after other exchanges (a slot would be written again): all-gathered
+      by rows, not concatenated;
+    - "": one tensor."""
 
     def __init__(self, head: Dense, comm: Comm):
         start, end = comm.span(head.weight.shape[0])
         self.local = _dense_rows(head, start, end)
         self.comm = comm
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return self.comm.all_gather(self.local(x, out_dtype), dim=-1)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, sampled: str = ""):
+        rt, weight = self.local.rt, self.local.weight
+        if sampled not in ("", "next", "later"):
+            raise ValueError(f"sampled={sampled!r}: must be '', 'next' or 'later'")
+        if not sampled or rt.ops.path == "reference" or out_dtype != torch.float32 or x.dim() != 2:
+            return self.comm.all_gather(self.local(x, out_dtype), dim=-1)
+        if sampled == "later":
+            part = self.local(x, out_dtype)
+            return SplitLogits(list(self.comm.all_gather(part, dim=0).view(self.comm.world, *part.shape)))
+        return self.comm.gather_produced((x.shape[0], weight.shape[0]), lambda to: rt.ops.linear(
+            x, weight, None, torch.float32, publish=to), SplitLogits)
 
 
 def _linear_rows(lin: Linear, start: int, end: int) -> None:
@@ -358,13 +377,14 @@ def largest_sum(cfg, rows: int, context: int) -> int:
     partial; kernels/moe.py `_row_sums_into`), the indexer's head-summed scores (rows x the compressed rows it
     scores, at most context over the smallest ratio), an output projection (rows x dim), a rank's columns of
     an Engram layer's product (rows x (hc + 1) dim / world, in whole scale blocks: at most half of it and a
-    block on two ranks or more, `EngramSplit`). A symmetric-memory sum of this capacity takes every call of a
-    decode cycle in one piece (parallel/collectives.py)."""
+    block on two ranks or more, `EngramSplit`), a rank's columns of the logits a sampler reads where they lie
+    (rows x vocab / world: at most half of them, `VocabParallel`). A symmetric-memory sum of this capacity
+    takes every call of a decode cycle in one piece (parallel/collectives.py)."""
     ratios = [r for r in cfg.compress_ratios if r]
     scored = context // min(ratios) + 1 if ratios else 0
     block = cfg.weight_block[0] if cfg.weight_block else 1
     engram = (cfg.hc_mult + 1) * cfg.dim // 2 + block if getattr(cfg, "engram", None) is not None else 0
-    return rows * max(cfg.dim * 2, scored, engram)
+    return rows * max(cfg.dim * 2, scored, engram, -(-cfg.vocab_size // 2))
 
 
 def verify_rows(cfg, drafter: bool) -> int:
