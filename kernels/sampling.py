@@ -30,7 +30,8 @@ and the last program to finish makes the acceptance tests u * r < p in float32 o
 picks the first miss, and writes the cycle's result and the advanced counter (the forced count too, for
 benchmarks). Logits a vocabulary-parallel head leaves split by columns over the ranks (`SplitLogits`) are read
 where they lie: a launch's program first stores its row from every rank's columns (waiting for them inside
-the launch where they are in symmetric memory), then runs as above, on the same bits. Tolerance:
+the launch where they are in symmetric memory), then runs as above, on the same bits; the acceptance takes
+them gathered into whole rows by a launch of their own (with that fill its launch spills on the GPU). Tolerance:
 probabilities within 2^-20 of the largest (float32 exp and sums over V in a different order than torch's: a
 few ulps); the kept set is the reference's except at exact ties on the
 top-p boundary, where all tied entries are kept (the reference's order among ties is its sort's,
@@ -306,29 +307,24 @@ def _row_distribution(lrow, prow, params_ptr, V, seed, base, TOP: tl.constexpr, 
 
 
 @device_function
-def _split_load(parts, row, cols, width, V, WORLD: tl.constexpr, BV: tl.constexpr):
-    """The float32 values at `cols` (a block) of a row held by columns over WORLD ranks (`SplitLogits`; one
-    whole row: WORLD 1): rank r's columns [r width, (r+1) width) at parts[r] + row - r width."""
-    x = tl.zeros((BV,), dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        lo = r * width
-        mine = (cols >= lo) & (cols < lo + width) & (cols < V)
-        x = tl.where(mine, tl.load(parts[r] + row + cols - lo, mask=mine, other=0.0), x)
-    return x
-
-
-@device_function
-def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts, width_b, stride_b, V,
-              SUM: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, WORLD_B: tl.constexpr, BV: tl.constexpr):
-    """Store row r of the rows held by columns at `a_parts` (waited for over symmetric memory: WAIT) into
-    `l_row`, added to row r of `b_parts`' first (SUM: the float32 add as torch makes it, b + a)."""
+def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts, stride_b, SUM: tl.constexpr,
+              WAIT: tl.constexpr, WORLD: tl.constexpr, WORLD_B: tl.constexpr, BV: tl.constexpr):
+    """Store row r of the rows held by columns at `a_parts` (WORLD ranks' `width` columns each, waited for over
+    symmetric memory: WAIT; one whole row: WORLD 1) into `l_row`, added to row r of `b_parts`' first (SUM:
+    the float32 add as torch makes it, b + a; b whole, WORLD_B 1, or held as a is), a rank's columns at a
+    time."""
     base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        x = _split_load(a_parts, base + r * stride_a, cols, width, V, WORLD, BV)
-        if SUM:
-            x = _split_load(b_parts, r * stride_b, cols, width_b, V, WORLD_B, BV) + x
-        tl.store(l_row + cols, x, mask=cols < V)
+    for q in tl.static_range(WORLD):
+        for c0 in range(0, width, BV):
+            cols = c0 + tl.arange(0, BV)
+            mine = cols < width
+            x = tl.load(a_parts[q] + base + r * stride_a + cols, mask=mine, other=0.0)
+            if SUM:
+                if WORLD_B == 1:
+                    x = tl.load(b_parts[0] + r * stride_b + q * width + cols, mask=mine) + x
+                else:
+                    x = tl.load(b_parts[q] + r * stride_b + cols, mask=mine) + x
+            tl.store(l_row + q * width + cols, x, mask=mine)
     tl.debug_barrier()  # stored before this program reads the row back
 
 
@@ -342,7 +338,7 @@ def _distribution_kernel(a_parts,  # FILL: WORLD pointers, rows held by columns 
                          key_ptr,  # int64 [2]: seed, counter (DRAW: advanced by R * V, by the last program)
                          cnt_ptr,  # int32 counter of finished programs, zero between launches (DRAW)
                          out_ptr,  # out int64 [R]: each row's token (DRAW)
-                         b_parts, width_b, stride_b,  # SUM: rows held as a's (WORLD_B ranks, never waited
+                         b_parts, stride_b,  # SUM: rows whole (WORLD_B 1) or held as a's (never waited
                          # for), added to a's before they are stored
                          tab_ptr,  # GATHER: float32 [V, W] table whose row of each drawn token ...
                          row_ptr,  # ... is stored into row r of [R, W] (row stride stride_row)
@@ -358,8 +354,8 @@ def _distribution_kernel(a_parts,  # FILL: WORLD pointers, rows held by columns 
         seed = tl.load(key_ptr + tl.arange(0, 1))
         base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
     if FILL:  # the row the passes below read: the split logits, or the float32 sum as torch adds it
-        _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_ptr + r * stride_l, b_parts, width_b,
-                  stride_b, V, SUM, WAIT, WORLD, WORLD_B, BV)
+        _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_ptr + r * stride_l, b_parts, stride_b,
+                  SUM, WAIT, WORLD, WORLD_B, BV)
     top_i, best_i = _row_distribution(l_ptr + r * stride_l, p_ptr + r * V, params_ptr, V, seed, base,
                                       DRAW, DRAW, BV)
     if DRAW:  # the greedy token where the temperature is 0
@@ -387,20 +383,14 @@ def _check_logits(logits: torch.Tensor, name: str, params: torch.Tensor) -> None
     require(tuple(params.shape) == (3,), "params.shape", tuple(params.shape), "must be (3,): temperature, top_p, top_k")
 
 
-def _parts_args(rows) -> tuple:
-    """The kernels' arguments for rows held by columns (a `SplitLogits`, or a plain float32 [R, V] tensor:
-    one rank's whole rows): (pointers, width, row stride) and their WORLD."""
-    parts = rows.parts if isinstance(rows, SplitLogits) else [rows]
-    require(len(parts) <= rank_sum.MAX_WORLD, "len(parts)", len(parts), f"must be at most {rank_sum.MAX_WORLD}")
-    return (tuple(parts), parts[0].shape[1], parts[0].stride(0)), len(parts)
-
-
 def _fill_args(fill) -> tuple:
-    """The distribution and accept kernels' FILL arguments for `fill` (`_parts_args`' and the wait's) and
-    their WORLD and WAIT."""
-    args, world = _parts_args(fill)
-    wait, waits = rank_sum.arrival_args(getattr(fill, "parts", [fill]))
-    return (*args, *wait), world, waits
+    """The distribution and gathering kernels' FILL arguments for rows held by columns (a `SplitLogits`, or a
+    plain float32 [R, V] tensor: one rank's whole rows): (pointers, width, row stride, the wait's) and their
+    WORLD and WAIT."""
+    parts = fill.parts if isinstance(fill, SplitLogits) else [fill]
+    require(len(parts) <= rank_sum.MAX_WORLD, "len(parts)", len(parts), f"must be at most {rank_sum.MAX_WORLD}")
+    wait, waits = rank_sum.arrival_args(parts)
+    return (tuple(parts), parts[0].shape[1], parts[0].stride(0), *wait), len(parts), waits
 
 
 def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor | None = None,
@@ -408,7 +398,7 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
                   gather: tuple | None = None) -> torch.Tensor:
     """fast_distribution's launch; with `key`, each row's token drawn in it too (fast_sample) into `out`;
     `fill` (a float32 [R, V] tensor or a `SplitLogits`): the rows stored into `logits` first, added to
-    `base`'s where given (either form, never waited for: fast_sample_sum's sum); `gather` (table,
+    `base`'s where given (a tensor, or held as `fill` is, never waited for: fast_sample_sum's sum); `gather` (table,
     next_row): each drawn token's table row stored (fast_sample_sum)."""
     _check_logits(logits, "logits", params)
     dev = device_of(logits, params, key)
@@ -419,14 +409,37 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
         draw = key is not None
         table, row = gather or (p, p)  # placeholders where unused (and p for fill and base): never read
         a_args, world, waits = _fill_args(p if fill is None else fill)
-        b_args, world_b = _parts_args(p if base is None else base)
+        b_parts = base.parts if isinstance(base, SplitLogits) else [p if base is None else base]
         _distribution_kernel[(r,)](*a_args, logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
-                                   out if draw else p, *b_args, table, row, table.shape[1],
-                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv, FILL=fill is not None,
-                                   SUM=base is not None, WORLD=world, WORLD_B=world_b, WAIT=waits,
-                                   GATHER=gather is not None, BW=pow2(table.shape[1]) if gather else 1,
+                                   out if draw else p, tuple(b_parts), b_parts[0].stride(0), table, row, table.shape[1],
+                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv,
+                                   FILL=fill is not None, SUM=base is not None, WORLD=world, WORLD_B=len(b_parts),
+                                   WAIT=waits, GATHER=gather is not None, BW=pow2(table.shape[1]) if gather else 1,
                                    **pdl(logits.device))
     return p
+
+
+@triton.jit
+def _gathered_kernel(a_parts, width, stride_a,  # rows held by columns (`_fill_args`)
+                  flags, rank, capacity,  # ... waited for over symmetric memory (WAIT)
+                  out_ptr,  # out float32 [R, V], contiguous
+                  V, BV: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, out_ptr + r * V, a_parts, 0, False, WAIT,
+              WORLD, 1, BV)
+
+
+def _gathered(logits: SplitLogits) -> torch.Tensor:
+    """Logits held by columns -> float32 [R, V] whole rows, one launch (a program a row, waiting for them
+    where they are in symmetric memory): the same values."""
+    r, v = logits.shape
+    out = torch.empty((r, v), dtype=torch.float32, device=logits.parts[0].device)
+    if r and v:
+        a_args, world, waits = _fill_args(logits)
+        _gathered_kernel[(r,)](*a_args, out, v, BV=min(pow2(logits.width), 4096 if INTERPRET else 2048), WORLD=world,
+                            WAIT=waits, **pdl(out.device))
+    return out
 
 
 @device_function
@@ -502,8 +515,11 @@ def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: 
             require(tuple(rows.shape) == (r, v), f"{name}.shape", tuple(rows.shape), f"must be {(r, v)}")
         else:
             given.append((name, rows, (r, v)))
-    require(getattr(getattr(base, "parts", None), "published", None) is None, "base", "published logits",
-            "must be gathered (the launch waits for its addend only)")
+    if isinstance(base, SplitLogits):
+        require(getattr(base.parts, "published", None) is None, "base", "published logits",
+                "must be gathered (the launch waits for its addend only)")
+        require(isinstance(addend, SplitLogits) and len(addend.parts) == len(base.parts), "base", "split logits",
+                "need an addend split over as many ranks")
     if table is not None:  # a row for each token, W wide
         given += [("table", table, (v, table.shape[-1])), ("next_row", next_row, (r, table.shape[-1]))]
         require(table.is_contiguous(), "table.stride", table.stride(), "must be contiguous")
@@ -528,9 +544,7 @@ def _check_out(out: torch.Tensor, n: int, device: torch.device) -> None:
 
 
 @triton.jit
-def _accept_kernel(a_parts, width, stride_a,  # FILL: the target rows held by columns (the distribution
-                   flags, rank, capacity,  # kernel's), stored into t's rows first
-                   t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
+def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
                    dl_ptr,      # [K, V] the drafter's, row stride stride_d
                    p_ptr,       # float32 [K+1, V] scratch: the target rows' distributions
                    r_ptr,       # float32 [K, V] scratch: the drafter's
@@ -542,13 +556,9 @@ def _accept_kernel(a_parts, width, stride_a,  # FILL: the target rows held by co
                    draws_ptr,   # int64 [K+1] scratch: row i's draw, the next token if i is the first miss
                    cnt_ptr,     # int32 counter of finished programs (zero between launches)
                    out_ptr,     # out int64 [K+3]: j+1, j, the K+1 ids (accept's result)
-                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, FILL: tl.constexpr,
-                   WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
+                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     i = tl.program_id(0).to(tl.int64)
-    if FILL:
-        _fill_row(a_parts, width, stride_a, flags, rank, capacity, i, t_ptr + i * stride_t, (t_ptr,), 0, 0, V, False,
-                  WAIT, WORLD, 1, BV)
     seed = tl.load(key_ptr + tl.arange(0, 1))
     counter = tl.load(key_ptr + 1 + tl.arange(0, 1))
     base = counter + K + i * V  # the acceptance tests take the first K values, the rows' races the next
@@ -610,11 +620,10 @@ def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params
                 key: torch.Tensor, force: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `accept` (same signature and result), one launch: each program makes its row's
     distributions (the target's, with its logits' argmax, and the drafter's) and draws from them; the last to
-    finish accepts (writing `out` where given). A `SplitLogits` target's rows are read where the ranks hold
-    them, into rows of the launch's own first."""
-    fill = target if isinstance(target, SplitLogits) else None
-    if fill is not None:
-        target = torch.empty(fill.shape, dtype=torch.float32, device=fill.parts[0].device)
+    finish accepts (writing `out` where given). A `SplitLogits` target is first gathered into whole rows by a
+    launch of its own (`_gathered`: the acceptance's launch, given the fill, spills on the GPU)."""
+    if isinstance(target, SplitLogits):
+        target = _gathered(target)
     require(target.dim() == 2, "target.dim()", target.dim(), "must be 2 ([k+1, V])")
     k, v = drafts.numel(), target.shape[1]
     require(tuple(target.shape) == (k + 1, v), "target.shape", tuple(target.shape), f"must be ({k + 1}, V): k+1 rows")
@@ -634,8 +643,7 @@ def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params
     else:
         _check_out(out, k + 3, dev)
     bv = min(pow2(v), 4096 if INTERPRET else 2048)
-    a_args, world, waits = _fill_args(p if fill is None else fill)
-    _accept_kernel[(k + 1,)](*a_args, target, draft_logits, p, r, best, drafts, key, params, force, draws,
-                             counters(dev, 1), out, k, v, target.stride(0), draft_logits.stride(0) if k else v,
-                             KB=pow2(k + 1), BV=bv, FILL=fill is not None, WORLD=world, WAIT=waits, **pdl(dev))
+    _accept_kernel[(k + 1,)](target, draft_logits, p, r, best, drafts, key, params, force, draws, counters(dev, 1),
+                             out, k, v, target.stride(0), draft_logits.stride(0) if k else v, KB=pow2(k + 1), BV=bv,
+                             **pdl(dev))
     return out

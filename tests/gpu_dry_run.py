@@ -354,10 +354,11 @@ def drive_split_specializations(failures: list):
     the experts and of the shared expert's intermediate (its partial left unrounded, rounded in the combine),
     its four ranks' rows added by the combine, the attention's by the mHC expand; an Engram layer's product
     of a quarter of wkv's rows and its gates over four ranks' columns; the one-launch sum over four ranks (a
-    symmetric sum's pieces, `bench collectives`); each gathered and over symmetric memory (the publish launch,
-    the consumers' in-kernel waits). The gathers are stand-ins: nothing runs."""
+    symmetric sum's pieces, `bench collectives`); the samplers of a cycle's logits held by columns; each
+    gathered and over symmetric memory (the publish launch, the consumers' in-kernel waits). The gathers are
+    stand-ins: nothing runs."""
     import kernels._triton as kt
-    from kernels import bench, engram, linear, mhc, moe, rank_sum
+    from kernels import bench, engram, linear, mhc, moe, rank_sum, sampling
 
     s = dataclasses.replace(bench.V41, experts=8)
     quarter = s.inter // 4
@@ -438,6 +439,31 @@ def drive_split_specializations(failures: list):
                     sum_into(y, lambda parts, dt=dt: rank_sum.fast(parts, dt))
             except Exception:
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
+    # a cycle's logits left where the ranks hold them (kernels/sampling.py SplitLogits, rank 1 of 4): gathered,
+    # or published by the head's product and waited for in the samplers' launches (sample, the Markov step
+    # with its base gathered, the whole rows accept takes, at V4.1's vocabulary; accept itself at the tiny
+    # models': at V4.1's its launch spills 8 bytes on sm_103, an older defect: README "What only a GPU runs")
+    params, key, f = torch.rand(3), torch.zeros(2, dtype=torch.long), torch.tensor(-1)
+    for vocab in (s.vocab, 512):
+        cols = vocab // 4
+        for m in (2, 4):
+            gathered = sampling.SplitLogits([torch.randn(m, cols)] * 4)
+            into = to(m * cols)
+            linear.fast(torch.randn(m, s.dim).bfloat16(), bench.dense_weight(cols, s.dim), None, torch.float32,
+                        publish=into)
+            published = sampling.SplitLogits(rank_sum.Partials([torch.empty(m, cols)] * 4, into))
+            for logits in (gathered, published):
+                try:
+                    sampling.fast_sample(logits[-1:], params, key)
+                    sampling.fast_sample_sum(gathered[:1], logits[-1:], params, key,
+                                             torch.empty(1, dtype=torch.long), torch.empty(1, vocab))
+                    sampling._gathered(logits)
+                    if vocab < s.vocab:
+                        sampling.fast_accept(logits, torch.zeros(m - 1, dtype=torch.long),
+                                             torch.randn(m - 1, vocab), params, key, f)
+                except Exception:
+                    failures.append({"case": f"samplers of logits over four ranks V={vocab} M={m}",
+                                     "error": traceback.format_exc()[-2000:]})
 
 
 def drive_cycles(failures: list, violations: list):

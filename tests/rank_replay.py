@@ -5,7 +5,8 @@ what each capture did that a CUDA graph refuses (the cycle recorder: host reads,
 the request, the others its job; each writes rank<r>.json (and its output, rank<r>.log) into --out. Started
 without RANK, it starts the ranks itself (tests/ranks.py `launch`) and says whether they agree.
 
-    python -m tests.rank_replay --model DIR --devices cpu:4 --prompt '[3, 4, ...]' --tokens 3 --draft dspark --out DIR
+    python -m tests.rank_replay --model DIR --devices cpu:4 --prompt '[3, 4, ...]' --tokens 3 --draft dspark \
+        [--allreduce symm] --out DIR
 """
 
 import argparse
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--prompt", required=True, help="JSON list of token ids")
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--draft", default="dspark")
+    ap.add_argument("--allreduce", default="auto", help="how the ranks' sums meet (RunOptions.allreduce): symm runs "
+                    "the box's in-kernel waits over buffers in shared memory")
     ap.add_argument("--runs", default="eager,plain,drafted",
                     help="which runs, in this order: eager (plain cycles, not captured), plain (replayed without "
                          "drafting), drafted (replayed with --draft); long runs may leave out eager (the suite's)")
@@ -81,9 +84,11 @@ def main() -> None:
         return
     world = start(args.devices)
     prompt = json.loads(args.prompt)
-    options = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft=args.draft, draft_tokens=3)
+    options = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft=args.draft, draft_tokens=3,
+                         allreduce=args.allreduce)
     lm = load_model(options, notice=None, world=world)
-    plain = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft="none")
+    plain = RunOptions(model_dir=args.model, devices=args.devices, path="fast", draft="none",
+                       allreduce=args.allreduce)
     eager = greedy(lm, plain, prompt, args.tokens) if "eager" in runs else None
     result = {"rank": world.rank, "eager": eager, "replayed": {}, "violations": []}
 

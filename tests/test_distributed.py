@@ -85,17 +85,27 @@ def test_on_every_rank_the_cycles_capture_cleanly_and_replayed_with_their_collec
     """Four gloo ranks on the fast path, each running tests/rank_replay.py in lockstep: greedy tokens from
     eager plain cycles, then from cycles replayed from their captures (the collectives replayed with them)
     without and with DSpark (a verify of k + 1 rows equals k + 1 single steps on every rank); no capture
-    reads the host. Three tokens after a 14-token prompt (four interpreters on two cores: minutes)."""
+    reads the host. Then the drafted cycles replayed with the sums as the box makes them (`--allreduce symm`:
+    the producers' publishes and the consumers' waits inside their kernels, the logits read by the samplers
+    where the ranks hold them): the same tokens. Three tokens after a 14-token prompt (four interpreters on
+    two cores: minutes)."""
     prompt = torch.randint(0, 512, (14,)).tolist()
     argv = ["--model", str(tiny_dirs["deepseek_v41"]), "--devices", "cpu:4", "--prompt", json.dumps(prompt),
-            "--tokens", "3", "--draft", "dspark", "--out", str(tmp_path)]
-    ranks = launch("tests.rank_replay", argv, tmp_path, world=4, timeout=900)
+            "--tokens", "3", "--draft", "dspark"]
+    ranks = launch("tests.rank_replay", [*argv, "--out", str(tmp_path)], tmp_path, world=4, timeout=900)
     want = ranks[0]["eager"]
     assert len(want) == 3
     for r in ranks:
         assert r["violations"] == [], f"rank {r['rank']}: {r['violations']}"
         assert r["eager"] == want, f"rank {r['rank']} eager {r['eager']} != rank 0's {want}"
         assert r["replayed"] == {"none": want, "dspark": want}, f"rank {r['rank']}: {r['replayed']} != {want}"
+    symm = tmp_path / "symm"
+    symm.mkdir()
+    ranks = launch("tests.rank_replay", [*argv, "--allreduce", "symm", "--runs", "drafted", "--out", str(symm)],
+                   symm, world=4, timeout=900)
+    for r in ranks:
+        assert r["violations"] == [], f"rank {r['rank']} (symm): {r['violations']}"
+        assert r["replayed"] == {"dspark": want}, f"rank {r['rank']} (symm): {r['replayed']} != {want}"
 
 
 @pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4_0731"])

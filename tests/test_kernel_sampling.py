@@ -259,12 +259,15 @@ def test_the_samplers_read_logits_split_over_ranks_where_the_ranks_hold_them(pub
             assert_equal(name, want, have, f"T={temperature} {ctx}")
     assert torch.equal(got[0][1], draft_logits[:1] + target[1:2]), ctx
     params = params_of(0.0, 0, 1.0, DEVICE)
+    ids, total = torch.empty(1, dtype=torch.long, device=DEVICE), torch.empty(1, vocab, device=DEVICE)
+    with pytest.raises(ValueError, match="base"):  # a base held by columns takes an addend held so
+        sampling.fast_sample_sum(split_over_ranks(draft_logits, world, False)[:1], target[:1], params,
+                                 torch.tensor([s, 0], device=DEVICE), ids, total)
     if published:
         with pytest.raises(ValueError, match="logits"):
             sampling.sample(split, params, torch.tensor([s, 0], device=DEVICE))
-        ids, total = torch.empty(1, dtype=torch.long, device=DEVICE), torch.empty(1, vocab, device=DEVICE)
         with pytest.raises(ValueError, match="base"):
-            sampling.fast_sample_sum(split[:1], target[:1], params, torch.tensor([s, 0], device=DEVICE), ids, total)
+            sampling.fast_sample_sum(split[:1], split[-1:], params, torch.tensor([s, 0], device=DEVICE), ids, total)
     else:
         ids = sampling.sample(split, params, torch.tensor([s, 0], device=DEVICE))
         assert_equal("reference ids", target.argmax(-1), ids, ctx)
