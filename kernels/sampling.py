@@ -421,9 +421,9 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
 
 @triton.jit
 def _gathered_kernel(a_parts, width, stride_a,  # rows held by columns (`_fill_args`)
-                  flags, rank, capacity,  # ... waited for over symmetric memory (WAIT)
-                  out_ptr,  # out float32 [R, V], contiguous
-                  V, BV: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
+                     flags, rank, capacity,  # ... waited for over symmetric memory (WAIT)
+                     out_ptr,  # out float32 [R, V], contiguous
+                     V, BV: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, out_ptr + r * V, a_parts, 0, False, WAIT,
@@ -437,8 +437,8 @@ def _gathered(logits: SplitLogits) -> torch.Tensor:
     out = torch.empty((r, v), dtype=torch.float32, device=logits.parts[0].device)
     if r and v:
         a_args, world, waits = _fill_args(logits)
-        _gathered_kernel[(r,)](*a_args, out, v, BV=min(pow2(logits.width), 4096 if INTERPRET else 2048), WORLD=world,
-                            WAIT=waits, **pdl(out.device))
+        bv = min(pow2(logits.width), 4096 if INTERPRET else 2048)
+        _gathered_kernel[(r,)](*a_args, out, v, BV=bv, WORLD=world, WAIT=waits, **pdl(out.device))
     return out
 
 

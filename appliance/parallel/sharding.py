@@ -175,7 +175,8 @@ class VocabParallel:
     SplitLogits: the kernels read each rank's columns where they lie), as `sampled` says:
     - "next": read by the next sampler launch, before any other exchange over ranks: the product published
       by its kernel over symmetric memory (all-gathered where it passes a slot, or without it), the sampler
-      waiting for it in its launch: no collective launch, no concatenation;
+      waiting for it in its launch (the acceptance: a gathering launch of its own): no collective launch, no
+      concatenation;
     - "later": read by sampler launches after other exchanges (a slot would be written again): all-gathered
       by rows, not concatenated;
     - "": one tensor."""
