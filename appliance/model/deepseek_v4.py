@@ -238,7 +238,7 @@ class V4Model:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
 
-    def final(self, X: torch.Tensor, rows: slice, step, sampled: str = "") -> torch.Tensor:
+    def final(self, X: torch.Tensor, rows: slice, step, sampled: str = ""):
         """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
         `sampled`: they go only to samplers' kernels, which read them then (the head's, blocks.Dense)."""
         if not step.split:

@@ -322,8 +322,7 @@ class V41Model:
             X, pre = self.layers[L](X, pre, step, engram_rows.get(L), fuse)
         return X, pre
 
-    def final(self, X, pre, rows: slice = slice(None), step: Step | None = None, sampled: str = ""
-              ) -> torch.Tensor:
+    def final(self, X, pre, rows: slice = slice(None), step: Step | None = None, sampled: str = ""):
         """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
         `sampled`: they go only to samplers' kernels, which read them then (the head's, blocks.Dense)."""
         n, split = self.norm, step is not None and step.split

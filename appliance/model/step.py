@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.sampling import SplitLogits
+
 from .rowsplit import ALL_ROWS, gather_rows, query_share
 from .state import DecodeState
 
@@ -83,7 +85,9 @@ def count(state: DecodeState, start, n: int) -> None:
 
 @dataclass
 class Output:
-    logits: torch.Tensor  # [R, V] float32 (R = T, or 1 with logits="last")
+    # [R, V] float32 (R = T, or 1 with logits="last"); with `sampled`, over ranks, the ranks' columns where they
+    # lie (only the samplers read them)
+    logits: torch.Tensor | SplitLogits
     step: Step  # the call's (its captures: `hidden`)
     streams: torch.Tensor | None = None  # [T, hc, D] final residual streams (V4's MTP head reads them)
 
