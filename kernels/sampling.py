@@ -543,6 +543,9 @@ def _check_out(out: torch.Tensor, n: int, device: torch.device) -> None:
     require(out.device == device, "out.device", str(out.device), f"must be {device}")
 
 
+ACCEPT_REGISTERS = 128  # the acceptance launch's register cap (ptxas' maxnreg; fast_accept)
+
+
 @triton.jit
 def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
                    dl_ptr,      # [K, V] the drafter's, row stride stride_d
@@ -643,7 +646,10 @@ def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params
     else:
         _check_out(out, k + 3, dev)
     bv = min(pow2(v), 4096 if INTERPRET else 2048)
+    # k + 1 programs: occupancy is moot, registers are not. ptxas' own choice for this launch on sm_103 with
+    # PDL was 64 registers and 8 bytes spilled at V4.1's vocabulary (passes of 1,024 or eight warps moved the
+    # spill); allowed 128 it takes 96 on sm_90, 88 on sm_103 and spills none (the compile check, 2026-12-06)
     _accept_kernel[(k + 1,)](target, draft_logits, p, r, best, drafts, key, params, force, draws, counters(dev, 1),
                              out, k, v, target.stride(0), draft_logits.stride(0) if k else v, KB=pow2(k + 1), BV=bv,
-                             **pdl(dev))
+                             maxnreg=ACCEPT_REGISTERS, **pdl(dev))
     return out

@@ -441,8 +441,7 @@ def drive_split_specializations(failures: list):
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
     # a cycle's logits left where the ranks hold them (kernels/sampling.py SplitLogits, rank 1 of 4): gathered,
     # or published by the head's product and waited for in the samplers' launches (sample, the Markov step
-    # with its base gathered, the whole rows accept takes, at V4.1's vocabulary; accept itself at the tiny
-    # models': at V4.1's its launch spills 8 bytes on sm_103, an older defect: README "What only a GPU runs")
+    # with its base gathered, the whole rows accept takes, accept), at V4.1's vocabulary and the tiny models'
     params, key, f = torch.rand(3), torch.zeros(2, dtype=torch.long), torch.tensor(-1)
     for vocab in (s.vocab, 512):
         cols = vocab // 4
@@ -458,9 +457,8 @@ def drive_split_specializations(failures: list):
                     sampling.fast_sample_sum(gathered[:1], logits[-1:], params, key,
                                              torch.empty(1, dtype=torch.long), torch.empty(1, vocab))
                     sampling._gathered(logits)
-                    if vocab < s.vocab:
-                        sampling.fast_accept(logits, torch.zeros(m - 1, dtype=torch.long),
-                                             torch.randn(m - 1, vocab), params, key, f)
+                    sampling.fast_accept(logits, torch.zeros(m - 1, dtype=torch.long), torch.randn(m - 1, vocab),
+                                         params, key, f)
                 except Exception:
                     failures.append({"case": f"samplers of logits over four ranks V={vocab} M={m}",
                                      "error": traceback.format_exc()[-2000:]})
