@@ -13,6 +13,7 @@ from kernels import sampling as sampler
 
 class OracleDrafter:
     kind = "oracle"
+    commits_ahead = False  # its draft writes q's row itself, like MTP's
 
     def __init__(self, lm, corrupt: float = 0.0, seed: int = 0):
         self.model, self.cfg, self.rt = lm.model, lm.cfg, lm.runtime

@@ -402,8 +402,8 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
     # attention's output rows, float32; the MoE's rows' pairs' sums and the split shared expert's partial rows
     # (not every pair's partial); an Engram layer's rank's columns of its product (whole blocks of wkv's rows);
     # the rank's columns of the logits a sampler reads in place (the head's rows, each Markov step's one row).
-    # The one all-gather left: DSpark's base logits (its five rows, read by the Markov steps after other
-    # exchanges), by rows, without a concatenation.
+    # The one all-gather left: DSpark's base logits (the k drafts' rows of its block of five, read by the Markov
+    # steps after other exchanges), by rows, without a concatenation.
     from appliance.model.config import load_config
 
     cfg = load_config(released_config)
@@ -417,7 +417,7 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         want |= {rows * columns} | ({columns} if stage else set())
         assert sums == want, (sorted(sums), sorted(want))
         gathers = [(c["bytes"], c["count"]) for c in payloads if c["op"] != "symm_"]
-        assert gathers == ([(stage * columns, 1)] if stage else []), gathers
+        assert gathers == ([((rows - 1) * columns, 1)] if stage else []), gathers
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by

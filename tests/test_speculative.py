@@ -212,3 +212,48 @@ def test_cycles_with_random_accept_lengths_leave_the_plain_decoding_state_where_
         assert torch.equal(spec.spec.state.live_buffers()[name], t), f"{family} (seed {seed}): drafter {name}"
     # and the next cycle from either computes the same: the same logits for the same next token
     assert torch.equal(spec.forward_out([token]).logits, plain.forward_out([token]).logits), f"(seed {seed})"
+
+
+@pytest.mark.parametrize("family", ("deepseek_v41", "deepseek_v4_0731"))
+def test_every_dspark_draft_finds_the_key_row_of_its_q_in_the_rings(drafter_models, family):
+    """A DSpark draft reads the key row of q = N - 1 without writing it: its last verify committed it (every
+    row it made, `commits_ahead`), or, after a prefill, a rewind or a restored checkpoint, `catch_up` did.
+    Before every cycle, with random acceptances (all drafts accepted included: q is then the verify's last
+    row), then back to an earlier position through the prefix's checkpoints with another token there and on,
+    each stage's ring holds at q what the drafter's own commit of the kept target row H(q) writes into a fresh
+    state."""
+    lm = drafter_models[family]
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    session = open_loop(lm, capacity=256, draft="auto", draft_tokens=3, checkpoint_stride=8).session
+    spec, drafter = session.spec, lm.drafter
+    names = [stage.attn.name for stage in drafter.stages]
+    checked = []
+
+    def catch_up(length, original=spec.catch_up):
+        original(length)
+        q = torch.tensor([length - 1])
+        fresh = drafter.new_state(session.capacity, session.state.spare)
+        drafter.commit(fresh, spec.rows_at(q), None, q)
+        for name in names:
+            ring = spec.state.rings[name]
+            slot = (length - 1) % ring.size
+            assert torch.equal(ring.data[slot], fresh.rings[name].data[slot]), (family, seed, length, name)
+        checked.append(length)
+
+    spec.catch_up = catch_up
+    prompt = torch.randint(0, lm.cfg.vocab_size, (19,)).tolist()
+    committed, token = list(prompt), int(session.prefill_all(prompt).argmax())
+    session.start_sampling(Sampling(), 0)
+    for cycles in (12, 5):
+        for _ in range(cycles):
+            spec.force_accept = rng.choice((0, 1, 2, 3, 3))
+            new = session.cycle(token)
+            committed += [token, *new[:-1]]
+            token = new[-1]
+        # back to an earlier position with another token there: its row, and q's key, differ from the cycles'
+        back = rng.randrange(len(prompt) + 2, len(committed) - 4)
+        committed = committed[:back - 1] + [(committed[back - 1] + 1 + rng.randrange(99)) % lm.cfg.vocab_size]
+        token = int(session.prefill_all(committed).argmax())
+    assert len(checked) == 17, (family, seed)

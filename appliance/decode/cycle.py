@@ -158,7 +158,8 @@ class PlainCycle:
 
 
 class DraftStep:
-    """Step 1: the drafter's row of N-1, then `k` drafts into the buffers."""
+    """Step 1: the drafter's row of N-1 (where its verify does not leave it: `commits_ahead`), then `k` drafts
+    into the buffers."""
 
     def __init__(self, spec, buf: CycleBuffers, k: int):
         self.spec, self.buf, self.k = spec, buf, k
@@ -168,7 +169,8 @@ class DraftStep:
 
     def __call__(self) -> dict[str, torch.Tensor]:
         spec, buf, k = self.spec, self.buf, self.k
-        row_q = spec.rows_at(buf.positions[:1], buf.row_slots[:1])[0]  # q = N - 1
+        # q = N - 1: a DSpark's rings hold its key row already (the last verify's, or Speculator.catch_up's)
+        row_q = None if spec.drafter.commits_ahead else spec.rows_at(buf.positions[:1], buf.row_slots[:1])[0]
         into = Draft(buf.drafts[:k], buf.draft_logits[:k], buf.confidence[:k])  # written in place: no copies
         with spec.state.journal.off():  # chained rows (MTP) of N.. are speculative: rewritten before read
             spec.drafter.draft(spec.state, buf.positions, buf.anchor, row_q, k, buf.params, buf.key, into,
@@ -200,7 +202,9 @@ class VerifyStep:
             rows = spec.drafter.rows(out)
             spec.rows.write(out.step.positions, rows.reshape(k + 1, -1), buf.row_slots[1:k + 2])  # N .. N + k
             target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force, self.result)
-            spec.drafter.commit(spec.state, rows[:k], drafts, N)
+            # N .. N + k - 1, whose next tokens the drafts are; a drafter that needs none takes N + k too: the
+            # next draft's q is one of them, whatever the acceptance (its rings keep positions a spare ahead)
+            spec.drafter.commit(spec.state, rows[:k + 1] if spec.drafter.commits_ahead else rows[:k], drafts, N)
         return {"result": self.result}
 
 

@@ -399,6 +399,7 @@ class DecodeSession:
             result = self.graphs.run(("plain", 0, reach_for(self.reaches, N + 1)))["result"]
             drafted = 0
         else:
+            spec.catch_up(N)
             buf.load(token, N, -1 if spec.force_accept is None else spec.force_accept)
             if spec.adaptive:
                 confidence = self.graphs.run(("draft", spec.block, None))["confidence"]
@@ -414,7 +415,7 @@ class DecodeSession:
         count, accepted = values[0], values[1]
         self.state.advance(count)
         if spec is not None:
-            spec.state.advance(count)
+            spec.cycled(count)
             self.stats.record(drafted, accepted)
         tokens = values[2:2 + count]
         self.timeline.extend([token] + tokens[:-1])  # what the cycle processed: the anchor, accepted drafts

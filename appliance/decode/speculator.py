@@ -5,7 +5,9 @@ verified row equals a single-step row bitwise), and sampled output has the targe
 
 The `Speculator` owns the drafter's state, kept one position behind the target's: after the target has
 committed positions 0..N-1, the drafter holds rows for 0..N-2, and the target row of N-1 waits in a small
-ring of the target's state (so rewinds restore it) until the next draft writes it.
+ring of the target's state (so rewinds restore it) until the next draft writes it. A DSpark's commit needs
+no next token, so its verify commits every row it made and the next draft's row of N-1 is among them
+(`Speculator.ahead`; after a prefill, rewind or restore `catch_up` writes it before the cycle).
 """
 
 import math
@@ -59,6 +61,10 @@ class Speculator:
         self.block = drafter.cfg.dspark.block_size if drafter.kind == "dspark" else k
         self.step_cost: list[float] | None = None  # verify ms per width 1..k+1 (adaptive)
         self.force_accept: int | None = None  # benchmarks: accept exactly this many drafts per cycle
+        # whether the drafter's rings hold the key row of q = N - 1 (N the target's length) past its committed
+        # rows: a verify of a drafter that `commits_ahead` leaves them so; a prefill, rewind or restore does
+        # not (`catch_up` writes it before the next cycle's draft, which reads it without writing it)
+        self.ahead = False
 
     @property
     def adaptive(self) -> bool:
@@ -78,9 +84,33 @@ class Speculator:
 
     def reset(self) -> None:
         self.state.reset()
+        self.ahead = False
+
+    def truncate(self, length: int) -> None:
+        """The drafter's state cut to `length` rows under a restored checkpoint's rings (DecodeState.truncate)."""
+        self.state.truncate(length)
+        self.ahead = False
+
+    def catch_up(self, length: int) -> None:
+        """Before a cycle at the target's `length` (N >= 1): where a drafter that `commits_ahead` lacks the key
+        row of q = N - 1 (after a prefill, rewind or restore), write it from the kept target row, as the draft
+        of a drafter that does not writes it inside the cycle. The write is eager (journaled); the drafter's
+        length stays one behind the target's (its start a device scalar: not counted)."""
+        if self.ahead or not self.drafter.commits_ahead or length < 1:
+            return
+        q = torch.tensor([length - 1], device=self.rows.data.device)
+        self.drafter.commit(self.state, self.rows_at(q), None, q)
+        self.ahead = True
+
+    def cycled(self, count: int) -> None:
+        """After a cycle that kept `count` positions: the drafter's length follows the target's, one behind,
+        and its rings hold the next q where its verify committed it (`commits_ahead`: VerifyStep)."""
+        self.state.advance(count)
+        self.ahead = self.drafter.commits_ahead
 
     def sync(self, length: int) -> None:
         """Bring the drafter's state to `length - 1` committed rows after the target rewound to `length`."""
+        self.ahead = False
         want = max(length - 1, 0)
         if want < self.state.length:
             if want >= self.state.length - self.state.spare and want > 0:
@@ -93,6 +123,7 @@ class Speculator:
         and give the drafter every row whose next token is now known (all but the last). `span`: only the
         positions span[0]..span[1]-1 of the forward (a chunk's piece up to a checkpoint inside it: the
         drafter then holds what a chunk cut there would have left)."""
+        self.ahead = False
         rows = self.drafter.rows(out)
         if span is not None:
             rows, start = rows[span[0] - start:span[1] - start], span[0]

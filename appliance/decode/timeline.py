@@ -232,7 +232,7 @@ class Timeline:
         moved = ckpt.restore(rings, self.buffers, self.fills)
         self.state.truncate(landed)
         if self.spec is not None:
-            self.spec.state.truncate(landed - 1)
+            self.spec.truncate(landed - 1)
         return moved
 
     def rewind(self, position: int) -> int:

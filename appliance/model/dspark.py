@@ -102,6 +102,9 @@ class DSpark:
     """The DSpark block drafter (V4.1 staggered stages; 0731: V4 stages with an hc_head collapse)."""
 
     kind = "dspark"
+    # its commit needs no next token: a verify commits every row it made, the next draft's q among them
+    # (appliance/decode/speculator.py `Speculator.ahead`), and a draft after one reads q's key without writing it
+    commits_ahead = True
 
     def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, rope: RopeTable):
         """`rope`: the plain frequencies' table (theta = rope_theta, no YaRN): on V4.1 the backbone's, shared."""
@@ -154,7 +157,7 @@ class DSpark:
     def row_shape(self) -> tuple[int, ...]:
         return (self.cfg.dim * len(self.cfg.dspark.target_layer_ids),)
 
-    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor, start) -> None:
+    def commit(self, state: DecodeState, rows: torch.Tensor, tokens_next: torch.Tensor | None, start) -> None:
         """Ring rows for positions start .. start+n-1 (their H in `rows`). `start` is a host int (eager:
         the state's length advances), or a device scalar or the positions from it (a captured cycle: the host
         counts): step.count.
@@ -182,9 +185,10 @@ class DSpark:
                 stage.attn.write(state, m, positions)
         count(state, start, n)
 
-    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor, k: int,
+    def draft(self, state: DecodeState, q, anchor: torch.Tensor, row_q: torch.Tensor | None, k: int,
               params: torch.Tensor, key: torch.Tensor, out: Draft | None = None, window=None) -> Draft:
-        """Write the ring row of position q (from H(q) = row_q), then propose k tokens after `anchor` [1],
+        """Write the ring row of position q (from H(q) = row_q; None: it is in the rings already, a verify's or
+        `Speculator.catch_up`'s: `commits_ahead`), then propose k tokens after `anchor` [1],
         sampled with `params` / `key` (kernels.sampling), into `out` (a captured cycle's buffers; by default
         fresh ones). `q` may be a device scalar or the positions from q (`DecodeState.following`): no host
         reads; `window`: the stages' ring slots of positions q - W + 1 .. q (oldest first, negative before 0:
@@ -192,7 +196,8 @@ class DSpark:
         c, ops = self.cfg, self.rt.ops
         B = self.block_size
         positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
-        self._commit(state, row_q.unsqueeze(0), q, positions[:1])
+        if row_q is not None:
+            self._commit(state, row_q.unsqueeze(0), q, positions[:1])
         ids = torch.cat((anchor, self.noise_ids))
         X = embed_copies(self.embed, ids, c.hc_mult, self.rt.dtype)
         step = DraftBlock(state, positions[1:], ids)
@@ -202,21 +207,24 @@ class DSpark:
             window = state.rings[self.stages[0].attn.name].window_slots(positions[0])
         step.rows = window.unsqueeze(0).expand(B, -1)  # one row viewed by every query (its reach: W)
         step.block_rows = state.offsets[:B].unsqueeze(0).expand(B, -1)  # one row viewed by every query
+        # the block's B rows attend to each other through the stages; past them only the first k go on (the
+        # head's base logits, the Markov steps, the confidence): each row's own, as the kernels are batch
+        # invariant, so the head reads its weights for k rows and its all-gather carries k, not B
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
             for s, stage in enumerate(self.stages):  # a stage's MoE combined by the next stage's site
                 X, pre = stage(X, pre, step, fuse=s + 1 < len(self.stages))
-            x = ops.hc_collapse(X, pre)
+            x = ops.hc_collapse(X[:k], pre[:k])
         else:
             for stage in self.stages:
                 X = stage(X, step)
-            x = self.hc_head(X)
-        base = self.head(self.norm(x), torch.float32, sampled="later")  # [B, V]: the Markov steps' to add
+            x = self.hc_head(X[:k])
+        base = self.head(self.norm(x), torch.float32, sampled="later")  # [k, V]: the Markov steps' to add
         out = out or Draft.empty(k, c.vocab_size, x.device, confidence=True)
         # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
         # (the Markov step reads its row from here; each step's sampler writes the next one's)
         features = torch.empty(k, c.dim + self.markov_embed.shape[1], dtype=torch.float32, device=x.device)
-        features[:, :c.dim].copy_(x[:k])
+        features[:, :c.dim].copy_(x)
         mu = features[:, c.dim:]
         torch.index_select(self.markov_embed, 0, anchor, out=mu[:1])
         for i in range(k):  # the Markov chain: strictly sequential

@@ -18,6 +18,7 @@ class MTP:
     """V4-Flash's one-layer MTP head, chained: draft i reads the previous draft's output streams."""
 
     kind = "mtp"
+    commits_ahead = False  # its commit takes each row's next token: a verify's last row waits for the next draft
 
     def __init__(self, cfg: ModelConfig, ckpt, rt: Runtime, embed: torch.Tensor, head: Dense, plain_rope):
         c = cfg
