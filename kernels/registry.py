@@ -10,13 +10,28 @@ run here at all, resolve("fast") raises with the reason; it never falls back to 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from . import _triton, attention, attn_inputs, compress, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from . import (
+    _triton,
+    attention,
+    attn_inputs,
+    compress,
+    embed,
+    engram,
+    indexer,
+    linear,
+    mhc,
+    moe,
+    rmsnorm,
+    rope,
+    sampling,
+)
 from ._triton import long_calls  # noqa: F401  (the prefill's: a chunk's products in programs of LONG_ROWS rows)
 
 
 @dataclass(frozen=True)
 class Ops:
     path: str
+    token_inputs: Callable
     linear: Callable
     linear_multi: Callable
     linear_expand: Callable
@@ -60,6 +75,7 @@ class Ops:
 
 REFERENCE = Ops(
     path="reference",
+    token_inputs=embed.inputs,
     linear=linear.reference,
     linear_multi=linear.reference_multi,
     linear_expand=mhc.product_expand,
@@ -87,6 +103,7 @@ REFERENCE = Ops(
 
 FAST = Ops(
     path="fast",
+    token_inputs=embed.fast_inputs,
     linear=linear.fast,
     linear_multi=linear.fast_multi,
     linear_expand=mhc.fast_product_expand,

@@ -35,7 +35,9 @@ class OracleDrafter:
 
     def commit(self, state, rows, tokens_next, start):
         n = rows.shape[0]
-        state.write_tokens(state.following(start, n), tokens_next[:n])
+        positions = state.following(start, n)
+        state.journal_tokens(positions)
+        state.tokens[positions] = tokens_next[:n]
         if isinstance(start, int):
             state.advance(n)
 

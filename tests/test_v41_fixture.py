@@ -53,6 +53,7 @@ def test_each_segment_from_the_fixture_cuts_meets_the_float32_gate(fixture_model
     cuts = expected["cut_layers"].tolist()
     for k, first in enumerate(cuts):
         step = begin(m.new_state(1024), toks, None, "own")
+        m.embed_tokens(step)  # the token history the Engram lookup reads (the forward's token inputs write it)
         rows = m.engram_rows(step)
         last = cuts[k + 1] if k + 1 < len(cuts) else m.cfg.n_layers
         X, pre = m.run_layers(expected["cut_h"][k].clone(), expected["cut_pre_mix"][k].clone(), step, first, last,

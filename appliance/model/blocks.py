@@ -135,12 +135,6 @@ class MoE:
         return X
 
 
-def embed_copies(embed: torch.Tensor, tokens: torch.Tensor, copies: int, dtype: torch.dtype) -> torch.Tensor:
-    """tokens [T] -> [T, copies, D]: each token's embedding row in `copies` identical streams, gathered
-    straight into them (one launch: the index is the tokens viewed `copies` times)."""
-    return embed[tokens.unsqueeze(1).expand(-1, copies)].to(dtype)
-
-
 def window_gather(ring: PositionRing, start, keys: torch.Tensor, positions: torch.Tensor,
                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key set for the window part of attention over a chunk of consecutive positions.

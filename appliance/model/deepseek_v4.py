@@ -16,7 +16,7 @@ import torch
 
 from kernels.formats import q4_e8m0, q8_pow2
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, embed_copies
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
 from .config import V4Config
 from .rope import RopeTable, frequencies
@@ -235,8 +235,11 @@ class V4Model:
         without allocating)."""
         return new_state(capacity, spare, device or self.rt.device, [layer.attn for layer in self.layers])
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
+    def embed_tokens(self, step: Step) -> torch.Tensor:
+        """The step's tokens into the history; X [n, hc, D]: the embedding rows of its share in hc identical
+        copies (one launch: ops.token_inputs)."""
+        return self.rt.ops.token_inputs(step.tokens, step.positions, step.state.tokens, self.embed, self.cfg.hc_mult,
+                                        self.rt.dtype, step.share)
 
     def final(self, X: torch.Tensor, rows: slice, step, sampled: str = ""):
         """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
@@ -251,7 +254,7 @@ class V4Model:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state; `sampled`: the logits go only to samplers' kernels (`final`)."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
-        X = self.embed_tokens(tokens[step.share])
+        X = self.embed_tokens(step)
         for layer in self.layers:
             X = layer(X, step)
         out = self.final(X, slice(-1, None) if logits == "last" else slice(None), step, sampled)

@@ -21,7 +21,7 @@ import torch
 
 from kernels.linear import Product
 
-from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm, embed_copies
+from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
 from .config import V41Config
 from .engram import Engram, EngramHash
@@ -302,10 +302,13 @@ class V41Model:
         ropes = [self.plain_rope] + [layer.attn.rope for layer in self.layers]
         return list({id(rope): rope for rope in ropes}.values())
 
-    def embed_tokens(self, tokens: torch.Tensor, state: DecodeState):
-        """tokens [T] -> X [T, hc, D] (hc identical copies) and the one-hot first collapse."""
-        X = embed_copies(self.embed, tokens, self.cfg.hc_mult, self.rt.dtype)
-        return X, state.first_collapse(tokens.numel(), self.cfg.hc_mult)
+    def embed_tokens(self, step: Step):
+        """The step's tokens into the history; X [n, hc, D] (hc identical copies of the embedding rows of its
+        share) and the one-hot first collapse: one launch (ops.token_inputs)."""
+        state, c = step.state, self.cfg
+        X = self.rt.ops.token_inputs(step.tokens, step.positions, state.tokens, self.embed, c.hc_mult, self.rt.dtype,
+                                     step.share)
+        return X, state.first_collapse(X.shape[0], c.hc_mult)
 
     def engram_rows(self, step: Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Each Engram layer's looked-up rows for the step's positions (codes, scales), by layer."""
@@ -337,7 +340,7 @@ class V41Model:
         """Process `tokens` at positions state.length.. (or `start`.., a device scalar, with no position
         past `bound`) into the state; `sampled`: the logits go only to samplers' kernels (`final`)."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
-        X, pre = self.embed_tokens(tokens[step.share], state)
+        X, pre = self.embed_tokens(step)
         X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step, sampled)
         finish(step)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.embed import inputs as token_inputs
 from kernels.formats import q8_pow2
 from kernels.linear import Product
 
-from .blocks import AttentionProjections, Dense, Linear, RMSNorm, embed_copies
+from .blocks import AttentionProjections, Dense, Linear, RMSNorm
 from .config import ModelConfig, V41Config
 from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
 from .deepseek_v41 import StaggeredBlock, moe_for
@@ -113,8 +114,10 @@ class DSpark:
         self.cfg, self.rt, self.embed, self.head, self.rope = cfg, rt, embed, head, rope
         self.v41 = isinstance(cfg, V41Config)
         self.block_size = d.block_size
-        # a draft block's ids after its anchor: the noise token, a constant made here
-        self.noise_ids = torch.full((d.block_size - 1,), d.noise_token_id, dtype=torch.long, device=rt.device)
+        # a draft block's ids and streams [B, hc, D]: row 0 the anchor's, written by each draft (its one launch
+        # of token inputs); the rows after it the noise token's, constant, made once here (the op's reference)
+        self.block_ids = torch.full((d.block_size,), d.noise_token_id, dtype=torch.long, device=rt.device)
+        self.block_inputs = token_inputs(self.block_ids, self.block_ids, None, embed, c.hc_mult, rt.dtype)
         n_targets = len(d.target_layer_ids)
         self.main_proj = Linear.load(rt, ckpt, "mtp.0.main_proj.weight", c.dim, c.dim * n_targets,
                                      c.weight_block, c.act_block)
@@ -198,8 +201,10 @@ class DSpark:
         positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
         if row_q is not None:
             self._commit(state, row_q.unsqueeze(0), q, positions[:1])
-        ids = torch.cat((anchor, self.noise_ids))
-        X = embed_copies(self.embed, ids, c.hc_mult, self.rt.dtype)
+        # the anchor into row 0 of the block's ids and streams (no other launch: the noise rows are made)
+        ops.token_inputs(anchor, state.offsets[:1], self.block_ids, self.embed, c.hc_mult, self.rt.dtype,
+                         out=self.block_inputs[:1])
+        X, ids = self.block_inputs, self.block_ids
         step = DraftBlock(state, positions[1:], ids)
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
             step.cos, step.sin = self.rope(step.positions)

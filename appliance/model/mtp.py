@@ -9,7 +9,7 @@ from .config import ModelConfig
 from .deepseek_v4 import HyperHead, PlainBlock, V4Attention, v4_moe
 from .runtime import Runtime
 from .state import DecodeState, new_state, shifted
-from .step import Draft, begin, finish
+from .step import Draft, Step, begin, finish
 
 MAX_DRAFTS = 8  # the most drafts a chain of the one-layer head proposes a cycle (its errors compound)
 
@@ -49,8 +49,12 @@ class MTP:
     def row_shape(self) -> tuple[int, ...]:
         return (self.cfg.hc_mult, self.cfg.dim)
 
-    def _inputs(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        e = self.e_proj(self.enorm(self.embed[tokens].to(self.rt.dtype)))  # [n, D]
+    def _inputs(self, streams: torch.Tensor, step: Step) -> torch.Tensor:
+        """The step's tokens into the head's history, their embedding rows (one copy: ops.token_inputs) and
+        the target's `streams` of them, projected and added."""
+        rows = self.rt.ops.token_inputs(step.tokens, step.positions, step.state.tokens, self.embed, 1, self.rt.dtype,
+                                        step.share)
+        e = self.e_proj(self.enorm(rows[:, 0]))  # [n, D]
         h = self.h_proj(self.hnorm(streams))  # [n, hc, D]
         return (e.unsqueeze(1).to(self.rt.wide) + h.to(self.rt.wide)).to(self.rt.dtype)
 
@@ -58,7 +62,7 @@ class MTP:
         """`start` a host int: eager (must equal the state's length); a device scalar: static. Split over
         ranks, a long call's result holds this rank's share of the rows (model.Step.share)."""
         step = begin(state, tokens, None if isinstance(start, int) else start, "own", comm=self.row_comm)
-        Y = self.block(self._inputs(streams[step.share], tokens[step.share]), step)
+        Y = self.block(self._inputs(streams[step.share], step), step)
         finish(step)
         return Y
 

@@ -263,10 +263,10 @@ class DecodeState:
         first[:, 0] = 1.0
         return first
 
-    def write_tokens(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Token history at `positions` (journaled like every other write)."""
+    def journal_tokens(self, positions: torch.Tensor) -> None:
+        """Keep the token history at `positions` for a rewind (journaled like every other write) before the
+        forward's token inputs write it (ops.token_inputs)."""
         self.journal.record(self.tokens, positions, positions)
-        self.tokens[positions] = tokens
 
     def can_undo(self, position: int) -> bool:
         """Whether `rewind(position)` can restore the buffers from the journal."""

@@ -66,7 +66,7 @@ def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, boun
         bound = state.capacity - 1 if bound is None else bound
         if not 0 <= bound < state.capacity:
             raise ValueError(f"bound {bound} outside the state's capacity {state.capacity}")
-    state.write_tokens(positions, tokens)
+    state.journal_tokens(positions)  # the write is the forward's token inputs' (ops.token_inputs: kernels/embed.py)
     return Step(state, tokens, start, positions, index_keys, bound, comm=comm, share=query_share(comm, T))
 
 
