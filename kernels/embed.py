@@ -14,11 +14,9 @@ import torch
 
 from ._triton import dependent_launch, pdl, pow2, require, require_dtype, round_out, tl, triton
 
-ALL_ROWS = slice(None)
-
 
 def inputs(tokens: torch.Tensor, positions: torch.Tensor, history: torch.Tensor | None, table: torch.Tensor,
-           copies: int, dtype: torch.dtype, share: slice = ALL_ROWS, out: torch.Tensor | None = None):
+           copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None):
     """tokens, positions int64 [T]; history int64 [capacity] or None; table [V, D] -> X [n, copies, D] in
     `dtype` for the rows `share` of tokens (written into `out` where given)."""
     if history is not None:
@@ -57,7 +55,7 @@ def _inputs_kernel(tok_ptr,    # int64 [T] ids
 
 
 def fast_inputs(tokens: torch.Tensor, positions: torch.Tensor, history: torch.Tensor | None, table: torch.Tensor,
-                copies: int, dtype: torch.dtype, share: slice = ALL_ROWS, out: torch.Tensor | None = None):
+                copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None):
     """The kernel for `inputs` (same signature and result)."""
     require(tokens.dim() == 1 and tokens.is_contiguous(), "tokens.shape", tuple(tokens.shape),
             "must be a contiguous [T]")

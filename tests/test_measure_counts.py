@@ -176,6 +176,13 @@ def test_a_meta_cycle_counts_every_layer_and_reads_less_than_twice_the_ideal_at_
     parts = b["ideal_parts"]
     assert parts["routed_experts"] > 0 and parts["state"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=8)
+    # the token inputs: one launch reading the id, its position and the embedding table's row of the id (not
+    # the table), writing the history's entry and the row's copies in the streams
+    cfg = meta_counts.model.cfg
+    inputs = [la for la in c["launches"] if la["name"] == "kernels.embed._inputs_kernel"]
+    assert len(inputs) == 1 and inputs[0]["block"] == "outside", inputs
+    assert inputs[0]["bytes_read"] == 8 + 8 + cfg.dim * 2
+    assert inputs[0]["bytes_written"] == 8 + cfg.hc_mult * cfg.dim * 2
 
 
 @pytest.mark.parametrize("family,draft", [("deepseek_v41", "none"), ("deepseek_v41", "dspark"),
