@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 
 from appliance.api import Request, Sampling
 from appliance.cli.tiny_checkpoint import write_tiny
+from kernels import embed
 from kernels import sampling as sampler
 
 from .conftest import load, open_loop
@@ -221,7 +222,7 @@ def test_every_dspark_draft_finds_the_key_row_of_its_q_in_the_rings(drafter_mode
     Before every cycle, with random acceptances (all drafts accepted included: q is then the verify's last
     row), then back to an earlier position through the prefix's checkpoints with another token there and on,
     each stage's ring holds at q what the drafter's own commit of the kept target row H(q) writes into a fresh
-    state."""
+    state; and the block's noise rows, made at load, stay as made (a draft writes only the anchor's row)."""
     lm = drafter_models[family]
     rng = random.Random()
     seed = rng.randrange(1 << 30)
@@ -257,3 +258,7 @@ def test_every_dspark_draft_finds_the_key_row_of_its_q_in_the_rings(drafter_mode
         committed = committed[:back - 1] + [(committed[back - 1] + 1 + rng.randrange(99)) % lm.cfg.vocab_size]
         token = int(session.prefill_all(committed).argmax())
     assert len(checked) == 17, (family, seed)
+    # the block's streams past the anchor's row are the noise token's as made at load: no draft wrote them
+    noise = embed.inputs(drafter.block_ids[1:], None, None, drafter.embed, lm.cfg.hc_mult, lm.runtime.dtype)
+    assert torch.equal(drafter.block_inputs[1:], noise), (family, seed)
+    assert (drafter.block_ids[1:] == lm.cfg.dspark.noise_token_id).all(), (family, seed)
