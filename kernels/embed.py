@@ -3,7 +3,9 @@ rows in `copies` identical residual streams (mHC: X [T, hc, D]).
 
 inputs: history[positions] = tokens (where a history is given); X = table[tokens[share]] in every copy,
     converted to the streams' dtype (round to nearest even where it narrows). A call split over ranks by
-    rows (appliance/model/rowsplit.py) embeds its share of the rows and writes every row's id.
+    rows (appliance/model/rowsplit.py) embeds its share of the rows and writes every row's id. `also`
+    (table2, out2): another table's rows of the same tokens copied as they are into out2 (DSpark's Markov
+    embedding of its anchor, in the launch that embeds the anchor).
 
 Kernel (`fast_inputs`): one launch, a program per row and block of columns; the history by the row's first
 block. Exact: a copy and one conversion. The ids are in range (the engine checks a request's; the samplers
@@ -16,11 +18,15 @@ from ._triton import dependent_launch, pdl, pow2, require, require_dtype, round_
 
 
 def inputs(tokens: torch.Tensor, positions: torch.Tensor, history: torch.Tensor | None, table: torch.Tensor,
-           copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None):
+           copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None,
+           also: tuple[torch.Tensor, torch.Tensor] | None = None):
     """tokens, positions int64 [T]; history int64 [capacity] or None; table [V, D] -> X [n, copies, D] in
-    `dtype` for the rows `share` of tokens (written into `out` where given)."""
+    `dtype` for the rows `share` of tokens (written into `out` where given); `also` (table2 [V, W], out2
+    [n, W] of its dtype, rows of any stride): out2 = table2[tokens[share]]."""
     if history is not None:
         history[positions] = tokens
+    if also is not None:
+        also[1].copy_(also[0][tokens[share]])
     rows = table[tokens[share].unsqueeze(1).expand(-1, copies)].to(dtype)
     if out is None:
         return rows
@@ -34,9 +40,11 @@ def _inputs_kernel(tok_ptr,    # int64 [T] ids
                    hist_ptr,   # int64 token history, written at the positions (HISTORY)
                    table_ptr,  # [V, D] embedding rows, row stride stride_t
                    out_ptr,    # [hi - lo, COPIES, D] out, contiguous
-                   lo, hi, D, stride_t,
-                   COPIES: tl.constexpr, HISTORY: tl.constexpr, OUT_BF16: tl.constexpr, BD: tl.constexpr,
-                   PDL: tl.constexpr):
+                   t2_ptr,     # [V, W] a second table (ALSO), contiguous
+                   o2_ptr,     # [hi - lo, W] its rows out (ALSO), row stride stride_o2
+                   lo, hi, D, stride_t, W, stride_o2,
+                   COPIES: tl.constexpr, HISTORY: tl.constexpr, OUT_BF16: tl.constexpr, ALSO: tl.constexpr,
+                   BD: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -52,10 +60,15 @@ def _inputs_kernel(tok_ptr,    # int64 [T] ids
         base = out_ptr + (t - lo).to(tl.int64) * COPIES * D
         for c in tl.static_range(COPIES):
             tl.store(base + c * D + cols, row, mask=mask)
+        if ALSO:  # the same columns of the second table's row, as they are
+            m2 = cols < W
+            tl.store(o2_ptr + (t - lo).to(tl.int64) * stride_o2 + cols, tl.load(t2_ptr + tok * W + cols, mask=m2),
+                     mask=m2)
 
 
 def fast_inputs(tokens: torch.Tensor, positions: torch.Tensor, history: torch.Tensor | None, table: torch.Tensor,
-                copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None):
+                copies: int, dtype: torch.dtype, share: slice = slice(None), out: torch.Tensor | None = None,
+                also: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The kernel for `inputs` (same signature and result)."""
     require(tokens.dim() == 1 and tokens.is_contiguous(), "tokens.shape", tuple(tokens.shape),
             "must be a contiguous [T]")
@@ -77,9 +90,16 @@ def fast_inputs(tokens: torch.Tensor, positions: torch.Tensor, history: torch.Te
         out = torch.empty(shape, dtype=dtype, device=tokens.device)
     require(tuple(out.shape) == shape and out.dtype == dtype and out.is_contiguous(), "out",
             (tuple(out.shape), out.dtype), f"must be a contiguous {shape} {dtype}")
-    bd = min(pow2(d), 1024)
-    _inputs_kernel[(T, triton.cdiv(d, bd))](tokens, positions if history is not None else tokens,
-                                            history if history is not None else tokens, table, out, lo, hi, d,
-                                            table.stride(0), COPIES=copies, HISTORY=history is not None,
-                                            OUT_BF16=dtype == torch.bfloat16, BD=bd, **pdl(tokens.device))
+    t2, o2 = also if also is not None else (table, out)
+    w = t2.shape[1] if also is not None else 0
+    if also is not None:
+        require(t2.dim() == 2 and t2.is_contiguous(), "also[0].shape", tuple(t2.shape), "must be a contiguous [V, W]")
+        require(o2.dim() == 2 and tuple(o2.shape) == (hi - lo, w) and o2.dtype == t2.dtype and o2.stride(1) == 1,
+                "also[1]", (tuple(o2.shape), o2.dtype), f"must be [{hi - lo}, {w}] {t2.dtype} with contiguous rows")
+    bd = min(pow2(max(d, w)), 1024)
+    _inputs_kernel[(T, triton.cdiv(max(d, w), bd))](tokens, positions if history is not None else tokens,
+                                                    history if history is not None else tokens, table, out, t2, o2,
+                                                    lo, hi, d, table.stride(0), w, o2.stride(0), COPIES=copies,
+                                                    HISTORY=history is not None, OUT_BF16=dtype == torch.bfloat16,
+                                                    ALSO=also is not None, BD=bd, **pdl(tokens.device))
     return out

@@ -170,9 +170,10 @@ class PackedWeight:
 
 
 def reference(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-              groups: int = 1, publish: None = None) -> torch.Tensor:
+              groups: int = 1, publish: None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., G in] -> [..., out] in out_dtype (G = groups; each group of out/G outputs reads its own
-    `in` inputs). `publish` (the kernel's, into symmetric memory): not here.
+    `in` inputs), written into `out` where given (a caller's buffer of that shape and dtype). `publish` (the
+    kernel's, into symmetric memory): not here.
 
     Bytes moved: weight.nbytes (read once) + x.numel()*x.element_size() + out.numel()*out.element_size()."""
     require(publish is None, "publish", publish, "the reference product is not published (the fast path's is)")
@@ -183,7 +184,8 @@ def reference(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_
         a = a.reshape(-1, groups, x.shape[-1] // groups)
         w = weight.grouped64(groups)
         y = torch.stack([rows_matmul(a[:, g], w[g]) for g in range(groups)], 1)
-    return y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+    y = y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -722,12 +724,13 @@ def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int
     return n, check_act_block(p.act_block, k), ng
 
 
-def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publish | None = None
-           ) -> list[torch.Tensor]:
+def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publish | None = None,
+           out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One launch of the products (`fast_multi`); `expand` (X, post, comb): one product, stored as the mHC
     expand of it (kernels/mhc.py's `fast_product_expand`); `publish`: one float32 product, stored into the
     slot of this rank's next call in its symmetric buffer and counted in every rank's flags (the view
-    returned is the buffer's first slot: its consumers wait on `publish`)."""
+    returned is the buffer's first slot: its consumers wait on `publish`); `out`: one product, stored into
+    this caller's buffer (contiguous, the product's shape and dtype: no copy after)."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
     shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
@@ -751,6 +754,16 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publ
         require_dtype(comb, "comb", (torch.float32,))
         X, post, comb = X.contiguous(), post.contiguous(), comb.contiguous()
         outs = [torch.empty_like(X)]
+    elif out is not None:
+        n = shapes[0][0]
+        require(publish is None, "out", "a buffer", "cannot be given with publish (the product goes to one)")
+        require(len(products) == 1 and tuple(out.shape) == (*x.shape[:-1], n), "out.shape", tuple(out.shape),
+                f"must be {(*x.shape[:-1], n)} (one product)")
+        require(out.dtype == products[0].out_dtype, "out.dtype", out.dtype, "must be the product's out_dtype")
+        require(out.is_contiguous(), "out.stride", out.stride(), "must be contiguous")
+        X = post = comb = x2
+        hc = 1
+        outs = [out.view(m, n)]
     elif publish is not None:
         require(len(products) == 1 and products[0].out_dtype == torch.float32 and m and k, "publish", len(products),
                 "products: one float32 product of rows")
@@ -850,8 +863,8 @@ def native_split(products: list[Product]) -> list[bool]:
 
 
 def fast(x: torch.Tensor, weight: PackedWeight, act_block: int | None, out_dtype: torch.dtype,
-         groups: int = 1, publish: Publish | None = None) -> torch.Tensor:
-    """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16); with
-    `publish` (float32), the product published to the ranks instead (`launch`): what it wrote, as a view of
-    the buffer's first slot (its consumers wait on `publish`)."""
-    return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish)[0]
+         groups: int = 1, publish: Publish | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for `reference`: x [..., G in] -> [..., out] in out_dtype (float32 or bfloat16), into `out`
+    where given; with `publish` (float32), the product published to the ranks instead (`launch`): what it
+    wrote, as a view of the buffer's first slot (its consumers wait on `publish`)."""
+    return launch(x, [Product(weight, act_block, out_dtype, groups)], None, None, publish, out)[0]

@@ -137,7 +137,7 @@ def expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Te
 def expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
                scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-               rms_eps: float, capture: bool = False):
+               rms_eps: float, capture: bool | torch.Tensor = False):
     """A sub-block's output expanded into the streams, then the next site's `pre` of them: X' = expand(y, X,
     post, comb) -> (X', x, pre, post', comb', the copies' mean if `capture`) (`pre`'s results after X')."""
     Xn = expand(y, X, post, comb)
@@ -356,24 +356,32 @@ def fast_product_expand(x: torch.Tensor, weight, act_block: int | None, X: torch
 
 def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
         scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-        rms_eps: float, capture: bool = False):
+        rms_eps: float, capture: bool | torch.Tensor = False, collapsed: torch.Tensor | None = None):
     """What a sub-block reads from the streams X [M, hc, D]: the site's coefficients and its normed input.
 
     Coefficients: `coeffs` (iters >= 1), V4's `head_pre` (iters == 0: post and comb are None), or none (fn
     None: the final collapse of V4.1 by given weights). Input: rmsnorm(collapse(X, w)) in X.dtype, w =
     `weights` (V4.1's staggered sites collapse by the previous site's pre) or the site's own pre. `capture`:
-    also the streams' mean over the copies (a DSpark input: float64, rounded once to X.dtype).
+    also the streams' mean over the copies (a DSpark input: float64, rounded once to X.dtype), returned, or
+    written into the [M, D] view given (rows of any stride: the call's columns of DSpark's input). `collapsed`:
+    a float32 [M, D] view (rows of any stride) the collapse is also written into, before the norm (DSpark's
+    head: its confidence head's input).
     Returns (x [M, D], pre [M, hc] | None, post [M, hc] | None, comb [M, hc, hc] | None, mean [M, D] | None)."""
     from .rmsnorm import reference as rmsnorm
 
-    mean = X.double().mean(1).to(X.dtype) if capture else None
+    mean = None
+    if capture is not False:
+        mean = X.double().mean(1).to(X.dtype)
+        mean = mean if capture is True else capture.copy_(mean)
     p = post = comb = None
     if fn is not None and iters >= 1:
         p, post, comb = coeffs(X, fn, base, scale, norm_eps, hc_eps, iters)
     elif fn is not None:
         p = head_pre(X, fn, base, scale, norm_eps, hc_eps)
-    x = rmsnorm(collapse(X, p if weights is None else weights), norm_weight, rms_eps)
-    return x, p, post, comb, mean
+    x = collapse(X, p if weights is None else weights)
+    if collapsed is not None:
+        collapsed.copy_(x)
+    return rmsnorm(x, norm_weight, rms_eps), p, post, comb, mean
 
 
 # One launch: programs (split s, row block b). Each computes its columns' projection partials (a chunk of the
@@ -492,14 +500,16 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 cnt_ptr,    # int32 [row blocks] counters, zero between launches
                 pre_ptr, post_ptr, comb_ptr,  # float32 coefficients out (COEFFS)
                 y_ptr,      # out [M, D] in X's dtype: the normed collapse
-                mean_ptr,   # out [M, D] in X's dtype: the mean over the copies (MEAN)
+                mean_ptr, stride_mean,  # out [M, D] in X's dtype, row stride stride_mean: the copies' mean (MEAN)
+                col_ptr, stride_col,  # out float32 [M, D], row stride stride_col: the collapse (COLLAPSED)
                 xo_ptr,     # EXPAND: the streams before the expand [M, hc, D]; X (x_ptr) is written from them
                 xpost_ptr, xcomb_ptr,  # EXPAND: float32 [M, hc], [M, hc, hc], the expand's coefficients
                 flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
                 M, hc, D, iters, chunk, RB,  # chunk: columns d of every copy per split; RB: rows per block
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
-                OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr, Y_ROUND: tl.constexpr,
+                COLLAPSED: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr,
+                Y_ROUND: tl.constexpr,
                 WAIT: tl.constexpr, PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, S_WORLD: tl.constexpr,
                 S_ROUND: tl.constexpr,
                 BJ: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BHC: tl.constexpr, BD: tl.constexpr,
@@ -587,9 +597,11 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 acc += wj[:, None] * xj
                 total += xj
             if MEAN:  # the copies' sum in order, one correctly rounded division
-                tl.store(mean_ptr + r64[:, None] * D + cols[None, :], round_out(tl.math.div_rn(total, hc * 1.0),
-                                                                               OUT_BF16), mask=cm)
+                tl.store(mean_ptr + r64[:, None] * stride_mean + cols[None, :],
+                         round_out(tl.math.div_rn(total, hc * 1.0), OUT_BF16), mask=cm)
             c = round_out(acc, OUT_BF16).to(tl.float32)
+            if COLLAPSED:
+                tl.store(col_ptr + r64[:, None] * stride_col + cols[None, :], c, mask=cm)
             nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0)
             tl.store(y_ptr + r64[:, None] * D + cols[None, :], round_out(nw[None, :] * (c * r[:, None]), OUT_BF16),
                      mask=cm)
@@ -597,16 +609,17 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
 
 def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, base: torch.Tensor | None,
              scale: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-             rms_eps: float, capture: bool = False):
+             rms_eps: float, capture: bool | torch.Tensor = False, collapsed: torch.Tensor | None = None):
     """The kernel for `pre` (same signature; results within the stated tolerances of `coeffs`, `collapse`
     and RMSNorm): one launch."""
-    return _pre(X, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture)
+    return _pre(X, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture,
+                collapsed=collapsed)
 
 
 def fast_expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
                     comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
                     scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-                    rms_eps: float, capture: bool = False):
+                    rms_eps: float, capture: bool | torch.Tensor = False):
     """The kernel for `expand_pre` (same signature; the site's results the same bits as fast_pre's of the X' it
     returns; X' within the expand's tolerance, a `Combine`'s the bits of the MoE's combine): one launch, the
     pre kernel's, each program expanding the columns it projects (y's row loaded once for every copy: the
@@ -621,7 +634,8 @@ def fast_expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Ten
 
 
 def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: float, iters: int,
-         norm_weight: torch.Tensor, rms_eps: float, capture: bool, front: _Front | None = None):
+         norm_weight: torch.Tensor, rms_eps: float, capture: bool | torch.Tensor, front: _Front | None = None,
+         collapsed: torch.Tensor | None = None):
     """fast_pre's launch; with `front`, X is written by the launch itself: the expand of `front` (_Front)."""
     require_dtype(X, "X", (torch.float32, torch.bfloat16))
     require(X.dim() == 3, "X.dim()", X.dim(), "must be 3 ([M, hc, D])")
@@ -644,14 +658,24 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
     require(norm_weight is not None and tuple(norm_weight.shape) == (d,), "norm_weight.shape",
             None if norm_weight is None else tuple(norm_weight.shape), f"must be ({d},)")
     require_dtype(norm_weight, "norm_weight", (torch.float32,))
-    dev = device_of(X, norm_weight, fn, weights)
+    if collapsed is not None:
+        require(tuple(collapsed.shape) == (m, d) and collapsed.stride(1) == 1, "collapsed.shape",
+                tuple(collapsed.shape), f"must be ({m}, {d}) with contiguous rows")
+        require_dtype(collapsed, "collapsed", (torch.float32,))
+    dev = device_of(X, norm_weight, fn, weights, collapsed)
     X = X.contiguous()
     y = torch.empty((m, d), dtype=X.dtype, device=dev)
     coeff = fn is not None
     p = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff else None
     post = torch.empty((m, hc), dtype=torch.float32, device=dev) if coeff and not head else None
     comb = torch.empty((m, hc, hc), dtype=torch.float32, device=dev) if coeff and not head else None
-    mean = torch.empty((m, d), dtype=X.dtype, device=dev) if capture else None
+    mean = None
+    if capture is True:
+        mean = torch.empty((m, d), dtype=X.dtype, device=dev)
+    elif capture is not False:
+        require(tuple(capture.shape) == (m, d) and capture.stride(1) == 1 and capture.dtype == X.dtype, "capture",
+                (tuple(capture.shape), capture.dtype), f"must be ({m}, {d}) {X.dtype} with contiguous rows")
+        mean = capture
     if m == 0:
         return y, p, post, comb, mean
     if INTERPRET:
@@ -675,10 +699,13 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
         f.parts, f.pos if pairs else y, f.k, s_parts[:1], f.sh0, X, w, fn if coeff else y, base if coeff else y,
         scale if coeff else y, norm_weight, part, cnt,
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
-        mean if capture else y, f.X, f.post, f.comb, *f.wait, m, hc, d, max(iters, 1), chunk, rb,
-        float(norm_eps), float(hc_eps), float(rms_eps),
-        COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=capture, OUT_BF16=X.dtype == torch.bfloat16,
-        EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits, PAIRS=pairs,
+        mean if mean is not None else y, mean.stride(0) if mean is not None else 0,
+        collapsed if collapsed is not None else y, collapsed.stride(0) if collapsed is not None else 0,
+        f.X, f.post, f.comb, *f.wait, m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps),
+        float(rms_eps),
+        COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=mean is not None, COLLAPSED=collapsed is not None,
+        OUT_BF16=X.dtype == torch.bfloat16, EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round,
+        WAIT=f.waits, PAIRS=pairs,
         HAS_SHARED=f.shared is not None, S_WORLD=len(s_parts), S_ROUND=f.s_round,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean

@@ -307,13 +307,15 @@ def _row_distribution(lrow, prow, params_ptr, V, seed, base, TOP: tl.constexpr, 
 
 
 @device_function
-def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts, stride_b, SUM: tl.constexpr,
-              WAIT: tl.constexpr, WORLD: tl.constexpr, WORLD_B: tl.constexpr, BV: tl.constexpr):
+def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts, stride_b, b_flags, b_rank,
+              b_capacity, SUM: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, WORLD_B: tl.constexpr,
+              B_WAIT: tl.constexpr, BV: tl.constexpr):
     """Store row r of the rows held by columns at `a_parts` (WORLD ranks' `width` columns each, waited for over
     symmetric memory: WAIT; one whole row: WORLD 1) into `l_row`, added to row r of `b_parts`' first (SUM:
-    the float32 add as torch makes it, b + a; b whole, WORLD_B 1, or held as a is), a rank's columns at a
-    time."""
+    the float32 add as torch makes it, b + a; b whole, WORLD_B 1, or held as a is, gathered or waited for
+    over its own exchange: B_WAIT), a rank's columns at a time."""
     base = rank_arrive(flags, rank, capacity, WAIT, WORLD)
+    b_base = rank_arrive(b_flags, b_rank, b_capacity, B_WAIT, WORLD_B)
     for q in tl.static_range(WORLD):
         for c0 in range(0, width, BV):
             cols = c0 + tl.arange(0, BV)
@@ -323,7 +325,7 @@ def _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_row, b_parts
                 if WORLD_B == 1:
                     x = tl.load(b_parts[0] + r * stride_b + q * width + cols, mask=mine) + x
                 else:
-                    x = tl.load(b_parts[q] + r * stride_b + cols, mask=mine) + x
+                    x = tl.load(b_parts[q] + b_base + r * stride_b + cols, mask=mine) + x
             tl.store(l_row + q * width + cols, x, mask=mine)
     tl.debug_barrier()  # stored before this program reads the row back
 
@@ -338,14 +340,14 @@ def _distribution_kernel(a_parts,  # FILL: WORLD pointers, rows held by columns 
                          key_ptr,  # int64 [2]: seed, counter (DRAW: advanced by R * V, by the last program)
                          cnt_ptr,  # int32 counter of finished programs, zero between launches (DRAW)
                          out_ptr,  # out int64 [R]: each row's token (DRAW)
-                         b_parts, stride_b,  # SUM: rows whole (WORLD_B 1) or held as a's (never waited
-                         # for), added to a's before they are stored
+                         b_parts, stride_b,  # SUM: rows whole (WORLD_B 1) or held as a's, added to a's
+                         b_flags, b_rank, b_capacity,  # ... waited for over their own exchange (B_WAIT)
                          tab_ptr,  # GATHER: float32 [V, W] table whose row of each drawn token ...
                          row_ptr,  # ... is stored into row r of [R, W] (row stride stride_row)
                          W, stride_row,
                          V, stride_l, DRAW: tl.constexpr, BV: tl.constexpr, FILL: tl.constexpr, SUM: tl.constexpr,
-                         WORLD: tl.constexpr, WORLD_B: tl.constexpr, WAIT: tl.constexpr, GATHER: tl.constexpr,
-                         BW: tl.constexpr, PDL: tl.constexpr):
+                         WORLD: tl.constexpr, WORLD_B: tl.constexpr, WAIT: tl.constexpr, B_WAIT: tl.constexpr,
+                         GATHER: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
     seed = tl.zeros((1,), dtype=tl.int64)
@@ -355,7 +357,7 @@ def _distribution_kernel(a_parts,  # FILL: WORLD pointers, rows held by columns 
         base = tl.load(key_ptr + 1 + tl.arange(0, 1)) + r * V
     if FILL:  # the row the passes below read: the split logits, or the float32 sum as torch adds it
         _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, l_ptr + r * stride_l, b_parts, stride_b,
-                  SUM, WAIT, WORLD, WORLD_B, BV)
+                  b_flags, b_rank, b_capacity, SUM, WAIT, WORLD, WORLD_B, B_WAIT, BV)
     top_i, best_i = _row_distribution(l_ptr + r * stride_l, p_ptr + r * V, params_ptr, V, seed, base,
                                       DRAW, DRAW, BV)
     if DRAW:  # the greedy token where the temperature is 0
@@ -410,12 +412,13 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
         table, row = gather or (p, p)  # placeholders where unused (and p for fill and base): never read
         a_args, world, waits = _fill_args(p if fill is None else fill)
         b_parts = base.parts if isinstance(base, SplitLogits) else [p if base is None else base]
+        b_wait, b_waits = rank_sum.arrival_args(b_parts)
         _distribution_kernel[(r,)](*a_args, logits, p, params, key if draw else p, counters(dev, 1) if draw else p,
-                                   out if draw else p, tuple(b_parts), b_parts[0].stride(0), table, row, table.shape[1],
-                                   row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv,
+                                   out if draw else p, tuple(b_parts), b_parts[0].stride(0), *b_wait, table, row,
+                                   table.shape[1], row.stride(0), v, logits.stride(0), DRAW=draw, BV=bv,
                                    FILL=fill is not None, SUM=base is not None, WORLD=world, WORLD_B=len(b_parts),
-                                   WAIT=waits, GATHER=gather is not None, BW=pow2(table.shape[1]) if gather else 1,
-                                   **pdl(logits.device))
+                                   WAIT=waits, B_WAIT=b_waits, GATHER=gather is not None,
+                                   BW=pow2(table.shape[1]) if gather else 1, **pdl(logits.device))
     return p
 
 
@@ -426,8 +429,8 @@ def _gathered_kernel(a_parts, width, stride_a,  # rows held by columns (`_fill_a
                      V, BV: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     r = tl.program_id(0).to(tl.int64)
-    _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, out_ptr + r * V, a_parts, 0, False, WAIT,
-              WORLD, 1, BV)
+    _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, out_ptr + r * V, a_parts, 0, flags, rank,
+              capacity, False, WAIT, WORLD, 1, False, BV)
 
 
 def _gathered(logits: SplitLogits) -> torch.Tensor:
@@ -506,8 +509,9 @@ def fast_sample(logits, params: torch.Tensor, key: torch.Tensor, out: torch.Tens
 def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: torch.Tensor, total: torch.Tensor,
                     table: torch.Tensor | None = None, next_row: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `sample_sum` (same signature): fast_sample's launch, whose programs first store their
-    row's sum (the float32 add, torch's bits; `SplitLogits` read where the ranks hold them: a gathered base, an
-    addend in symmetric memory too) and last the drawn token's table row; one launch, not four."""
+    row's sum (the float32 add, torch's bits; `SplitLogits` read where the ranks hold them: a base gathered or
+    in symmetric memory of its own, an addend in symmetric memory too, each waited for) and last the drawn
+    token's table row; one launch, not four."""
     r, v = total.shape
     given = [("total", total, (r, v))]
     for name, rows in (("base", base), ("addend", addend)):
@@ -516,8 +520,8 @@ def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: 
         else:
             given.append((name, rows, (r, v)))
     if isinstance(base, SplitLogits):
-        require(getattr(base.parts, "published", None) is None, "base", "published logits",
-                "must be gathered (the launch waits for its addend only)")
+        require(isinstance(addend, SplitLogits) and not _one_exchange(base, addend), "base", "published logits",
+                "must be gathered or published through an exchange of their own (not the addend's slots)")
         require(isinstance(addend, SplitLogits) and len(addend.parts) == len(base.parts), "base", "split logits",
                 "need an addend split over as many ranks")
     if table is not None:  # a row for each token, W wide
@@ -533,6 +537,12 @@ def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: 
         out.zero_()
     _distribution(total, params, key, out, addend, base, None if table is None else (table, next_row))
     return out
+
+
+def _one_exchange(a: SplitLogits, b: SplitLogits) -> bool:
+    """Whether both are published through the same symmetric buffer (a kernel finds one call's slot there)."""
+    pa, pb = getattr(a.parts, "published", None), getattr(b.parts, "published", None)
+    return pa is not None and pb is not None and pa.buffer is pb.buffer
 
 
 def _check_out(out: torch.Tensor, n: int, device: torch.device) -> None:

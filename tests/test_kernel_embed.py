@@ -33,6 +33,22 @@ def test_the_kernel_writes_the_history_and_the_embedding_copies_as_the_reference
     assert torch.equal(out, embed.inputs(tokens, tokens, None, table, copies, dtype))
 
 
+@pytest.mark.parametrize("path", [embed.inputs, embed.fast_inputs])
+def test_a_second_tables_rows_of_the_same_tokens_go_into_a_view_of_wider_rows(path):
+    """DSpark's anchor: its Markov row (float32, W wider or narrower than D) into the confidence head's
+    features, in the launch that embeds it."""
+    rng = random.Random()
+    vocab, d, w = rng.randrange(50, 300), rng.choice((24, 130)), rng.choice((16, 256))
+    T = rng.randrange(1, 4)
+    table, table2 = torch.randn(vocab, d).to(torch.bfloat16), torch.randn(vocab, w)
+    tokens = torch.randint(0, vocab, (T,))
+    features = torch.full((T, d + w), float("nan"))
+    out = path(tokens, tokens, None, table, 4, torch.bfloat16, also=(table2, features[:, d:]))
+    assert torch.equal(features[:, d:], table2[tokens]), "the second table's rows as they are"
+    assert features[:, :d].isnan().all(), "written outside the view"
+    assert torch.equal(out, embed.inputs(tokens, tokens, None, table, 4, torch.bfloat16))
+
+
 def test_bad_arguments_are_refused_naming_the_field():
     table = torch.randn(10, 8)
     with pytest.raises(TypeError, match="tokens.dtype"):
@@ -44,3 +60,6 @@ def test_bad_arguments_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="out"):
         embed.fast_inputs(torch.zeros(3, dtype=torch.long), None, None, table, 2, torch.float32,
                           out=torch.empty(3, 1, 8))
+    with pytest.raises(ValueError, match=r"also\[1\]"):
+        embed.fast_inputs(torch.zeros(3, dtype=torch.long), None, None, table, 2, torch.float32,
+                          also=(table, torch.empty(3, 8, dtype=torch.float64)))

@@ -282,6 +282,18 @@ def test_a_long_calls_plain_products_from_registers_take_programs_of_long_rows(n
         assert_within(f"y{i}", w, g, bound(x, p.weight, p.act_block, p.out_dtype, w, p.groups), ctx)
 
 
+@pytest.mark.parametrize("path", [linear.reference, linear.fast])
+def test_a_product_written_into_a_callers_buffer_is_the_product_in_place(path):
+    s = seed()
+    w = weight("dense", 1, 80)  # DSpark's confidence head: one output
+    x = torch.randn(3, 80, device=DEVICE)
+    buf = torch.full((5,), float("nan"), device=DEVICE)
+    got = run(path, x, w, None, F32, out=buf[1:4].view(3, 1))
+    assert got.data_ptr() == buf[1:4].data_ptr(), f"seed {s}: the product was not written in place"
+    assert torch.equal(buf[1:4].view(3, 1), run(path, x, w, None, F32)), f"seed {s}"
+    assert buf[0].isnan() and buf[4].isnan(), f"seed {s}: written outside the buffer's view"
+
+
 def test_linear_kernel_refuses_bad_arguments_naming_them():
     w = fp8_weight(16, 64, (32, 32), DEVICE)
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=48: must equal the weight's input size 64"):
@@ -292,6 +304,11 @@ def test_linear_kernel_refuses_bad_arguments_naming_them():
         linear.fast(torch.zeros(2, 64, device=DEVICE, dtype=torch.float16), w, None, F32)
     with pytest.raises(ValueError, match="groups=3: must divide the weight's outputs 16"):
         linear.fast(torch.zeros(2, 192, device=DEVICE), w, None, F32, groups=3)
+    with pytest.raises(ValueError, match=r"out.shape=\(2, 15\): must be \(2, 16\)"):
+        linear.fast(torch.zeros(2, 64, device=DEVICE), w, None, F32, out=torch.empty(2, 15, device=DEVICE))
+    with pytest.raises(ValueError, match="out.dtype=torch.bfloat16: must be the product's out_dtype"):
+        linear.fast(torch.zeros(2, 64, device=DEVICE), w, None, F32, out=torch.empty(2, 16, device=DEVICE,
+                                                                                    dtype=BF16))
 
 
 @requires_cuda

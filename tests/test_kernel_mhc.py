@@ -196,6 +196,29 @@ def test_a_sub_blocks_input_in_one_launch_matches_the_reference(m, hc, d, dt, ki
             assert_close(name, w, g, COEFF_TOL, context=ctx)
 
 
+@pytest.mark.parametrize("path", [mhc.pre, mhc.fast_pre])
+@pytest.mark.parametrize("kind", ["staggered", "none"])
+def test_a_sites_mean_and_collapse_go_into_the_callers_views_of_wider_rows(path, kind):
+    """DSpark's inputs: a target layer's mean into its columns of the step's `hidden`, the head's collapse
+    into the confidence head's features (float32), each a view whose rows are wider than D."""
+    s = seed()
+    ctx = f"(seed {s}, {kind})"
+    m, hc, d, dt = 5, 4, 64, torch.bfloat16
+    args = pre_args(m, hc, d, dt, kind)
+    hidden = torch.full((m, 3 * d), float("nan"), dtype=dt, device=DEVICE)
+    features = torch.full((m, d + 7), float("nan"), device=DEVICE)
+    got = run(path, *args, hidden[:, d:2 * d], features[:, :d])
+    want = mhc.pre(*args, True)
+    assert got[4].data_ptr() == hidden[:, d:].data_ptr(), ctx
+    assert_close("mean", want[4], hidden[:, d:2 * d], TOL[dt], context=ctx)
+    collapse = mhc.collapse(args[0], want[1] if args[1] is None else args[1])
+    assert_close("collapsed", collapse.float(), features[:, :d], TOL[dt], context=ctx)
+    assert torch.equal(features[:, :d], features[:, :d].to(dt).float()), f"the collapse rounded to X's dtype {ctx}"
+    assert hidden[:, :d].isnan().all() and hidden[:, 2 * d:].isnan().all(), f"written outside the view {ctx}"
+    assert features[:, d:].isnan().all(), f"written outside the view {ctx}"
+    assert_close("x", want[0], got[0], TOL[dt], context=ctx)
+
+
 @pytest.mark.parametrize("kind", ["site", "staggered", "head"])
 def test_a_sub_blocks_input_does_not_depend_on_the_other_rows(kind):
     s = seed()

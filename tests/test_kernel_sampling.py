@@ -233,9 +233,10 @@ def split_over_ranks(logits: torch.Tensor, world: int, published: bool) -> sampl
 def test_the_samplers_read_logits_split_over_ranks_where_the_ranks_hold_them(published):
     """A vocabulary-parallel head's logits, held by columns over the ranks (gathered, or in symmetric memory
     read in place after the wait): sample, the Markov step and accept give the ids, counters and sums they
-    give for the whole rows, bit for bit, rows sliced as the cycle slices them (the Markov step's base gathered
-    by columns too); the reference takes gathered parts and refuses published ones, naming them, as the Markov
-    step refuses a published base (it waits for its addend only)."""
+    give for the whole rows, bit for bit, rows sliced as the cycle slices them (the Markov step's base held by
+    columns too: gathered, or published through an exchange of its own, DSpark's base); the reference takes
+    gathered parts and refuses published ones, naming them, as the Markov step refuses a base published
+    through its addend's exchange (one call's slot is found there)."""
     s = seed()
     world, width, k = int(torch.randint(2, 5, ())), int(torch.randint(40, 200, ())), int(torch.randint(1, 5, ()))
     vocab = world * width
@@ -248,7 +249,7 @@ def test_the_samplers_read_logits_split_over_ranks_where_the_ranks_hold_them(pub
     for temperature in (0.0, 0.9):
         params = params_of(temperature, 0, 0.95, DEVICE)
         got = []
-        for logits, base in ((target, draft_logits), (split, split_over_ranks(draft_logits, world, False))):
+        for logits, base in ((target, draft_logits), (split, split_over_ranks(draft_logits, world, published))):
             key = torch.tensor([s, 5], device=DEVICE)
             ids = run(sampling.fast_sample, logits[-1:], params, key)
             total, markov = torch.empty(1, vocab, device=DEVICE), torch.empty(1, dtype=torch.long, device=DEVICE)

@@ -35,7 +35,8 @@ Assumptions (each constant below names its source):
   (all-reduce: 2 (N-1)/N of the payload per rank; all-gather: (N-1) x the rank's part). A sum over
   symmetric memory (`--allreduce symm`, the box's default; recorded "symm_" at the consumer that waits for
   it; a publish launch, where its producer does not publish, priced as a launch) costs `SYMM_WAIT_S` plus
-  the (N-1) peers' partials each rank reads over NVLink.
+  the (N-1) peers' partials each rank reads over NVLink; a read of parts another wait covered ("symm_read":
+  DSpark's base logits, read by each Markov step whose addend's wait comes after them) costs the read alone.
 - Every layer ends in a collective, so the slowest rank sets the pace. The count is one rank's, with the
   routed experts at their mean share; where the ranks hold whole experts (expert parallelism: an expert
   too small to split in whole scale blocks) the rank holding the most of a step's selected experts reads
@@ -172,7 +173,7 @@ def collective_s(op: str, payload: int, world: int, gpu: GPU) -> float:
     """Seconds for one collective of `payload` bytes (this rank's input) over `world` ranks."""
     if world <= 1:
         return 0.0
-    latency = SYMM_WAIT_S if op == "symm_" else ALLREDUCE_LATENCY_S
+    latency = SYMM_WAIT_S if op == "symm_" else 0.0 if op == "symm_read" else ALLREDUCE_LATENCY_S
     return latency + moved_bytes(op, payload, world) / gpu.nvlink_bytes_per_s
 
 

@@ -205,8 +205,12 @@ class DeclaredReads:
 
     def _sample_sum(self, sample_sum):
         """DSpark's Markov step reads its table (the Markov embedding, 132 MB in V4.1-Flash) at the row of
-        each token it draws, not the table."""
+        each token it draws, not the table; a base left in symmetric memory (parallel/sharding.py
+        Comm.gather_later) it reads from the peers' buffers: the "symm_read" of its part (over the link, no
+        wait of its own: the step's wait for its addend covers it, published after the base on every rank)."""
         def call(base, addend, params, key, out, total, table=None, next_row=None):
+            if getattr(getattr(base, "parts", None), "published", None) is not None:
+                self.rec.collective("symm_read", base.parts[0])
             with self.rec.gather(table, out.numel() * _row(table)) if table is not None else ExitStack():
                 return sample_sum(base, addend, params, key, out, total, table, next_row)
 
@@ -217,13 +221,15 @@ class DeclaredReads:
         they embed, not the table, and write the token history at the call's positions, reading none of it."""
         rec = self.rec
 
-        def call(tokens, positions, history, table, copies, dtype, share=slice(None), out=None):
+        def call(tokens, positions, history, table, copies, dtype, share=slice(None), out=None, also=None):
             rows = len(range(tokens.numel())[share])
             with ExitStack() as declared:
                 declared.enter_context(rec.gather(table, rows * _row(table)))
+                if also is not None:  # a second table's rows (DSpark's Markov embedding)
+                    declared.enter_context(rec.gather(also[0], rows * _row(also[0])))
                 if history is not None:
                     declared.enter_context(rec.writes(history, tokens.numel() * history.element_size()))
-                return token_inputs(tokens, positions, history, table, copies, dtype, share, out)
+                return token_inputs(tokens, positions, history, table, copies, dtype, share, out, also)
 
         return call
 

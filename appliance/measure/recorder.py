@@ -184,6 +184,8 @@ class Launch:
     path: str = ""
 
 
+# "collectives" that are reads of the peers' parts with no wait of their own (count.py's DSpark base)
+PEER_READS = ("symm_read",)
 WEIGHT_DTYPES = {torch.float8_e4m3fn: ("fp8", 1), torch.int8: ("fp4", 2)}  # format, elements a stored element
 
 
@@ -286,7 +288,8 @@ class Recorder(TorchDispatchMode):
         self.through[storage_key(table)] = (bytes_read, what)
 
     def collective(self, op: str, t: torch.Tensor) -> None:
-        """A collective over `t` (its payload) issued outside the dispatcher (a stand-in process group)."""
+        """A collective over `t` (its payload) issued outside the dispatcher (a stand-in process group), or a
+        read of the peers' parts another collective's wait covered (PEER_READS: priced, not counted as one)."""
         if self.recording and not self.paused:
             self.collectives.append({"op": op, "bytes": nbytes(t), "block": self.block})
 
@@ -489,13 +492,14 @@ class Recorder(TorchDispatchMode):
             b["bytes_written"] += la.bytes_written
         for s in self.syncs:
             by_block[s["block"]]["host_syncs"] += 1
-        for c in self.collectives:
+        exchanges = [c for c in self.collectives if c["op"] not in PEER_READS]
+        for c in exchanges:
             by_block[c["block"]]["collectives"] += 1
         torch_ops = Counter(la.name for la in self.launches if la.kind == "torch")
         triton = Counter(la.name.rpartition(".")[2] for la in self.launches if la.kind == "triton")
         return {"launches": len(self.launches), "torch_launches": sum(torch_ops.values()),
                 "triton_launches": sum(triton.values()), "host_syncs": len(self.syncs),
-                "collectives": len(self.collectives), "float64_launches": len(self.float64),
+                "collectives": len(exchanges), "float64_launches": len(self.float64),
                 "bytes_read": sum(la.bytes_read for la in self.launches),
                 "bytes_written": sum(la.bytes_written for la in self.launches),
                 "by_block": dict(by_block), "torch_ops": dict(torch_ops.most_common()),

@@ -92,6 +92,7 @@ class ShapeComm:
         if allreduce not in ("symm", "nccl"):
             raise ValueError(f"allreduce={allreduce!r}: must be symm or nccl")
         self.symm = SymmSum(world, rank, capacity, META, memory=MetaMemory) if allreduce == "symm" else None
+        self.later = SymmSum(world, rank, capacity, META, memory=MetaMemory) if allreduce == "symm" else None
 
     def _record(self, op: str, t: torch.Tensor) -> None:
         rec = Recorder.active
@@ -126,7 +127,16 @@ class ShapeComm:
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
         """Comm.sum_produced: the producer publishes its partial itself over symmetric memory, where the
         active Recorder counts the slot it fills as written, not read (as a gathered partial's fresh output)."""
-        if self.symm is None:
+        return self._produced(self.symm, shape, produce, consume)
+
+    gather_produced = sum_produced  # Comm.gather_produced: the same exchange (a decode step's part fits a slot)
+
+    def gather_later(self, shape: tuple[int, ...], produce, consume):
+        """Comm.gather_later: through the second exchange's buffers, or an all-gather."""
+        return self._produced(self.later, shape, produce, consume)
+
+    def _produced(self, symm, shape: tuple[int, ...], produce, consume):
+        if symm is None:
             return self.sum_into(produce(None), consume)
 
         def publishing(to):
@@ -136,9 +146,7 @@ class ShapeComm:
             with rec.writes(to.buffer, math.prod(shape) * to.buffer.element_size()):
                 return produce(to)
 
-        return self.symm.produced_into(shape, publishing, consume)
-
-    gather_produced = sum_produced  # Comm.gather_produced: the same exchange (a decode step's part fits a slot)
+        return symm.produced_into(shape, publishing, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Comm.exchange: an all-to-all of this rank's part for each rank."""

@@ -43,10 +43,12 @@ class Dense:
     def load(cls, rt, ckpt: Checkpoint, name, out_f, in_f, block=None):
         return cls(rt, ckpt.linear(name, out_f, in_f, block, kind="dense"))
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, sampled: str = "") -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, sampled: str = "",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """`sampled`: where the product goes only to samplers' kernels, when they read it (a split head's
-        need not be gathered: parallel/sharding.py VocabParallel); one device's is whole either way."""
-        return self.rt.ops.linear(x, self.weight, None, out_dtype)
+        need not be gathered: parallel/sharding.py VocabParallel); one device's is whole either way. `out`:
+        the caller's buffer the product is written into (no copy after)."""
+        return self.rt.ops.linear(x, self.weight, None, out_dtype, out=out)
 
 
 class RMSNorm:
@@ -78,15 +80,16 @@ class HyperSite:
     def coeffs(self, X: torch.Tensor):
         return self.rt.ops.hc_coeffs(X, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
-    def pre(self, X: torch.Tensor, weights: torch.Tensor | None, norm: "RMSNorm", capture: bool = False):
+    def pre(self, X: torch.Tensor, weights: torch.Tensor | None, norm: "RMSNorm",
+            capture: bool | torch.Tensor = False):
         """The site's coefficients and its sub-block's input norm(collapse(X, weights)), `weights` None: by
-        the site's own pre -> (x, pre, post, comb, the copies' mean if `capture`), one launch on the fast
-        path."""
+        the site's own pre -> (x, pre, post, comb, the copies' mean if `capture`: kernels/mhc.py `pre`), one
+        launch on the fast path."""
         return self.rt.ops.hc_pre(X, weights, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters,
                                   norm.weight, norm.eps, capture)
 
     def expand_pre(self, y, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, weights: torch.Tensor | None,
-                   norm: "RMSNorm", capture: bool = False):
+                   norm: "RMSNorm", capture: bool | torch.Tensor = False):
         """The previous sub-block's output y (a sum over ranks: its partials; a MoE's not yet combined:
         kernels.mhc.Combine) expanded into the streams X by (post, comb), then this site's `pre` of the result
         -> (X', x, pre, post, comb, the copies' mean if `capture`): one launch on the fast path, the expand

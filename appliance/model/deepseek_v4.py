@@ -157,7 +157,8 @@ class V4Attention(AttentionProjections):
 class PlainBlock:
     """A V4 block: attention and MoE, each between its own mHC site (not staggered)."""
 
-    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE, captured: bool = False):
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE, captured: int = 0):
+        """`captured`: DSpark's count of target layers where this layer is one of them (0: it is not)."""
         c = cfg
         self.rt, self.attn, self.ffn, self.captured = rt, attn, ffn, captured
         self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
@@ -170,9 +171,10 @@ class PlainBlock:
     def __call__(self, X: torch.Tensor, step) -> torch.Tensor:
         """X [T, hc, D] -> the layer's output streams (split over ranks, a long call's share of the rows:
         v41.StaggeredBlock)."""
-        x, _, post, comb, mean = self.hc_attn.pre(X, None, self.attn_norm, self.captured)
-        if self.captured:  # DSpark (0731) reads the stream entering this layer, averaged over the copies
-            step.captures.append(mean)
+        # DSpark (0731) reads the stream entering a captured layer, averaged over the copies (the site writes it
+        # into the step's `hidden`)
+        mean = step.capture(X, self.captured) if self.captured else False
+        x, _, post, comb, _ = self.hc_attn.pre(X, None, self.attn_norm, mean)
         X, x, _, post, comb = self.attn.out.expand_pre(self.attn(step.gather(x), step), X, post, comb, self.hc_ffn,
                                                        None, self.ffn_norm)
         X = self.ffn.expand(step.gather(x), X, post, comb, step.tokens)
@@ -227,7 +229,7 @@ class V4Model:
             attn = V4Attention(rt, c, ckpt, L, self.compressed_rope if c.compress_ratios[L] else self.plain_rope)
             ffn = v4_moe(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts,
                          L < c.n_hash_layers)
-            captured = bool(c.dspark) and L in c.dspark.target_layer_ids
+            captured = len(c.dspark.target_layer_ids) if c.dspark and L in c.dspark.target_layer_ids else 0
             self.layers.append(PlainBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, captured))
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:

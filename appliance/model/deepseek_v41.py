@@ -221,7 +221,8 @@ class StaggeredBlock:
     """A V4.1 block: Engram (if any), then attention and MoE between staggered mHC sites."""
 
     def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE,
-                 engram: Engram | None = None, captured: bool = False):
+                 engram: Engram | None = None, captured: int = 0):
+        """`captured`: DSpark's count of target layers where this layer is one of them (0: it is not)."""
         c = cfg
         self.rt, self.attn, self.ffn, self.engram, self.captured = rt, attn, ffn, engram, captured
         self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
@@ -241,13 +242,14 @@ class StaggeredBlock:
         sub-block's input; the sums over ranks return the share's rows."""
         if self.engram is not None:
             X = self.engram(X, engram_rows, step.split)
-        # DSpark reads the stream entering a captured layer, averaged over the copies
+        # DSpark reads the stream entering a captured layer, averaged over the copies (the site writes it into
+        # the step's `hidden`)
         if isinstance(X, torch.Tensor):
-            xa, a_pre, a_post, a_comb, mean = self.hc_attn.pre(X, pre, self.attn_norm, self.captured)
+            mean = step.capture(X, self.captured) if self.captured else False
+            xa, a_pre, a_post, a_comb, _ = self.hc_attn.pre(X, pre, self.attn_norm, mean)
         else:
-            X, xa, a_pre, a_post, a_comb, mean = self.hc_attn.expand_pre(*X, pre, self.attn_norm, self.captured)
-        if self.captured:
-            step.captures.append(mean)
+            mean = step.capture(X[1], self.captured) if self.captured else False
+            X, xa, a_pre, a_post, a_comb, _ = self.hc_attn.expand_pre(*X, pre, self.attn_norm, mean)
         X, xf, f_pre, f_post, f_comb = self.attn.out.expand_pre(self.attn(step.gather(xa), step), X, a_post, a_comb,
                                                                  self.hc_ffn, a_pre, self.ffn_norm)
         X = self.ffn.expand(step.gather(xf), X, f_post, f_comb, pending=fuse)
@@ -284,7 +286,7 @@ class V41Model:
         for L in range(c.n_layers):
             attn = V41Attention(rt, c, ckpt, L, compressed if c.compress_ratios[L] else plain)
             ffn = moe_for(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts)
-            captured = bool(c.dspark) and L in c.dspark.target_layer_ids
+            captured = len(c.dspark.target_layer_ids) if c.dspark and L in c.dspark.target_layer_ids else 0
             self.layers.append(StaggeredBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, engrams.get(L), captured))
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:

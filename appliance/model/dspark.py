@@ -201,9 +201,14 @@ class DSpark:
         positions = state.following(q, B + 1)  # q, then the block's q+1 .. q+B
         if row_q is not None:
             self._commit(state, row_q.unsqueeze(0), q, positions[:1])
-        # the anchor into row 0 of the block's ids and streams (no other launch: the noise rows are made)
+        # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
+        # (the anchor's by the token inputs below; each Markov step's sampler writes the next one's)
+        features = torch.empty(k, c.dim + self.markov_embed.shape[1], dtype=torch.float32, device=anchor.device)
+        mu = features[:, c.dim:]
+        # the anchor into row 0 of the block's ids and streams (no other launch: the noise rows are made), its
+        # Markov row into the features' first
         ops.token_inputs(anchor, state.offsets[:1], self.block_ids, self.embed, c.hc_mult, self.rt.dtype,
-                         out=self.block_inputs[:1])
+                         out=self.block_inputs[:1], also=(self.markov_embed, mu[:1]))
         X, ids = self.block_inputs, self.block_ids
         step = DraftBlock(state, positions[1:], ids)
         if not self.v41:  # V4.1's stages rotate by the tables inside their ops
@@ -219,23 +224,21 @@ class DSpark:
             pre = state.first_collapse(B, c.hc_mult)
             for s, stage in enumerate(self.stages):  # a stage's MoE combined by the next stage's site
                 X, pre = stage(X, pre, step, fuse=s + 1 < len(self.stages))
-            x = ops.hc_collapse(X[:k], pre[:k])
+            # the drafts' collapse by the last stage's weights into the features, and its RMSNorm: one launch
+            x = ops.hc_pre(X[:k], pre[:k], None, None, None, 0.0, 0.0, 0, self.norm.weight, self.norm.eps,
+                           collapsed=features[:, :c.dim])[0]
         else:
             for stage in self.stages:
                 X = stage(X, step)
             x = self.hc_head(X[:k])
-        base = self.head(self.norm(x), torch.float32, sampled="later")  # [k, V]: the Markov steps' to add
+            features[:, :c.dim].copy_(x)
+            x = self.norm(x)
+        base = self.head(x, torch.float32, sampled="later")  # [k, V]: the Markov steps' to add
         out = out or Draft.empty(k, c.vocab_size, x.device, confidence=True)
-        # the confidence head's input [k, D + rank]: each draft's x, then its Markov row, written in place
-        # (the Markov step reads its row from here; each step's sampler writes the next one's)
-        features = torch.empty(k, c.dim + self.markov_embed.shape[1], dtype=torch.float32, device=x.device)
-        features[:, :c.dim].copy_(x)
-        mu = features[:, c.dim:]
-        torch.index_select(self.markov_embed, 0, anchor, out=mu[:1])
         for i in range(k):  # the Markov chain: strictly sequential
             last = i + 1 == k
             markov = self.markov_head(mu[i:i + 1], torch.float32, sampled="next")  # the sampler's alone
             self.rt.ops.sample_sum(base[i:i + 1], markov, params, key, out.ids[i:i + 1], out.logits[i:i + 1],
                                    None if last else self.markov_embed, None if last else mu[i + 1:i + 2])
-        out.confidence.copy_(self.confidence(features, torch.float32)[:, 0])
+        self.confidence(features, torch.float32, out=out.confidence.view(k, 1))
         return out

@@ -22,7 +22,10 @@ class Step:
     bound: int  # no position in this call exceeds it: sizes the visible compressed rows (static: the cycle's reach - 1)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [T, k] rows (-1 = none)
     candidates: torch.Tensor | None = None  # [T, B] int64 kept blocks (-1 unused), from the candidate source
-    captures: list[torch.Tensor] = field(default_factory=list)  # DSpark inputs, one [T, D] per target layer
+    # DSpark's input [rows, targets x D]: the captured layers' streams averaged over the copies, side by side,
+    # each written by its layer's site (`capture`)
+    hidden: torch.Tensor | None = None
+    captured: int = 0  # the captured layers so far
     # split over ranks (`comm`), a long call's residual streams are held by rows: this rank's `share` of the
     # call's rows (rowsplit.query_share); the sub-blocks' inputs are gathered (`gather`)
     comm: object = None
@@ -31,6 +34,16 @@ class Step:
     @property
     def split(self) -> bool:
         return self.share != ALL_ROWS
+
+    def capture(self, X: torch.Tensor, targets: int) -> torch.Tensor:
+        """The next captured layer's columns of `hidden` ([rows, D] of the streams X [rows, hc, D]; `hidden`
+        made by the first of the `targets` layers): where its site writes the streams' mean."""
+        rows, _, dim = X.shape
+        if self.hidden is None:
+            self.hidden = torch.empty(rows, targets * dim, dtype=X.dtype, device=X.device)
+        i = self.captured
+        self.captured += 1
+        return self.hidden[:, i * dim:(i + 1) * dim]
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every row of a result this rank made for its share of the call's rows (`t` itself where not split)."""
@@ -96,7 +109,7 @@ class Output:
         """[T, n_targets * D]: DSpark inputs (the captured target-layer streams), made at each read (a
         rank-split call's a gather: the callers read once; a plain cycle reads none, no launch)."""
         step = self.step
-        return step.gather(torch.cat(step.captures, dim=-1)) if step.captures else None
+        return step.gather(step.hidden) if step.hidden is not None else None
 
 
 @dataclass

@@ -55,9 +55,12 @@ class Comm:
     """The collectives the shards use (gloo on CPU, NCCL on CUDA). `sum`: the fast path's fixed-order fp32
     sum over ranks (appliance/parallel/collectives.py); `all_reduce`: the reference path's float64 sums."""
 
-    def __init__(self, rank: int, world: int, sum=None, group=None, check=None):
+    def __init__(self, rank: int, world: int, sum=None, group=None, check=None, later=None):
         self.rank, self.world, self.group = rank, world, group
         self.sum = sum
+        # a second exchange of `sum`'s kind, its own buffers: for parts read after other exchanges passed
+        # through `sum`'s slots (`gather_later`)
+        self.later = later
         self.check = check  # --check-ranks: collectives.CallCheck, called before each collective
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +95,15 @@ class Comm:
         """`sum_produced`'s exchange for a product split by its outputs: `consume` gets every rank's float32
         part of `shape` in rank order and reads each where it lies (a gather, nothing added)."""
         return self.sum.gathered_into(shape, produce, consume)
+
+    def gather_later(self, shape: tuple[int, ...], produce, consume):
+        """`gather_produced` through the second exchange (`later`): the parts stay where they lie while the
+        first exchange's calls pass through its slots (DSpark's base logits, read by each Markov step after
+        that step's own exchange); gathered by an all-gather where there is no second exchange."""
+        if self.later is None:
+            part = produce(None)
+            return consume(list(self.all_gather(part, dim=0).view(self.world, *part.shape)))
+        return self.later.gathered_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [world, ...]: this rank's part for each rank -> [world, ...] every rank's part for this one, in
@@ -177,8 +189,9 @@ class VocabParallel:
       by its kernel over symmetric memory (all-gathered where it passes a slot, or without it), the sampler
       waiting for it in its launch (the acceptance: a gathering launch of its own): no collective launch, no
       concatenation;
-    - "later": read by sampler launches after other exchanges (a slot would be written again): all-gathered
-      by rows, not concatenated;
+    - "later": read by sampler launches after other exchanges (the first exchange's slots are written
+      again): published through the second exchange (`Comm.gather_later`), each sampler's kernel reading
+      the rows where they lie;
     - "": one tensor."""
 
     def __init__(self, head: Dense, comm: Comm):
@@ -193,8 +206,8 @@ class VocabParallel:
         if not sampled or rt.ops.path == "reference" or out_dtype != torch.float32 or x.dim() != 2:
             return self.comm.all_gather(self.local(x, out_dtype), dim=-1)
         if sampled == "later":
-            part = self.local(x, out_dtype)
-            return SplitLogits(list(self.comm.all_gather(part, dim=0).view(self.comm.world, *part.shape)))
+            return self.comm.gather_later((x.shape[0], weight.shape[0]), lambda to: rt.ops.linear(
+                x, weight, None, torch.float32, publish=to), SplitLogits)
         return self.comm.gather_produced((x.shape[0], weight.shape[0]), lambda to: rt.ops.linear(
             x, weight, None, torch.float32, publish=to), SplitLogits)
 
@@ -261,6 +274,15 @@ class ExpertReduce:
 
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
         return self.comm.sum_produced(shape, produce, consume)
+
+    def gather_later(self, shape: tuple[int, ...], produce, consume):
+        """`gather_produced` through the second exchange (`later`): the parts stay where they lie while the
+        first exchange's calls pass through its slots (DSpark's base logits, read by each Markov step after
+        that step's own exchange); gathered by an all-gather where there is no second exchange."""
+        if self.later is None:
+            part = produce(None)
+            return consume(list(self.all_gather(part, dim=0).view(self.world, *part.shape)))
+        return self.later.gathered_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.exchange(t)

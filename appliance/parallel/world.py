@@ -130,11 +130,12 @@ class World:
 
     def comm(self, allreduce: str = "auto", capacity: int = 1 << 20):
         """The collectives of this group (a collective call: every rank makes it); `capacity`: the values a
-        symmetric-memory sum takes in one piece."""
+        symmetric-memory sum takes in one piece (each of its two exchanges: sharding.Comm `later`)."""
         from .sharding import Comm
 
         sum = make_sum(allreduce, self.size, self.rank, self._device(), capacity, check=self.check)
-        return Comm(self.rank, self.size, sum, check=self.check)
+        later = make_sum(allreduce, self.size, self.rank, self._device(), capacity, check=self.check)
+        return Comm(self.rank, self.size, sum, check=self.check, later=later)
 
     def stop(self) -> None:
         """Rank 0 is done: let the children finish and reap them."""
