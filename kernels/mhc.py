@@ -137,11 +137,13 @@ def expand(y: torch.Tensor | list[torch.Tensor], X: torch.Tensor, post: torch.Te
 def expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
                scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-               rms_eps: float, capture: bool | torch.Tensor = False):
+               rms_eps: float, capture: bool | torch.Tensor = False, collapsed: torch.Tensor | None = None):
     """A sub-block's output expanded into the streams, then the next site's `pre` of them: X' = expand(y, X,
-    post, comb) -> (X', x, pre, post', comb', the copies' mean if `capture`) (`pre`'s results after X')."""
+    post, comb) -> (X', x, pre, post', comb', the copies' mean if `capture`) (`pre`'s results after X'; no
+    site, fn None: the collapse by `weights`, `pre`'s)."""
     Xn = expand(y, X, post, comb)
-    return (Xn, *pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture))
+    return (Xn, *pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture,
+                     collapsed))
 
 
 # --- Triton kernels --------------------------------------------------------------------------------------
@@ -522,10 +524,7 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
     r_lo = pid_b * RB
     r_hi = tl.minimum(M, r_lo + RB)
     last = True
-    if COEFFS:
-        J = hc if HEAD else hc * (2 + hc)
-        js = tl.arange(0, BJ)
-        jmask = js < J
+    if COEFFS or EXPAND:  # the split's columns: expanded, projected; the block's last program goes on
         d_lo = pid_s * chunk
         d_end = tl.minimum(D, d_lo + chunk)
         if EXPAND:  # these columns of every copy of X made here first (y loaded once for all copies), stored:
@@ -540,23 +539,27 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                                HAS_SHARED, S_ROUND, Y_ROUND, OUT_BF16)
                 expand_tile(y, xo_ptr, xpost_ptr, xcomb_ptr, x_ptr, m, d, dmask, D, hc, OUT_BF16, BHC, BC)
             tl.debug_barrier()  # the block's stores are visible to all its threads before they read them
-        for m in range(r_lo, r_hi):
-            dots = tl.zeros((BJ,), dtype=tl.float32)
-            ss = tl.zeros((1,), dtype=tl.float32)
-            for d0 in range(d_lo, d_end, BC):
-                d = d0 + tl.arange(0, BC)
-                for c in tl.static_range(BHC):  # the copies in order (past hc masked: + 0)
-                    cmask = (d < d_end) & (d * 0 + c < hc)
-                    cols = c * D + d
-                    v = tl.load(x_ptr + as_int64(m) * n + cols, mask=cmask, other=0.0).to(tl.float32)
-                    f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
-                                other=0.0)
-                    dots += tsum(f * v[None, :], axis=1)
-                    ss += tsum(v * v, axis=0)
-            base = part_ptr + (pid_s * M + m).to(tl.int64) * (J + 1)
-            tl.store(base + js, dots, mask=jmask)
-            tl.store(base + J + tl.arange(0, 1), ss)
-        tl.debug_barrier()  # every thread's partials are written before the counter's release
+        if COEFFS:
+            J = hc if HEAD else hc * (2 + hc)
+            js = tl.arange(0, BJ)
+            jmask = js < J
+            for m in range(r_lo, r_hi):
+                dots = tl.zeros((BJ,), dtype=tl.float32)
+                ss = tl.zeros((1,), dtype=tl.float32)
+                for d0 in range(d_lo, d_end, BC):
+                    d = d0 + tl.arange(0, BC)
+                    for c in tl.static_range(BHC):  # the copies in order (past hc masked: + 0)
+                        cmask = (d < d_end) & (d * 0 + c < hc)
+                        cols = c * D + d
+                        v = tl.load(x_ptr + as_int64(m) * n + cols, mask=cmask, other=0.0).to(tl.float32)
+                        f = tl.load(fn_ptr + js[:, None] * n + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                                    other=0.0)
+                        dots += tsum(f * v[None, :], axis=1)
+                        ss += tsum(v * v, axis=0)
+                base = part_ptr + (pid_s * M + m).to(tl.int64) * (J + 1)
+                tl.store(base + js, dots, mask=jmask)
+                tl.store(base + J + tl.arange(0, 1), ss)
+        tl.debug_barrier()  # every thread's stores are written before the counter's release
         last = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel") == S - 1
     if last:
         rows = r_lo + tl.arange(0, BM)
@@ -566,6 +569,7 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
         if COEFFS:
             p = _site_coeffs(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, rmask, M, n, hc,
                              iters, norm_eps, hc_eps, S, HEAD, BM, BHC)
+        if COEFFS or EXPAND:
             tl.atomic_xchg(cnt_ptr + pid_b, 0)  # ready for the next launch (a graph replays this one)
         if OWN:
             wts = p
@@ -619,18 +623,18 @@ def fast_pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | N
 def fast_expand_pre(y: torch.Tensor | list[torch.Tensor] | Combine, X: torch.Tensor, post: torch.Tensor,
                     comb: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
                     scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor,
-                    rms_eps: float, capture: bool | torch.Tensor = False):
+                    rms_eps: float, capture: bool | torch.Tensor = False, collapsed: torch.Tensor | None = None):
     """The kernel for `expand_pre` (same signature; the site's results the same bits as fast_pre's of the X' it
     returns; X' within the expand's tolerance, a `Combine`'s the bits of the MoE's combine): one launch, the
     pre kernel's, each program expanding the columns it projects (y's row loaded once for every copy: the
     ranks' partials added in rank order as it loads them, waited for inside it; a MoE's pairs and shared
     expert added as its combine adds them) and storing them for the collapse."""
-    require(fn is not None and iters >= 1, "iters", iters, "must be >= 1: the expanded streams feed a site's "
-            "coefficients")
+    require(fn is None or iters >= 1, "iters", iters, "must be >= 1: the expanded streams feed a site's "
+            "coefficients (or none: fn None, a collapse by given weights)")
     front = _front(y, X, post, comb)
     Xn = torch.empty_like(front.X)
     return (Xn, *_pre(Xn, weights, fn, base, scale, norm_eps, hc_eps, iters, norm_weight, rms_eps, capture,
-                      front))
+                      front, collapsed))
 
 
 def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: float, iters: int,
@@ -687,7 +691,7 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
         bc = 32
         chunk = triton.cdiv(triton.cdiv(d, 128), bc) * bc
         rb, bd = 16, 128
-    splits = triton.cdiv(d, chunk) if coeff else 1
+    splits = triton.cdiv(d, chunk) if coeff or front is not None else 1
     blocks = triton.cdiv(m, rb)
     cnt = counters(dev, blocks)
     part = torch.empty((splits, m, j + 1), dtype=torch.float32, device=dev) if coeff else y

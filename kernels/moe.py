@@ -714,6 +714,13 @@ class Pending(NamedTuple):
     post: torch.Tensor
     comb: torch.Tensor
 
+    def rows(self, sl: slice) -> "Pending":
+        """The rows `sl` (consecutive) of it: the rows a head reads (a step's last, a draft's first k)."""
+        start, _, step = sl.indices(self.X.shape[0])
+        require(step == 1, "rows", sl, "must be consecutive")
+        return Pending(self.y._replace(pos=self.y.pos[sl], sh0=self.y.sh0 + start), self.X[sl], self.post[sl],
+                       self.comb[sl])
+
 
 def _combine(parts: list[torch.Tensor], pos, X, post, comb, out: torch.Tensor | None, has_shared: bool, split: bool,
              shared: torch.Tensor | None = None, pending: bool = False) -> torch.Tensor | Pending:

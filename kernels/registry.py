@@ -21,6 +21,7 @@ from . import (
     linear,
     mhc,
     moe,
+    ring_rows,
     rmsnorm,
     rope,
     sampling,
@@ -32,6 +33,7 @@ from ._triton import long_calls  # noqa: F401  (the prefill's: a chunk's product
 class Ops:
     path: str
     token_inputs: Callable
+    put_rows: Callable
     linear: Callable
     linear_multi: Callable
     linear_expand: Callable
@@ -76,6 +78,7 @@ class Ops:
 REFERENCE = Ops(
     path="reference",
     token_inputs=embed.inputs,
+    put_rows=ring_rows.put,
     linear=linear.reference,
     linear_multi=linear.reference_multi,
     linear_expand=mhc.product_expand,
@@ -104,6 +107,7 @@ REFERENCE = Ops(
 FAST = Ops(
     path="fast",
     token_inputs=embed.fast_inputs,
+    put_rows=ring_rows.fast_put,
     linear=linear.fast,
     linear_multi=linear.fast_multi,
     linear_expand=mhc.fast_product_expand,

@@ -30,8 +30,7 @@ and the last program to finish makes the acceptance tests u * r < p in float32 o
 picks the first miss, and writes the cycle's result and the advanced counter (the forced count too, for
 benchmarks). Logits a vocabulary-parallel head leaves split by columns over the ranks (`SplitLogits`) are read
 where they lie: a launch's program first stores its row from every rank's columns (waiting for them inside
-the launch where they are in symmetric memory), then runs as above, on the same bits; the acceptance takes
-them gathered into whole rows by a launch of their own (with that fill its launch spills on the GPU). Tolerance:
+the launch where they are in symmetric memory), then runs as above, on the same bits. Tolerance:
 probabilities within 2^-20 of the largest (float32 exp and sums over V in a different order than torch's: a
 few ulps); the kept set is the reference's except at exact ties on the
 top-p boundary, where all tied entries are kept (the reference's order among ties is its sort's,
@@ -422,29 +421,6 @@ def _distribution(logits: torch.Tensor, params: torch.Tensor, key: torch.Tensor 
     return p
 
 
-@triton.jit
-def _gathered_kernel(a_parts, width, stride_a,  # rows held by columns (`_fill_args`)
-                     flags, rank, capacity,  # ... waited for over symmetric memory (WAIT)
-                     out_ptr,  # out float32 [R, V], contiguous
-                     V, BV: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    _fill_row(a_parts, width, stride_a, flags, rank, capacity, r, out_ptr + r * V, a_parts, 0, flags, rank,
-              capacity, False, WAIT, WORLD, 1, False, BV)
-
-
-def _gathered(logits: SplitLogits) -> torch.Tensor:
-    """Logits held by columns -> float32 [R, V] whole rows, one launch (a program a row, waiting for them
-    where they are in symmetric memory): the same values."""
-    r, v = logits.shape
-    out = torch.empty((r, v), dtype=torch.float32, device=logits.parts[0].device)
-    if r and v:
-        a_args, world, waits = _fill_args(logits)
-        bv = min(pow2(logits.width), 4096 if INTERPRET else 2048)
-        _gathered_kernel[(r,)](*a_args, out, v, BV=bv, WORLD=world, WAIT=waits, **pdl(out.device))
-    return out
-
-
 @device_function
 def _uniform(seed, counter):
     """float32 uniforms for the int64 counters `counter` (a block): the reference's splitmix64 bits, the
@@ -557,7 +533,9 @@ ACCEPT_REGISTERS = 128  # the acceptance launch's register cap (ptxas' maxnreg; 
 
 
 @triton.jit
-def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
+def _accept_kernel(a_parts, width, stride_a,  # FILL: the target rows held by columns (`_fill_args`) ...
+                   flags, rank, capacity,  # ... waited for over symmetric memory (WAIT), stored into t's rows
+                   t_ptr,       # [K+1, V] the target rows' logits (any float dtype), row stride stride_t
                    dl_ptr,      # [K, V] the drafter's, row stride stride_d
                    p_ptr,       # float32 [K+1, V] scratch: the target rows' distributions
                    r_ptr,       # float32 [K, V] scratch: the drafter's
@@ -569,9 +547,13 @@ def _accept_kernel(t_ptr,       # [K+1, V] the target rows' logits (any float dt
                    draws_ptr,   # int64 [K+1] scratch: row i's draw, the next token if i is the first miss
                    cnt_ptr,     # int32 counter of finished programs (zero between launches)
                    out_ptr,     # out int64 [K+3]: j+1, j, the K+1 ids (accept's result)
-                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                   K, V, stride_t, stride_d, KB: tl.constexpr, BV: tl.constexpr, FILL: tl.constexpr,
+                   WORLD: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
     i = tl.program_id(0).to(tl.int64)
+    if FILL:  # this program's target row gathered first (no program reads another's)
+        _fill_row(a_parts, width, stride_a, flags, rank, capacity, i, t_ptr + i * stride_t, a_parts, 0, flags, rank,
+                  capacity, False, WAIT, WORLD, 1, False, BV)
     seed = tl.load(key_ptr + tl.arange(0, 1))
     counter = tl.load(key_ptr + 1 + tl.arange(0, 1))
     base = counter + K + i * V  # the acceptance tests take the first K values, the rows' races the next
@@ -633,10 +615,12 @@ def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params
                 key: torch.Tensor, force: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for `accept` (same signature and result), one launch: each program makes its row's
     distributions (the target's, with its logits' argmax, and the drafter's) and draws from them; the last to
-    finish accepts (writing `out` where given). A `SplitLogits` target is first gathered into whole rows by a
-    launch of its own (`_gathered`: the acceptance's launch, given the fill, spills on the GPU)."""
-    if isinstance(target, SplitLogits):
-        target = _gathered(target)
+    finish accepts (writing `out` where given). A `SplitLogits` target's programs first gather their rows
+    where the ranks hold them (waiting for them in symmetric memory)."""
+    fill = target if isinstance(target, SplitLogits) else None
+    if fill is not None:
+        require(len(fill.shape) == 2, "target.shape", tuple(fill.shape), "must be [k+1, V]")
+        target = torch.empty(tuple(fill.shape), dtype=torch.float32, device=fill.parts[0].device)
     require(target.dim() == 2, "target.dim()", target.dim(), "must be 2 ([k+1, V])")
     k, v = drafts.numel(), target.shape[1]
     require(tuple(target.shape) == (k + 1, v), "target.shape", tuple(target.shape), f"must be ({k + 1}, V): k+1 rows")
@@ -659,7 +643,9 @@ def fast_accept(target, drafts: torch.Tensor, draft_logits: torch.Tensor, params
     # k + 1 programs: occupancy is moot, registers are not. ptxas' own choice for this launch on sm_103 with
     # PDL was 64 registers and 8 bytes spilled at V4.1's vocabulary (passes of 1,024 or eight warps moved the
     # spill); allowed 128 it takes 96 on sm_90, 88 on sm_103 and spills none (the compile check, 2026-12-06)
-    _accept_kernel[(k + 1,)](target, draft_logits, p, r, best, drafts, key, params, force, draws, counters(dev, 1),
-                             out, k, v, target.stride(0), draft_logits.stride(0) if k else v, KB=pow2(k + 1), BV=bv,
+    a_args, world, waits = _fill_args(target if fill is None else fill)
+    _accept_kernel[(k + 1,)](*a_args, target, draft_logits, p, r, best, drafts, key, params, force, draws,
+                             counters(dev, 1), out, k, v, target.stride(0), draft_logits.stride(0) if k else v,
+                             KB=pow2(k + 1), BV=bv, FILL=fill is not None, WORLD=world, WAIT=waits,
                              maxnreg=ACCEPT_REGISTERS, **pdl(dev))
     return out

@@ -441,22 +441,24 @@ def drive_split_specializations(failures: list):
                 failures.append({"case": f"split over four ranks {dt} M={m}", "error": traceback.format_exc()[-2000:]})
     # a cycle's logits left where the ranks hold them (kernels/sampling.py SplitLogits, rank 1 of 4): gathered,
     # or published by the head's product and waited for in the samplers' launches (sample, the Markov step
-    # with its base gathered, the whole rows accept takes, accept), at V4.1's vocabulary and the tiny models'
+    # with its base gathered or published through an exchange of its own, accept),
+    # at V4.1's vocabulary and the tiny models'
     params, key, f = torch.rand(3), torch.zeros(2, dtype=torch.long), torch.tensor(-1)
     for vocab in (s.vocab, 512):
         cols = vocab // 4
         for m in (2, 4):
             gathered = sampling.SplitLogits([torch.randn(m, cols)] * 4)
-            into = to(m * cols)
-            linear.fast(torch.randn(m, s.dim).bfloat16(), bench.dense_weight(cols, s.dim), None, torch.float32,
-                        publish=into)
+            into, later = to(m * cols), to(m * cols)
+            for buffer in (into, later):
+                linear.fast(torch.randn(m, s.dim).bfloat16(), bench.dense_weight(cols, s.dim), None, torch.float32,
+                            publish=buffer)
             published = sampling.SplitLogits(rank_sum.Partials([torch.empty(m, cols)] * 4, into))
+            base = sampling.SplitLogits(rank_sum.Partials([torch.empty(m, cols)] * 4, later))
             for logits in (gathered, published):
                 try:
                     sampling.fast_sample(logits[-1:], params, key)
-                    sampling.fast_sample_sum(gathered[:1], logits[-1:], params, key,
-                                             torch.empty(1, dtype=torch.long), torch.empty(1, vocab))
-                    sampling._gathered(logits)
+                    sampling.fast_sample_sum(base[:1] if logits is published else gathered[:1], logits[-1:],
+                                             params, key, torch.empty(1, dtype=torch.long), torch.empty(1, vocab))
                     sampling.fast_accept(logits, torch.zeros(m - 1, dtype=torch.long), torch.randn(m - 1, vocab),
                                          params, key, f)
                 except Exception:

@@ -139,17 +139,21 @@ def check_combine_pre(m, hc, d, k, dt, world, form, kind, device=DEVICE):
     combined = moe._combine(parts, pos, X, post, comb, torch.empty_like(X), form != "none", form == "split", whole)
     assert_equal("X' against the combine's", combined, got[0], ctx)
     for name, w, g in zip(("x", "pre", "post", "comb"), run(mhc.fast_pre, got[0], weights, *site), got[1:]):
-        assert_equal(f"{name} of X'", w, g, ctx)
+        assert (w is None) == (g is None), f"{name} {ctx}"
+        if w is not None:
+            assert_equal(f"{name} of X'", w, g, ctx)
     assert_close("X'", mhc.expand(y, X, post, comb), got[0], TOL[dt], context=ctx)
+    assert_close("x", mhc.expand_pre(y, X, post, comb, weights, *site)[1], got[1], TOL[dt], context=ctx)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_a_moes_combine_inside_the_next_sites_launch_gives_the_combines_streams(dt):
-    """check_combine_pre at fresh shapes, ranks and forms of the shared expert's row."""
+    """check_combine_pre at fresh shapes, ranks and forms of the shared expert's row, into a site, or into
+    the final collapse by given weights ("none": the model's and DSpark's heads take their last MoE so)."""
     m, hc, d, k = (int(torch.randint(lo, hi, ())) for lo, hi in ((1, 7), (2, 5), (20, 140), (1, 8)))
-    r = int(torch.randint(0, 18, ()))
+    r = int(torch.randint(0, 27, ()))
     check_combine_pre(m, hc, d, k, dt, (1, 2, 4)[r % 3], ("split", "whole", "none")[r // 3 % 3],
-                      ("staggered", "site")[r // 9], DEVICE)
+                      ("staggered", "site", "none")[r // 9], DEVICE)
 
 
 @requires_cuda

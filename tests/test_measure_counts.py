@@ -409,8 +409,9 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
     # attention's output rows, float32; the MoE's rows' pairs' sums and the split shared expert's partial rows
     # (not every pair's partial); an Engram layer's rank's columns of its product (whole blocks of wkv's rows);
     # the rank's columns of the logits a sampler reads in place (the head's rows, each Markov step's one row).
-    # The one all-gather left: DSpark's base logits (the k drafts' rows of its block of five, read by the Markov
-    # steps after other exchanges), by rows, without a concatenation.
+    # No all-gather: DSpark's base logits (the k drafts' rows of its block of five, read by the Markov steps
+    # after other exchanges) go through an exchange of their own, each Markov step reading its row's parts
+    # where they lie ("symm_read": the peers' parts, no wait of its own).
     from appliance.model.config import load_config
 
     cfg = load_config(released_config)
@@ -423,8 +424,8 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         want = {n * w * 4 for n in (rows, stage) if n for w in (cfg.dim, 2 * cfg.dim)} | {rows * engram * 4}
         want |= {rows * columns} | ({columns} if stage else set())
         assert sums == want, (sorted(sums), sorted(want))
-        gathers = [(c["bytes"], c["count"]) for c in payloads if c["op"] != "symm_"]
-        assert gathers == ([((rows - 1) * columns, 1)] if stage else []), gathers
+        others = [(c["op"], c["bytes"], c["count"]) for c in payloads if c["op"] != "symm_"]
+        assert others == ([("symm_read", columns, rows - 1)] if stage else []), others
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
     moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
     assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by

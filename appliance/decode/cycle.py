@@ -200,7 +200,8 @@ class VerifyStep:
         with state.journal.off(), spec.state.journal.off():
             out = target.forward(tokens, "all", N, self.reach, sampled="next")
             rows = spec.drafter.rows(out)
-            spec.rows.write(out.step.positions, rows.reshape(k + 1, -1), buf.row_slots[1:k + 2])  # N .. N + k
+            spec.rows.write(out.step.positions, rows.reshape(k + 1, -1), buf.row_slots[1:k + 2],  # N .. N + k
+                            target.ops.put_rows)
             target.ops.accept(out.logits, drafts, draft_logits, buf.params, buf.key, buf.force, self.result)
             # N .. N + k - 1, whose next tokens the drafts are; a drafter that needs none takes N + k too: the
             # next draft's q is one of them, whatever the acceptance (its rings keep positions a spare ahead)

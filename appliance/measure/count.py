@@ -108,7 +108,8 @@ class DeclaredReads:
                                           index_scores=self._index_scores(ops.index_scores),
                                           index_select=self._index_select(ops.index_select),
                                           sample_sum=self._sample_sum(ops.sample_sum),
-                                          token_inputs=self._token_inputs(ops.token_inputs))
+                                          token_inputs=self._token_inputs(ops.token_inputs),
+                                          put_rows=self._put_rows(ops.put_rows))
         try:
             yield
         finally:
@@ -230,6 +231,14 @@ class DeclaredReads:
                 if history is not None:
                     declared.enter_context(rec.writes(history, tokens.numel() * history.element_size()))
                 return token_inputs(tokens, positions, history, table, copies, dtype, share, out, also)
+
+        return call
+
+    def _put_rows(self, put_rows):
+        """Rows written into a ring write its slots (the values' rows), reading none of it."""
+        def call(data, slots, values):
+            with self.rec.writes(data, slots.numel() * _row(data)):
+                return put_rows(data, slots, values)
 
         return call
 

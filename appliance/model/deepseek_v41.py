@@ -20,6 +20,7 @@ each query sees its own window, its own visible compressed rows and its own top-
 import torch
 
 from kernels.linear import Product
+from kernels.moe import Pending
 
 from .blocks import AttentionProjections, Dense, HyperSite, Linear, MoE, RMSNorm
 from .compressor import Compressor
@@ -256,6 +257,16 @@ class StaggeredBlock:
         return X, f_pre
 
 
+def final_collapse(ops, X, pre: torch.Tensor, rows: slice, norm: RMSNorm, collapsed: torch.Tensor | None = None):
+    """norm(the streams' rows `rows` collapsed by the last layer's `pre`), one launch: the streams X, or the
+    last layer's MoE not yet combined (`Pending`: combined and expanded in the collapse's launch);
+    `collapsed`: where the collapse also goes (kernels/mhc.py `pre`)."""
+    site = (None, None, None, 0.0, 0.0, 0, norm.weight, norm.eps)  # no site: the collapse by `pre`, normed
+    if isinstance(X, Pending):
+        return ops.hc_expand_pre(*X.rows(rows), pre[rows], *site, collapsed=collapsed)[1]
+    return ops.hc_pre(X[rows], pre[rows], *site, collapsed=collapsed)[0]
+
+
 def moe_for(rt: Runtime, cfg: V41Config, ckpt: Checkpoint, prefix: str, n_experts: int, top_k: int) -> MoE:
     return MoE(rt, ckpt, prefix, cfg.dim, cfg.moe_inter_dim, n_experts, top_k, cfg.score_func, cfg.route_scale,
                cfg.swiglu_limit, cfg.weight_block, cfg.act_block, route_eps=1e-20,
@@ -321,18 +332,19 @@ class V41Model:
                                                    [self.layers[L].engram for L in layer_ids])
         return dict(zip(layer_ids, zip(codes, scales)))
 
-    def run_layers(self, X, pre, step: Step, first: int, last: int, engram_rows: dict):
+    def run_layers(self, X, pre, step: Step, first: int, last: int, engram_rows: dict, fuse_last: bool = False):
+        """Layers first .. last - 1; `fuse_last`: the last one's MoE left for the final collapse's launch."""
         for L in range(first, last):
-            fuse = L + 1 < last and self.layers[L + 1].engram is None  # its MoE combined by the next site
+            # its MoE combined by the next site (not an Engram layer's: Engram reads the streams first)
+            fuse = self.layers[L + 1].engram is None if L + 1 < last else fuse_last
             X, pre = self.layers[L](X, pre, step, engram_rows.get(L), fuse)
         return X, pre
 
     def final(self, X, pre, rows: slice = slice(None), step: Step | None = None, sampled: str = ""):
         """The logits of the call's `rows` from the final streams (`step`'s share of the rows where split);
         `sampled`: they go only to samplers' kernels, which read them then (the head's, blocks.Dense)."""
-        n, split = self.norm, step is not None and step.split
-        mine = slice(None) if split else rows
-        z = self.rt.ops.hc_pre(X[mine], pre[mine], None, None, None, 0.0, 0.0, 0, n.weight, n.eps)[0]
+        split = step is not None and step.split
+        z = final_collapse(self.rt.ops, X, pre, slice(None) if split else rows, self.norm)
         # the head takes z as it is: a bfloat16 row is its own float32 value (no cast launch, one MMA part)
         return self.head(step.gather(z)[rows] if split else z, torch.float32, sampled)
 
@@ -343,7 +355,7 @@ class V41Model:
         past `bound`) into the state; `sampled`: the logits go only to samplers' kernels (`final`)."""
         step = begin(state, tokens, start, index_keys, bound, self.row_comm)
         X, pre = self.embed_tokens(step)
-        X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step))
+        X, pre = self.run_layers(X, pre, step, 0, self.cfg.n_layers, self.engram_rows(step), not keep_streams)
         out = self.final(X, pre, slice(-1, None) if logits == "last" else slice(None), step, sampled)
         finish(step)
         return Output(out, step, step.gather(X) if keep_streams else None)

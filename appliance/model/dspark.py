@@ -22,7 +22,7 @@ from kernels.linear import Product
 from .blocks import AttentionProjections, Dense, Linear, RMSNorm
 from .config import ModelConfig, V41Config
 from .deepseek_v4 import HyperHead, PlainBlock, nope_quant, v4_moe
-from .deepseek_v41 import StaggeredBlock, moe_for
+from .deepseek_v41 import StaggeredBlock, final_collapse, moe_for
 from .rope import RopeTable
 from .runtime import Runtime
 from .state import DecodeState, new_state
@@ -222,11 +222,10 @@ class DSpark:
         # invariant, so the head reads its weights for k rows and its all-gather carries k, not B
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
-            for s, stage in enumerate(self.stages):  # a stage's MoE combined by the next stage's site
-                X, pre = stage(X, pre, step, fuse=s + 1 < len(self.stages))
-            # the drafts' collapse by the last stage's weights into the features, and its RMSNorm: one launch
-            x = ops.hc_pre(X[:k], pre[:k], None, None, None, 0.0, 0.0, 0, self.norm.weight, self.norm.eps,
-                           collapsed=features[:, :c.dim])[0]
+            for stage in self.stages:  # a stage's MoE combined by the next stage's site, the last's by the head's
+                X, pre = stage(X, pre, step, fuse=True)
+            # the drafts' collapse (the last stage's MoE combined in its launch) into the features, normed
+            x = final_collapse(ops, X, pre, slice(0, k), self.norm, features[:, :c.dim])
         else:
             for stage in self.stages:
                 X = stage(X, step)

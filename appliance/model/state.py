@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from appliance.errors import StateError
+from kernels import ring_rows
 
 # positions a call at a device-scalar start takes from a state's `offsets` with one add: a verify's rows, a
 # draft block's, a draft window's keys (128 in V4.1)
@@ -124,9 +125,11 @@ class PositionRing:
         positions = torch.arange(max(0, length - self.reach), length, device=self.data.device)
         return self.data[positions % self.size]
 
-    def write(self, positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    def write(self, positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | None = None,
+              put=None) -> None:
         """Write rows for consecutive positions (only the last `size` can survive); `slots`: their slots where
-        the caller made them (a cycle's host: no launch for the remainder), at most `size` of them."""
+        the caller made them (a cycle's host: no launch for the remainder), at most `size` of them; `put`:
+        the op that writes them (ops.put_rows: the fast path's one launch), the reference's by default."""
         if self.tap is not None:
             self.tap(self, positions, values)
         if positions.numel() > self.size:
@@ -134,7 +137,7 @@ class PositionRing:
         if slots is None:
             slots = positions % self.size
         self.journal.record(self.data, slots, positions)
-        self.data[slots] = values.to(self.data.dtype)
+        (put or ring_rows.put)(self.data, slots, values)
 
     def record(self, positions: torch.Tensor) -> None:
         """Journal the slots of `positions` before an op writes them itself (a fused kernel)."""
