@@ -389,9 +389,10 @@ def pre(X: torch.Tensor, weights: torch.Tensor | None, fn: torch.Tensor | None, 
 # One launch: programs (split s, row block b). Each computes its columns' projection partials (a chunk of the
 # columns d of every copy, the copies in order) for the block's rows, one row at a time (EXPAND: it first
 # makes and stores those columns of the streams from the previous sub-block's output, whose row it loads
-# once for every copy); the last program of a row block to finish (a counter
-# per block, reset by that program) adds the partials in split order and computes the block's
-# coefficients, then the collapse and the RMSNorm of each row. Nothing mixes rows: batch invariant.
+# once for every copy; without a site, COEFFS off, that is all it does); the last program of a row block to
+# finish (a counter per block, reset by that program) adds the partials in split order and computes the
+# block's coefficients, then the collapse and the RMSNorm of each row. Without a site and an expand, one
+# program a row block. Nothing mixes rows: batch invariant.
 
 
 @device_function
@@ -502,15 +503,16 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 cnt_ptr,    # int32 [row blocks] counters, zero between launches
                 pre_ptr, post_ptr, comb_ptr,  # float32 coefficients out (COEFFS)
                 y_ptr,      # out [M, D] in X's dtype: the normed collapse
-                mean_ptr, stride_mean,  # out [M, D] in X's dtype, row stride stride_mean: the copies' mean (MEAN)
-                col_ptr, stride_col,  # out float32 [M, D], row stride stride_col: the collapse (COLLAPSED)
+                mean_ptr,   # out [M, D] in X's dtype, row stride STRIDE_MEAN: the copies' mean (MEAN)
+                col_ptr,    # out float32 [M, D], row stride STRIDE_COL: the collapse (COLLAPSED)
                 xo_ptr,     # EXPAND: the streams before the expand [M, hc, D]; X (x_ptr) is written from them
                 xpost_ptr, xcomb_ptr,  # EXPAND: float32 [M, hc], [M, hc, hc], the expand's coefficients
                 flags, rank, capacity,  # y's partials' Publish (kernels/rank_sum.py arrival_args; WAIT)
                 M, hc, D, iters, chunk, RB,  # chunk: columns d of every copy per split; RB: rows per block
                 norm_eps, hc_eps, rms_eps,
                 COEFFS: tl.constexpr, HEAD: tl.constexpr, OWN: tl.constexpr, MEAN: tl.constexpr,
-                COLLAPSED: tl.constexpr, OUT_BF16: tl.constexpr, EXPAND: tl.constexpr, WORLD: tl.constexpr,
+                STRIDE_MEAN: tl.constexpr, COLLAPSED: tl.constexpr, STRIDE_COL: tl.constexpr, OUT_BF16: tl.constexpr,
+                EXPAND: tl.constexpr, WORLD: tl.constexpr,
                 Y_ROUND: tl.constexpr,
                 WAIT: tl.constexpr, PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, S_WORLD: tl.constexpr,
                 S_ROUND: tl.constexpr,
@@ -601,11 +603,11 @@ def _pre_kernel(y_parts,    # EXPAND: the sub-block output [M, D], WORLD float32
                 acc += wj[:, None] * xj
                 total += xj
             if MEAN:  # the copies' sum in order, one correctly rounded division
-                tl.store(mean_ptr + r64[:, None] * stride_mean + cols[None, :],
+                tl.store(mean_ptr + r64[:, None] * STRIDE_MEAN + cols[None, :],
                          round_out(tl.math.div_rn(total, hc * 1.0), OUT_BF16), mask=cm)
             c = round_out(acc, OUT_BF16).to(tl.float32)
             if COLLAPSED:
-                tl.store(col_ptr + r64[:, None] * stride_col + cols[None, :], c, mask=cm)
+                tl.store(col_ptr + r64[:, None] * STRIDE_COL + cols[None, :], c, mask=cm)
             nw = tl.load(nw_ptr + cols, mask=cols < D, other=0.0)
             tl.store(y_ptr + r64[:, None] * D + cols[None, :], round_out(nw[None, :] * (c * r[:, None]), OUT_BF16),
                      mask=cm)
@@ -703,13 +705,12 @@ def _pre(X: torch.Tensor, weights, fn, base, scale, norm_eps: float, hc_eps: flo
         f.parts, f.pos if pairs else y, f.k, s_parts[:1], f.sh0, X, w, fn if coeff else y, base if coeff else y,
         scale if coeff else y, norm_weight, part, cnt,
         p if coeff else y, post if post is not None else y, comb if comb is not None else y, y,
-        mean if mean is not None else y, mean.stride(0) if mean is not None else 0,
-        collapsed if collapsed is not None else y, collapsed.stride(0) if collapsed is not None else 0,
-        f.X, f.post, f.comb, *f.wait, m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps),
-        float(rms_eps),
-        COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=mean is not None, COLLAPSED=collapsed is not None,
-        OUT_BF16=X.dtype == torch.bfloat16, EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round,
-        WAIT=f.waits, PAIRS=pairs,
+        mean if mean is not None else y, collapsed if collapsed is not None else y, f.X, f.post, f.comb, *f.wait,
+        m, hc, d, max(iters, 1), chunk, rb, float(norm_eps), float(hc_eps), float(rms_eps),
+        COEFFS=coeff, HEAD=head, OWN=weights is None, MEAN=mean is not None,
+        STRIDE_MEAN=mean.stride(0) if mean is not None else 0, COLLAPSED=collapsed is not None,
+        STRIDE_COL=collapsed.stride(0) if collapsed is not None else 0, OUT_BF16=X.dtype == torch.bfloat16,
+        EXPAND=front is not None, WORLD=len(f.parts), Y_ROUND=f.y_round, WAIT=f.waits, PAIRS=pairs,
         HAS_SHARED=f.shared is not None, S_WORLD=len(s_parts), S_ROUND=f.s_round,
         BJ=pow2(j), BC=bc, BM=rb, BHC=pow2(hc), BD=bd, **pdl(X.device))
     return y, p, post, comb, mean

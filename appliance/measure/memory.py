@@ -129,9 +129,10 @@ def fast_path_plan(cfg, context: int, device_bytes: int | None = None, world: in
         "decode_state": int(per_token * context + constant),
         "rope_tables": context * sum(t.bytes_per_position for t in tables),
         "graph_buffers": GRAPH_BUFFERS if graphs else 0,
-        # several GPUs: a rank's symmetric-memory buffer, a slot per call in flight (kernels/rank_sum.py SLOTS)
-        # of one decode step's largest sum (a CPU rank's stand-in is in host memory)
-        "symmetric_sum": 4 * rank_sum.SLOTS * largest_sum(cfg, verify_rows(cfg, drafter), context)
+        # several GPUs: a rank's symmetric-memory buffers, one for each of its two exchanges (parallel/sharding.py
+        # Comm `later`), a slot per call in flight (kernels/rank_sum.py SLOTS) of one decode step's largest sum
+        # (a CPU rank's stand-in is in host memory)
+        "symmetric_sum": 2 * 4 * rank_sum.SLOTS * largest_sum(cfg, verify_rows(cfg, drafter), context)
         if graphs and world > 1 else 0,
         "prefill_scratch": scratch,
         "headroom": int(capacity * HEADROOM) if graphs else 0,

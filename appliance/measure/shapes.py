@@ -164,11 +164,10 @@ class ShapeComm:
     span = Comm.span  # the real split's: one rank's share
 
     def symmetric_bytes(self) -> int:
-        """Bytes of its symmetric-memory sum's buffers and flags (meta tensors): the memory plan's
+        """Bytes of its symmetric-memory exchanges' buffers and flags (meta tensors): the memory plan's
         "symmetric_sum", not the model's copies."""
-        if self.symm is None:
-            return 0
-        return sum(nbytes(t) for memory in (self.symm.buffers, self.symm.flags) for t in memory.peers)
+        return sum(nbytes(t) for symm in (self.symm, self.later) if symm is not None
+                   for memory in (symm.buffers, symm.flags) for t in memory.peers)
 
 
 class MetaMemory:

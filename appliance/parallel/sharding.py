@@ -187,8 +187,8 @@ class VocabParallel:
     SplitLogits: the kernels read each rank's columns where they lie), as `sampled` says:
     - "next": read by the next sampler launch, before any other exchange over ranks: the product published
       by its kernel over symmetric memory (all-gathered where it passes a slot, or without it), the sampler
-      waiting for it in its launch (the acceptance: a gathering launch of its own): no collective launch, no
-      concatenation;
+      waiting for it in its launch (the acceptance's programs each gathering its row first): no collective
+      launch, no concatenation;
     - "later": read by sampler launches after other exchanges (the first exchange's slots are written
       again): published through the second exchange (`Comm.gather_later`), each sampler's kernel reading
       the rows where they lie;
@@ -274,15 +274,6 @@ class ExpertReduce:
 
     def sum_produced(self, shape: tuple[int, ...], produce, consume):
         return self.comm.sum_produced(shape, produce, consume)
-
-    def gather_later(self, shape: tuple[int, ...], produce, consume):
-        """`gather_produced` through the second exchange (`later`): the parts stay where they lie while the
-        first exchange's calls pass through its slots (DSpark's base logits, read by each Markov step after
-        that step's own exchange); gathered by an all-gather where there is no second exchange."""
-        if self.later is None:
-            part = produce(None)
-            return consume(list(self.all_gather(part, dim=0).view(self.world, *part.shape)))
-        return self.later.gathered_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.exchange(t)
