@@ -99,10 +99,7 @@ class Comm:
     def gather_later(self, shape: tuple[int, ...], produce, consume):
         """`gather_produced` through the second exchange (`later`): the parts stay where they lie while the
         first exchange's calls pass through its slots (DSpark's base logits, read by each Markov step after
-        that step's own exchange); gathered by an all-gather where there is no second exchange."""
-        if self.later is None:
-            part = produce(None)
-            return consume(list(self.all_gather(part, dim=0).view(self.world, *part.shape)))
+        that step's own exchange)."""
         return self.later.gathered_into(shape, produce, consume)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
