@@ -496,10 +496,10 @@ def fast_sample_sum(base, addend, params: torch.Tensor, key: torch.Tensor, out: 
         else:
             given.append((name, rows, (r, v)))
     if isinstance(base, SplitLogits):
-        require(isinstance(addend, SplitLogits) and not _one_exchange(base, addend), "base", "published logits",
-                "must be gathered or published through an exchange of their own (not the addend's slots)")
         require(isinstance(addend, SplitLogits) and len(addend.parts) == len(base.parts), "base", "split logits",
                 "need an addend split over as many ranks")
+        require(not _one_exchange(base, addend), "base", "published logits",
+                "must be gathered or published through an exchange of their own (not the addend's slots)")
     if table is not None:  # a row for each token, W wide
         given += [("table", table, (v, table.shape[-1])), ("next_row", next_row, (r, table.shape[-1]))]
         require(table.is_contiguous(), "table.stride", table.stride(), "must be contiguous")
