@@ -219,7 +219,7 @@ class DSpark:
         step.block_rows = state.offsets[:B].unsqueeze(0).expand(B, -1)  # one row viewed by every query
         # the block's B rows attend to each other through the stages; past them only the first k go on (the
         # head's base logits, the Markov steps, the confidence): each row's own, as the kernels are batch
-        # invariant, so the head reads its weights for k rows and its all-gather carries k, not B
+        # invariant, so the head reads its weights for k rows and its exchange carries k, not B
         if self.v41:
             pre = state.first_collapse(B, c.hc_mult)
             for stage in self.stages:  # a stage's MoE combined by the next stage's site, the last's by the head's
