@@ -22,7 +22,7 @@ from .config import V4Config
 from .rope import RopeTable, frequencies
 from .runtime import Runtime
 from .state import DecodeState, new_state
-from .step import Output, Step, begin, finish
+from .step import Output, Step, begin, capture_column, finish
 from .weights import Checkpoint
 
 
@@ -157,8 +157,10 @@ class V4Attention(AttentionProjections):
 class PlainBlock:
     """A V4 block: attention and MoE, each between its own mHC site (not staggered)."""
 
-    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE, captured: int = 0):
-        """`captured`: DSpark's count of target layers where this layer is one of them (0: it is not)."""
+    def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE,
+                 captured: tuple[int, int] | None = None):
+        """`captured`: this layer's place among DSpark's target layers and their count (step.capture_column;
+        None: it is not one)."""
         c = cfg
         self.rt, self.attn, self.ffn, self.captured = rt, attn, ffn, captured
         self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
@@ -229,8 +231,7 @@ class V4Model:
             attn = V4Attention(rt, c, ckpt, L, self.compressed_rope if c.compress_ratios[L] else self.plain_rope)
             ffn = v4_moe(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts,
                          L < c.n_hash_layers)
-            captured = len(c.dspark.target_layer_ids) if c.dspark and L in c.dspark.target_layer_ids else 0
-            self.layers.append(PlainBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, captured))
+            self.layers.append(PlainBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, capture_column(c.dspark, L)))
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it

@@ -30,7 +30,7 @@ from .rope import RopeTable, frequencies
 from .rowsplit import ALL_ROWS, SPLIT_ROWS, gather_rows, query_share
 from .runtime import Runtime
 from .state import DecodeState, new_state
-from .step import Output, Step, begin, finish
+from .step import Output, Step, begin, capture_column, finish
 from .weights import Checkpoint
 
 
@@ -222,8 +222,9 @@ class StaggeredBlock:
     """A V4.1 block: Engram (if any), then attention and MoE between staggered mHC sites."""
 
     def __init__(self, rt: Runtime, cfg, ckpt: Checkpoint, prefix: str, attn, ffn: MoE,
-                 engram: Engram | None = None, captured: int = 0):
-        """`captured`: DSpark's count of target layers where this layer is one of them (0: it is not)."""
+                 engram: Engram | None = None, captured: tuple[int, int] | None = None):
+        """`captured`: this layer's place among DSpark's target layers and their count (step.capture_column;
+        None: it is not one)."""
         c = cfg
         self.rt, self.attn, self.ffn, self.engram, self.captured = rt, attn, ffn, engram, captured
         self.attn_norm = RMSNorm.load(rt, ckpt, f"{prefix}.attn_norm.weight", c.dim, c.norm_eps)
@@ -297,8 +298,8 @@ class V41Model:
         for L in range(c.n_layers):
             attn = V41Attention(rt, c, ckpt, L, compressed if c.compress_ratios[L] else plain)
             ffn = moe_for(rt, c, ckpt, f"layers.{L}.ffn", c.n_routed_experts, c.n_activated_experts)
-            captured = len(c.dspark.target_layer_ids) if c.dspark and L in c.dspark.target_layer_ids else 0
-            self.layers.append(StaggeredBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, engrams.get(L), captured))
+            self.layers.append(StaggeredBlock(rt, c, ckpt, f"layers.{L}", attn, ffn, engrams.get(L),
+                                              capture_column(c.dspark, L)))
 
     def new_state(self, capacity: int, spare: int = 16, device=None) -> DecodeState:
         """The decode state for `capacity` positions (`device`: the model's by default; "meta" sizes it

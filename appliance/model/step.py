@@ -25,7 +25,6 @@ class Step:
     # DSpark's input [rows, targets x D]: the captured layers' streams averaged over the copies, side by side,
     # each written by its layer's site (`capture`)
     hidden: torch.Tensor | None = None
-    captured: int = 0  # the captured layers so far
     # split over ranks (`comm`), a long call's residual streams are held by rows: this rank's `share` of the
     # call's rows (rowsplit.query_share); the sub-blocks' inputs are gathered (`gather`)
     comm: object = None
@@ -35,14 +34,14 @@ class Step:
     def split(self) -> bool:
         return self.share != ALL_ROWS
 
-    def capture(self, X: torch.Tensor, targets: int) -> torch.Tensor:
-        """The next captured layer's columns of `hidden` ([rows, D] of the streams X [rows, hc, D]; `hidden`
-        made by the first of the `targets` layers): where its site writes the streams' mean."""
+    def capture(self, X: torch.Tensor, column: tuple[int, int]) -> torch.Tensor:
+        """A captured layer's columns of `hidden` ([rows, D] of the streams X [rows, hc, D]; `column`: the
+        layer's (i, of n) target layers, `capture_column`; `hidden` made by the first): where its site writes
+        the streams' mean."""
         rows, _, dim = X.shape
+        i, n = column
         if self.hidden is None:
-            self.hidden = torch.empty(rows, targets * dim, dtype=X.dtype, device=X.device)
-        i = self.captured
-        self.captured += 1
+            self.hidden = torch.empty(rows, n * dim, dtype=X.dtype, device=X.device)
         return self.hidden[:, i * dim:(i + 1) * dim]
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +56,13 @@ class Step:
     @property
     def eager(self) -> bool:
         return isinstance(self.start, int)
+
+
+def capture_column(dspark, layer: int) -> tuple[int, int] | None:
+    """Layer `layer`'s place among DSpark's target layers (config.dspark), in layer order, and their count:
+    its columns of the drafter's input (Step.capture); None where it is not one (or there is no DSpark)."""
+    targets = sorted(dspark.target_layer_ids) if dspark else []
+    return (targets.index(layer), len(targets)) if layer in targets else None
 
 
 def begin(state: DecodeState, tokens: torch.Tensor, start, index_keys: str, bound: int | None = None,
