@@ -11,6 +11,9 @@ fl32(position * f_i), as the official code precomputes them; no transcendental f
 `quant` False skips the fake quantizations (plain numerics). Reference: the torch ops the model ran before
 this fusion, in the same order (rope, rmsnorm and formats references).
 
+`QueryRows`, `rope_tile`, `key_rows`: the same work inside the launch of the query products, beside the
+tiles they store (kernels/query_inputs.py; no launch of its own in a decode step).
+
 `window_keys`: several attentions' window keys of the same rows (DSpark's stages), each into its ring; its
 kernel (`fast_window_keys`) one launch of programs (row, attention), each the window-key part of `fast`.
 
@@ -21,6 +24,8 @@ index heads. float32 throughout; everything is per row: batch invariant. Toleran
 (bfloat16: 2^-8), the float32 RMSNorm sum, and where a value sits at a rounding boundary of the fake
 quantization, one code step of that element (e4m3: 2^-3 of it; e2m1: up to half its block's scale).
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +49,7 @@ from ._triton import (
     tsum,
 )
 from .formats import q4_e8m0, q8_pow2
-from .linear import quant_tile
+from .rows import quant_tile
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -78,6 +83,43 @@ def window_keys(kvs: list[torch.Tensor], positions: torch.Tensor, rope: tuple[to
     hd], kv_norms[i] [hd], rings[i] [S, hd] written in place)."""
     for kv, norm, ring in zip(kvs, kv_norms, rings, strict=True):
         reference(kv.new_empty((kv.shape[0], 0, kv.shape[1])), kv, positions, rope, norm, eps, ring, True, quant)
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """`fast`'s work without a launch of its own (kernels/query_inputs.py): given to the launch of the query
+    products (kernels/linear.py `launch`), whose programs rotate the queries (product 0, heads kv's width)
+    and the index queries (product 1 where `index_width`: RoPE and FP4) tile by tile once they stored them,
+    and whose one more program a row block writes the rows' window keys (and index head weights). `fast`'s
+    arguments, checked by the caller, with its outputs k (and w) allocated."""
+    kv: torch.Tensor  # [T, hd] the window key projection, contiguous
+    positions: torch.Tensor  # int64 [T]
+    rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [P, r/2] float32
+    kv_norm: torch.Tensor  # float32 [hd]
+    eps: float
+    ring: torch.Tensor  # [S, hd] written in place (write)
+    write: bool
+    quant: bool
+    k: torch.Tensor  # out [T, hd]
+    index_width: int = 0  # dI: the index queries' head width (0: none)
+    iw: torch.Tensor | None = None  # [T, nh] index head weights (index_width)
+    w: torch.Tensor | None = None  # out [T, nh] (index_width)
+    iw_scale: float = 1.0
+
+
+def row_work_args(rows: QueryRows | None, filler: torch.Tensor, end: int) -> tuple[tuple, list, dict]:
+    """kernels/linear.py `_kernel`'s ROWS arguments (tensors, runtime values, constexprs) for `rows` (None:
+    off, `filler` in every tensor's place); the row work's program is the one after the products' `end`."""
+    if rows is None:
+        return (filler,) * 9, [1, 1, 1, 1, 0.0, 1.0, -1], dict(ROWS=False, R_HALF=1, R_WRITE=False, R_QUANT=False,
+                                                              R_INDEX=False, R_BF16=False, R_BHD=1, R_BNH=1)
+    hd, nh = rows.kv.shape[1], rows.w.shape[1] if rows.index_width else 1
+    tensors = (rows.positions, *rows.rope, rows.kv, rows.kv_norm, rows.ring, rows.k,
+               rows.iw if rows.index_width else filler, rows.w if rows.index_width else filler)
+    return tensors, [hd, max(rows.index_width, 1), rows.ring.shape[0], nh, float(rows.eps), float(rows.iw_scale),
+                     end], dict(ROWS=True, R_HALF=rows.rope[0].shape[1], R_WRITE=rows.write, R_QUANT=rows.quant,
+                                R_INDEX=bool(rows.index_width), R_BF16=rows.k.dtype == torch.bfloat16,
+                                R_BHD=pow2(hd), R_BNH=pow2(nh))
 
 
 # --- Triton kernel ---------------------------------------------------------------------------------------
@@ -143,6 +185,53 @@ def q4_e8m0_tile(x, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @device_function
+def rope_tile(y_ptr, rows, row_mask, cols, N, hd, pos_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, QUANT4: tl.constexpr,
+              OUT_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """`fast`'s query work on a tile a weight product stored: rows `rows` and columns `cols` [BN] of y [M, N]
+    (heads hd wide, in the product's dtype) rotated in place by the rows' positions (the arithmetic of
+    `_rotate`), and (QUANT4, the index queries) fake-quantized to FP4 per 32 columns. The tile is [BN, BM]
+    (the product's orientation); every column block of 32 lies in one tile (BN a multiple of 32)."""
+    tl.debug_barrier()  # the tile's stores, by every thread of this program, are read back below
+    mask = (cols < N)[:, None] & row_mask[None, :]
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+    base = y_ptr + rows.to(tl.int64)[None, :] * N
+    v = tl.load(base + cols[:, None], mask=mask, other=0.0).to(tl.float32)  # [BN, BM]
+    j = cols % hd - (hd - 2 * HALF)  # position inside a head's rotated part
+    rot = (j >= 0) & (cols < N)
+    pair = pos[None, :] * HALF + tl.where(rot, j // 2, 0)[:, None]
+    rm = rot[:, None] & row_mask[None, :]
+    c = tl.load(cos_ptr + pair, mask=rm, other=1.0)
+    s = tl.load(sin_ptr + pair, mask=rm, other=0.0)
+    partner = tl.load(base + tl.where(rot, cols ^ 1, cols)[:, None], mask=rm, other=0.0).to(tl.float32)
+    even = ((j % 2) == 0)[:, None]
+    out = tl.where(even, v * c - partner * s, partner * s + v * c)
+    out = tl.where(rot[:, None], round_out(out, OUT_BF16).to(tl.float32), v)
+    if QUANT4:
+        out = tl.trans(q4_e8m0_tile(tl.trans(out), BM, BN))
+    tl.debug_barrier()  # every partner was read before any element is overwritten
+    tl.store(base + cols[:, None], round_out(out, OUT_BF16), mask=mask)
+
+
+@device_function
+def key_rows(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, row0, T, hd, S, nh, eps,
+             iw_scale, WRITE: tl.constexpr, QUANT: tl.constexpr, INDEX: tl.constexpr, OUT_BF16: tl.constexpr,
+             HALF: tl.constexpr, BHD: tl.constexpr, BNH: tl.constexpr, BM: tl.constexpr):
+    """`fast`'s part 0 for rows row0 .. row0 + BM - 1 (those below T): each row's window key (and ring write)
+    and, INDEX, its index head weights scaled."""
+    for i in range(BM):
+        t = (row0 + i).to(tl.int64)
+        if t < T:
+            pos = tl.load(pos_ptr + t)
+            _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE, QUANT,
+                        OUT_BF16, HALF, BHD)
+            if INDEX:
+                heads = tl.arange(0, BNH)
+                hm = heads < nh
+                iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
+                tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
+
+
+@device_function
 def _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE: tl.constexpr,
                 QUANT: tl.constexpr, OUT_BF16: tl.constexpr, HALF: tl.constexpr, BHD: tl.constexpr):
     """Row t's window key into k [T, hd] (and the ring, WRITE): RMSNorm of kv's row, RoPE at `pos`, the FP8
@@ -186,13 +275,8 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
     if part == 0:  # the window key (and the index head weights)
-        _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE, QUANT, OUT_BF16,
-                    HALF, BHD)
-        if INDEX:
-            heads = tl.arange(0, BNH)
-            hm = heads < nh
-            iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
-            tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
+        key_rows(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, t, T, hd, S, nh, eps,
+                 iw_scale, WRITE, QUANT, INDEX, OUT_BF16, HALF, BHD, BNH, 1)
     elif part <= q_blocks:  # a block of query heads: rotate the rope dims in place
         qheads = (part - 1) * BQH + tl.arange(0, BQH)
         rcols = hd - 2 * HALF + tl.arange(0, 2 * HALF)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import attention, engram, indexer, linear, mhc, moe, rmsnorm, rope, sampling
+from . import attention, engram, indexer, linear, mhc, moe, query_inputs, rmsnorm, rope, sampling
 from .formats import encode_fp4, encode_fp8
 from .linear import PackedWeight
 
@@ -165,6 +165,24 @@ def _bench_linear(s, m, dev, dt, iters, tiny):
         t = _time(lambda x, w: linear.fast(x, w, s.block, dt), sets, iters, dev.type == "cuda")
         out.append((f"linear {name}", f"[{n}, {k}]", t, w0.nbytes + m * k * dt.itemsize + m * n * dt.itemsize))
     return out
+
+
+def _bench_query_inputs(s, m, dev, dt, iters, tiny):
+    """An index-source layer's query products with the attention's row work in their launch."""
+    b, nq, ni = (s.block, s.block), s.heads * s.head_dim, s.index_heads * s.index_dim
+    products = [linear.Product(fp8_weight(nq, s.q_lora, b, dev), s.block, dt),
+                linear.Product(fp8_weight(ni, s.q_lora, b, dev), s.block, dt)]
+    norm = (torch.rand(s.q_lora, device=dev), 1e-6)
+    pos = torch.arange(1000, 1000 + m, device=dev)
+    tables = rope.table(torch.arange(1000 + m, device=dev), torch.rand(s.rope_dim // 2, device=dev))
+    ring = torch.zeros(s.window + m, s.head_dim, device=dev).to(dt)
+    kv_norm = torch.rand(s.head_dim, device=dev)
+    sets = [(torch.randn(m, s.q_lora, device=dev).to(dt), torch.randn(m, s.head_dim, device=dev).to(dt),
+             torch.randn(m, s.index_heads, device=dev).to(dt)) for _ in range(_copies(2 * s.q_lora * (nq + ni), tiny))]
+    t = _time(lambda x, kv, iw: query_inputs.fast(x, products, norm, kv, pos, tables, kv_norm, 1e-6, ring, True, True,
+                                                  s.index_heads, iw, 0.1), sets, iters, dev.type == "cuda")
+    nbytes = sum(p.weight.nbytes for p in products) + m * (s.q_lora + 2 * s.head_dim + nq + ni) * dt.itemsize
+    return [("query products + row work", f"[{nq}+{ni}, {s.q_lora}] H={s.heads} r={s.rope_dim}", t, nbytes)]
 
 
 def _bench_moe(s, m, dev, dt, iters, tiny):
@@ -328,7 +346,8 @@ def _bench_small(s, m, dev, dt, iters, tiny):
     return out
 
 
-BENCHES = (_bench_linear, _bench_moe, _bench_attention, _bench_indexer, _bench_engram, _bench_small)
+BENCHES = (_bench_linear, _bench_query_inputs, _bench_moe, _bench_attention, _bench_indexer, _bench_engram,
+           _bench_small)
 
 
 def run(device: str | None = None, ms=(1, 6), iters: int = 50, tiny: bool | None = None, notice=print) -> list[Result]:

@@ -33,19 +33,20 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   measures it). `--numerics plain` (float32 rows, not quantized) keeps the bfloat16 path on every target.
 - Batch invariance by construction: a program always holds 16 rows (8 on the e4m3 MMA: the instruction's N
   side, unused rows masked), so a row meets the same instructions in the same order whether 1 or 16 rows
-  share the launch;
-  BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32) are added in
-  split order. A verify block's rows therefore equal single-row calls bit for bit.
+  share the launch; BN, BK and the split-K boundaries are chosen from (N, K) only; split partials (float32)
+  are added in split order. A verify block's rows therefore equal single-row calls bit for bit.
 - A long call (a prefill chunk, inside `_triton.long_calls`) in the checkpoint's formats: programs of
   LONG_ROWS (128) rows on the block-scaled MMA, E4M3_LONG_ROWS (32) on the e4m3 MMA, so a weight tile
-  streams once per 128 (32) rows; the rows are quantized once for the
-  launch by a launch of their own (`stage_launch`: the same codes `stage_codes` writes, RMS-normalized first
-  where the products fuse the norm), which every program reads (PRESTAGED). Every chunk of a prompt takes
-  these programs whatever its size, so a prompt's rows do not depend on its chunks (bit for bit); a long
-  call's row is not promised equal to the same row in a short one (a wider MMA; see `_triton.LONG_ROWS`).
+  streams once per 128 (32) rows; the rows are quantized once for the launch by a launch of their own
+  (`stage_launch`: the same codes `stage_codes` writes, RMS-normalized first where the products fuse the
+  norm), which every program reads (PRESTAGED). Every chunk of a prompt takes these programs whatever its
+  size, so a prompt's rows do not depend on its chunks (bit for bit); a long call's row is not promised
+  equal to the same row in a short one (a wider MMA; see `_triton.LONG_ROWS`).
   No launch of a long call splits K (its row blocks fill the device), whatever its programs' rows; on the
   block-scaled MMA its K tiles are 256 columns (`plan`), and a launch of products in the checkpoint's formats
   beside plain ones is two (`native_split`).
+- `rows` (ROWS): an attention's row work on the query products it computes, in their launch
+  (kernels/query_inputs.py; each program rotates the tile it stored, one more writes the window keys).
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
@@ -85,6 +86,7 @@ from ._triton import (
     tl,
     triton,
 )
+from .attn_inputs import QueryRows, key_rows, rope_tile, row_work_args
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
 from .rank_sum import Publish, publish_slot, rank_publish
 from .rows import (
@@ -467,7 +469,7 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, p
              BK: tl.constexpr, BHC: tl.constexpr):
     """Program `p` of one segment: output tile p // SPLIT over K split p % SPLIT. With SPLIT > 1 the
     partials go to `part_ptr` [SPLIT, M, N]; the tile's last program (a counter per tile and row block) adds
-    them in split order and stores the result."""
+    them in split order and stores the result. Returns whether this program stored the tile."""
     tile = p // SPLIT
     split = p % SPLIT
     rows = pid_m * BM + tl.arange(0, BM)
@@ -480,6 +482,7 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, p
     acc = product_tile(x_ptr + c_base, w_ptr, s_ptr, rows, row_mask, offs_n, n_mask, k_lo, k_end, stride_xm,
                        stride_wn, stride_sn, r, nw_ptr, qc, qs, q_cols, c_base, NORM, X_BF16, FMT, BO, BI, ACT_BLOCK,
                        X_PARTS, DOT_BF16, NATIVE, PRESTAGED, BM, BN, BK)
+    stored = True
     if SPLIT == 1:
         _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16, EXPAND,
                   BM, BN, BHC)
@@ -488,7 +491,8 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, p
         tl.store(part_ptr + (split * M + rows[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
         tl.debug_barrier()  # every thread's partials are written before the counter's release
         counter = cnt_ptr + tile * tl.num_programs(1) + pid_m
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        stored = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+        if stored:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for s in range(SPLIT):  # split order: the same sum however the programs were scheduled
                 acc += tl.load(part_ptr + (s * M + rows[None, :]).to(tl.int64) * N + offs_n[:, None], mask=mask,
@@ -496,6 +500,7 @@ def _segment(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, qc, qs, q_cols, p, p
             _epilogue(acc, y_ptr, rows, row_mask, offs_n, n_mask, N, hc, X_ptr, post_ptr, comb_ptr, OUT_BF16,
                       EXPAND, BM, BN, BHC)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replays this one)
+    return stored
 
 
 # One launch computes up to five products of the same input (segments: each its own weight, format,
@@ -514,6 +519,9 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             w4, s4, y4, p4,
             M, K, stride_xm, norm_eps, hc, q_cols,
             pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
+            # ROWS: kernels/attn_inputs.py QueryRows' tensors (positions, cos, sin, kv, kv_norm, ring, k, iw,
+            # w), the query and index head widths, ring size, index heads, eps, iw scale, the row work's program
+            rows_t, r_hd, r_di, r_size, r_nh, r_eps, r_iw_scale, r_prog,
             # per segment: outputs, weight and scale row strides, K per split, outputs per group (grouped),
             # one past its last program, its first counter
             N0, swn0, ssn0, kps0, npg0, end0, cnt0,
@@ -535,6 +543,9 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             FMT4: tl.constexpr, BO4: tl.constexpr, BI4: tl.constexpr, ACT4: tl.constexpr,
             XP4: tl.constexpr, SPLIT4: tl.constexpr, OUT4: tl.constexpr,
             PUBLISH: tl.constexpr,  # ranks: y0 is this rank's symmetric buffer, published to them (0: not)
+            ROWS: tl.constexpr,  # the attention's row work (QueryRows): y0 queries, y1 index queries (R_INDEX)
+            R_HALF: tl.constexpr, R_WRITE: tl.constexpr, R_QUANT: tl.constexpr, R_INDEX: tl.constexpr,
+            R_BF16: tl.constexpr, R_BHD: tl.constexpr, R_BNH: tl.constexpr,
             PDL: tl.constexpr):
     dependent_launch(PDL)
     pid = tl.program_id(0)
@@ -548,15 +559,25 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
     r = tl.zeros((BM,), dtype=tl.float32)
     if NORM and not PRESTAGED:
         r = row_rms(x_ptr, pid_m * BM + tl.arange(0, BM), M, K, stride_xm, norm_eps, BM, BKN)
+    rows = pid_m * BM + tl.arange(0, BM)
     if pid < end0:
-        _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, qc, qs, q_cols, pid, pid_m, M, N0, K, stride_xm, swn0,
-                 ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0, BI0,
-                 ACT0, XP0, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+        stored = _segment(x_ptr, w0, s0, y0, p0, cnt_ptr + cnt0, qc, qs, q_cols, pid, pid_m, M, N0, K, stride_xm,
+                          swn0, ssn0, kps0, npg0, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT0, BO0,
+                          BI0, ACT0, XP0, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT0, OUT0, EXPAND, BM, BN, BK, BHC)
+        if ROWS:  # the queries' RoPE, on the tile this program stored
+            if stored:
+                rope_tile(y0, rows, rows < M, (pid // SPLIT0) * BN + tl.arange(0, BN), N0, r_hd, rows_t[0],
+                          rows_t[1], rows_t[2], R_HALF, False, R_BF16, BM, BN)
     if NSEG > 1:
         if (pid >= end0) & (pid < end1):
-            _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, qc, qs, q_cols, pid - end0, pid_m, M, N1, K, stride_xm,
-                     swn1, ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT1, BO1, BI1,
-                     ACT1, XP1, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT1, OUT1, False, BM, BN, BK, BHC)
+            stored = _segment(x_ptr, w1, s1, y1, p1, cnt_ptr + cnt1, qc, qs, q_cols, pid - end0, pid_m, M, N1, K,
+                              stride_xm, swn1, ssn1, kps1, npg1, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16,
+                              FMT1, BO1, BI1, ACT1, XP1, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT1, OUT1, False, BM,
+                              BN, BK, BHC)
+            if R_INDEX:  # the index queries' RoPE and FP4 fake quantization
+                if stored:
+                    rope_tile(y1, rows, rows < M, ((pid - end0) // SPLIT1) * BN + tl.arange(0, BN), N1, r_di,
+                              rows_t[0], rows_t[1], rows_t[2], R_HALF, R_QUANT, R_BF16, BM, BN)
     if NSEG > 2:
         if (pid >= end1) & (pid < end2):
             _segment(x_ptr, w2, s2, y2, p2, cnt_ptr + cnt2, qc, qs, q_cols, pid - end1, pid_m, M, N2, K, stride_xm,
@@ -572,6 +593,11 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
                      swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
                      ACT4, XP4, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
+    if ROWS:  # the last program of a row block: its rows' window keys (and index head weights)
+        if pid == r_prog:
+            key_rows(rows_t[3], rows_t[4], rows_t[5], rows_t[6], rows_t[7], rows_t[8], rows_t[0], rows_t[1],
+                     rows_t[2], pid_m * BM, M, r_hd, r_size, r_nh, r_eps, r_iw_scale, R_WRITE, R_QUANT, R_INDEX,
+                     R_BF16, R_HALF, R_BHD, R_BNH, BM)
     if PUBLISH:
         rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
 
@@ -725,12 +751,13 @@ def _check_product(x: torch.Tensor, p: Product, arg: str) -> tuple[int, int, int
 
 
 def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publish | None = None,
-           out: torch.Tensor | None = None) -> list[torch.Tensor]:
+           out: torch.Tensor | None = None, rows: QueryRows | None = None) -> list[torch.Tensor]:
     """One launch of the products (`fast_multi`); `expand` (X, post, comb): one product, stored as the mHC
     expand of it (kernels/mhc.py's `fast_product_expand`); `publish`: one float32 product, stored into the
     slot of this rank's next call in its symmetric buffer and counted in every rank's flags (the view
     returned is the buffer's first slot: its consumers wait on `publish`); `out`: one product, stored into
-    this caller's buffer (contiguous, the product's shape and dtype: no copy after)."""
+    this caller's buffer (contiguous, the product's shape and dtype: no copy after); `rows`: the attention's
+    row work on the query products' outputs (kernels/query_inputs.py), in this launch."""
     require_dtype(x, "x", (torch.float32, torch.bfloat16))
     require(1 <= len(products) <= MAX_PRODUCTS, "products", len(products), f"must be 1..{MAX_PRODUCTS}")
     shapes = [_check_product(x, p, "the weight" if len(products) == 1 else f"products[{i}].weight")
@@ -815,27 +842,30 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publ
             rt += [0, 0, 0, 0, 1, end, 0]
             cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
                        f"OUT{i}": False})
+    programs = end + (rows is not None)  # the row work's program after the products'
     if prestaged:
         qc, qs, q_cols = stage_launch(x2, nw, eps, norm is not None, cx["FMT0"], native, cx["ACT0"], row_blocks * bm,
                                       bk)
     elif native:  # each program's rows quantized (stage_codes)
         q_cols = max(kps for kps, _ in splits)
-        qc, qs = stage_scratch(end * row_blocks, bm, q_cols, dev)
+        qc, qs = stage_scratch(programs * row_blocks, bm, q_cols, dev)
     else:
         q_cols, qc, qs = 0, x2, x2
     if publish is None:
         pub, world = (x2, (x2,), 0, 0), 0
-    _kernel[(end, row_blocks)](x2, nw, counters(dev, used), qc, qs, X, post, comb, *args, m, k, x2.stride(0),
-                               float(eps), hc, q_cols, *pub,
-                               *rt,
-                               NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
-                               EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,
-                               PRESTAGED=prestaged,
-                               K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
-                               BM=bm, BN=bn, BK=bk,
-                               BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), PUBLISH=world, **cx,
-                               **pdl(x2.device))
+    require(rows is None or bn % 32 == 0, "rows", bn, "the query products' tiles must be a multiple of 32 outputs")
+    rows_t, rows_rt, rows_cx = row_work_args(rows, x2, end)
+    _kernel[(programs, row_blocks)](x2, nw, counters(dev, used), qc, qs, X, post, comb, *args, m, k, x2.stride(0),
+                                    float(eps), hc, q_cols, *pub, rows_t, *rows_rt, *rt,
+                                    NSEG=len(products), NORM=norm is not None, X_BF16=x.dtype == torch.bfloat16,
+                                    EXPAND=expand is not None, DOT_BF16=exact and not INTERPRET, NATIVE=native,
+                                    PRESTAGED=prestaged,
+                                    K_ALIGN=16 if all(kps % 16 == 0 for kps, _ in splits) and k % 16 == 0 else 1,
+                                    BM=bm, BN=bn, BK=bk,
+                                    BHC=pow2(hc), BKN=min(pow2(x.shape[-1]), 1024), PUBLISH=world, **cx, **rows_cx,
+                                    **pdl(x2.device))
     return shaped
+
 
 
 def fast_multi(x: torch.Tensor, products: list[Product], norm: tuple[torch.Tensor, float] | None = None

@@ -21,6 +21,7 @@ from . import (
     linear,
     mhc,
     moe,
+    query_inputs,
     ring_rows,
     rmsnorm,
     rope,
@@ -46,6 +47,7 @@ class Ops:
     hc_pre: Callable
     attention: Callable
     attn_inputs: Callable
+    query_inputs: Callable
     window_keys: Callable
     attend: Callable
     compress: Callable
@@ -91,6 +93,7 @@ REFERENCE = Ops(
     hc_pre=mhc.pre,
     attention=attention.reference,
     attn_inputs=attn_inputs.reference,
+    query_inputs=query_inputs.reference,
     window_keys=attn_inputs.window_keys,
     attend=attention.attend_reference,
     compress=compress.reference,
@@ -120,6 +123,7 @@ FAST = Ops(
     hc_pre=mhc.fast_pre,
     attention=attention.fast,
     attn_inputs=attn_inputs.fast,
+    query_inputs=query_inputs.fast,
     window_keys=attn_inputs.fast_window_keys,
     attend=attention.fast_attend,
     compress=compress.fast,

@@ -33,7 +33,7 @@ from kernels.indexer import SELECT_PASSES, inside_rows
 
 from .ideal import ideal_bytes
 from .recorder import LiveBytes, Recorder, nbytes, tensor_args, unique_violations
-from .tiles import engram_kind, expand_kind, expected_tile_rows, one_product_kind, products_kind, tile_rows
+from .tiles import engram_kind, expand_kind, expected_tile_rows, one_product_kind, products_kind, query_kind, tile_rows
 
 
 def expected_distinct(n_experts: int, top_k: int, rows: int) -> float:
@@ -98,6 +98,7 @@ class DeclaredReads:
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
                                           attend=self._attend(ops.attend),
                                           attn_inputs=self._attn_inputs(ops.attn_inputs),
+                                          query_inputs=self._query_inputs(ops.query_inputs, rows),
                                           window_keys=self._window_keys(ops.window_keys),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
                                           engram_lookup=self._engram_lookup(ops.engram_lookup),
@@ -289,6 +290,23 @@ class DeclaredReads:
             rows = min(positions.numel(), ring.shape[0])
             with self.rec.writes(ring, rows * _row(ring)), self._table_rows(rope, positions.numel()):
                 return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
+
+        return call
+
+    def _query_inputs(self, query_inputs, rows_of):
+        """The query products' weights and outputs (`_products`); the row work's ring written at the call's
+        positions where it writes it (not read), the RoPE tables read at them (as `_attn_inputs`)."""
+        rec = self.rec
+        products = self._products(query_inputs, rows_of, query_kind)
+
+        def call(x, prods, norm, kv, positions, rope, kv_norm, eps, ring, write, *rest):
+            first = len(rec.launches)
+            written = min(positions.numel(), ring.shape[0]) * _row(ring) if write else 0
+            with rec.writes(ring, written), self._table_rows(rope, positions.numel()):
+                out = products(x, prods, norm, kv, positions, rope, kv_norm, eps, ring, write, *rest)
+            if rec.recording and len(rec.launches) == first + 1:  # one launch: `_products` set its outputs
+                rec.launches[first].bytes_written += written
+            return out
 
         return call
 

@@ -5,6 +5,7 @@ products compute, its pairs padded to whole tiles."""
 
 import torch
 
+from kernels._triton import in_long_calls
 from kernels.linear import in_native_formats, native_split
 
 
@@ -57,6 +58,16 @@ def products_kind(x, products, *rest, **kw) -> list[tuple[str, bool, int, list[i
         list(range(len(products)))]
     return [(*_launch_kind(x, [products[i] for i in ix]), ix) for ix in parts
             if any(products[i].weight.format in ("fp8", "fp4") for i in ix)]
+
+
+def query_kind(x, products, *rest, **kw) -> list[tuple[str, bool, int, list[int] | None]]:
+    """`products_kind` of the query products (kernels/query_inputs.py), whose call returns (q, k, qi, w): one
+    launch of the products and the row work, which writes all four, or in a long call the products' own
+    launches, each writing its queries (q, qi)."""
+    kinds = products_kind(x, products)
+    if not in_long_calls():
+        return [(*kind[:3], None) for kind in kinds]
+    return [(*kind, [(0, 2)[i] for i in ix]) for *kind, ix in kinds]
 
 
 def _launch_kind(x, products) -> tuple[str, bool, int]:

@@ -74,8 +74,8 @@ class V41Attention(AttentionProjections):
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, D] -> the grouped output projection u [T, G r] (the block's `out.expand_pre` finishes it).
 
-        On the fast path four launches before the indexer and one after: the products of x (queries' LoRA,
-        window key, compressor, index head weights), the products of q_norm(c_q) (queries, index queries),
+        On the fast path three launches before the indexer and one after: the products of x (queries' LoRA,
+        window key, compressor, index head weights), the products of q_norm(c_q) (queries, index queries) with
         the row work (RoPE, norms, fake quantization, ring writes), the compressor; the attention."""
         c, L, ops, dt = self.cfg, self.layer, self.rt.ops, self.rt.dtype
         T = x.shape[0]
@@ -94,7 +94,6 @@ class V41Attention(AttentionProjections):
         qs = [Product(self.wq_b.weight, self.wq_b.act_block, dt)]
         if index:
             qs.append(Product(self.iq.weight, self.iq.act_block, dt))
-        qs = ops.linear_multi(ys[0], qs, (self.q_norm.weight, self.q_norm.eps))
         state, positions = step.state, step.positions
         ring = state.rings[f"window.{L}"]
         # a call of at most `spare` positions writes the ring before attending: the slots it overwrites hold
@@ -103,10 +102,9 @@ class V41Attention(AttentionProjections):
         if now:
             ring.record(positions)
         scale = c.index_head_dim**-0.5 * c.index_n_heads**-0.5
-        q, k, qi, w = ops.attn_inputs(qs[0].view(T, self.heads, c.head_dim), ys[1], positions, self.rope.tables,
-                                      self.kv_norm.weight, self.kv_norm.eps, ring.data, now, official,
-                                      qs[1].view(T, c.index_n_heads, c.index_head_dim) if index else None,
-                                      ys[-1] if index else None, scale)
+        q, k, qi, w = ops.query_inputs(ys[0], qs, (self.q_norm.weight, self.q_norm.eps), ys[1], positions,
+                                       self.rope.tables, self.kv_norm.weight, self.kv_norm.eps, ring.data, now,
+                                       official, c.index_n_heads if index else 0, ys[-1] if index else None, scale)
         if self.compressor is not None:
             self._compress(ys[2], ys[3] if gate else None, step, now)
         if self.ratio == 0:

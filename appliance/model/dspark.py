@@ -76,7 +76,6 @@ class DraftAttention(AttentionProjections):
         state.rings[self.name].write(positions, self.window_keys(x, cos, sin))
 
     def __call__(self, x: torch.Tensor, step: DraftBlock) -> torch.Tensor:
-        B = x.shape[0]
         ring = step.state.rings[self.name]
         if self.v4:
             _, q = self.queries(x, step.cos, step.sin)
@@ -85,10 +84,10 @@ class DraftAttention(AttentionProjections):
             ops, dt = self.rt.ops, self.rt.dtype
             ys = ops.linear_multi(x, [Product(self.wq_a.weight, self.wq_a.act_block, dt),
                                       Product(self.wkv.weight, self.wkv.act_block, dt)])
-            q = ops.linear_multi(ys[0], [Product(self.wq_b.weight, self.wq_b.act_block, dt)],
-                                 (self.q_norm.weight, self.q_norm.eps))[0].view(B, self.heads, self.cfg.head_dim)
-            q, block, _, _ = ops.attn_inputs(q, ys[1], step.positions, self.rope.tables, self.kv_norm.weight,
-                                             self.kv_norm.eps, ring.data, False, self.rt.num.official)
+            q, block, _, _ = ops.query_inputs(ys[0], [Product(self.wq_b.weight, self.wq_b.act_block, dt)],
+                                              (self.q_norm.weight, self.q_norm.eps), ys[1], step.positions,
+                                              self.rope.tables, self.kv_norm.weight, self.kv_norm.eps, ring.data,
+                                              False, self.rt.num.official)
         # the ring's window, then every block row (as the attention's second list: the same keys in the same
         # order as the ring and the block concatenated, read where they are)
         if self.v4:
