@@ -593,7 +593,7 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
                      swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
                      ACT4, XP4, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
-    if ROWS:  # the last program of a row block: its rows' window keys (and index head weights)
+    if ROWS:  # the program after the products' in each row block: its rows' window keys (and head weights)
         if pid == r_prog:
             key_rows(rows_t[3], rows_t[4], rows_t[5], rows_t[6], rows_t[7], rows_t[8], rows_t[0], rows_t[1],
                      rows_t[2], pid_m * BM, M, r_hd, r_size, r_nh, r_eps, r_iw_scale, R_WRITE, R_QUANT, R_INDEX,

@@ -46,7 +46,6 @@ class Ops:
     hc_expand_pre: Callable
     hc_pre: Callable
     attention: Callable
-    attn_inputs: Callable
     query_inputs: Callable
     window_keys: Callable
     attend: Callable
@@ -92,7 +91,6 @@ REFERENCE = Ops(
     hc_expand_pre=mhc.expand_pre,
     hc_pre=mhc.pre,
     attention=attention.reference,
-    attn_inputs=attn_inputs.reference,
     query_inputs=query_inputs.reference,
     window_keys=attn_inputs.window_keys,
     attend=attention.attend_reference,
@@ -122,7 +120,6 @@ FAST = Ops(
     hc_expand_pre=mhc.fast_expand_pre,
     hc_pre=mhc.fast_pre,
     attention=attention.fast,
-    attn_inputs=attn_inputs.fast,
     query_inputs=query_inputs.fast,
     window_keys=attn_inputs.fast_window_keys,
     attend=attention.fast_attend,

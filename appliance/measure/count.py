@@ -4,7 +4,7 @@ model` report): launches per cycle and per layer, host syncs, collectives, and b
 `count_cycle(session, context)` runs the session's cycle steps (plain, or draft + verify) once to warm up
 (caches a first call makes, as a capture's warm-up would) and once under the `Recorder`, with
 - every backbone layer and drafter stage tagged, so what happens inside is attributed to it;
-- the registry's `attention`, `attn_inputs`, `window_keys`, `compress` and `ffn` wrapped to declare what they
+- the registry's `attention`, `query_inputs`, `window_keys`, `compress` and `ffn` wrapped to declare what they
   read that the recorder cannot see from the tensors a kernel receives: the compressed-row cache is read at
   the distinct rows the index selects (not the whole cache), rings at the slots in reach, the RoPE tables at
   the rows of the call's positions (not the whole capacity), and the fused MoE kernels read each distinct
@@ -97,7 +97,6 @@ class DeclaredReads:
         rows, tokens = (lambda x: x.reshape(-1, x.shape[-1]).shape[0]), (lambda X: X.shape[0])
         self.rt.ops = dataclasses.replace(ops, attention=self._attention(ops.attention),
                                           attend=self._attend(ops.attend),
-                                          attn_inputs=self._attn_inputs(ops.attn_inputs),
                                           query_inputs=self._query_inputs(ops.query_inputs, rows),
                                           window_keys=self._window_keys(ops.window_keys),
                                           compress=self._compress(ops.compress), ffn=self._ffn(ops.ffn),
@@ -284,18 +283,9 @@ class DeclaredReads:
         if self.rec.recording and launches:
             launches[-1].flops[kind] = launches[-1].flops.get(kind, 0) + flops
 
-    def _attn_inputs(self, attn_inputs):
-        """The window ring is written at the call's positions, not read; the RoPE tables read at them."""
-        def call(q, kv, positions, rope, kv_norm, eps, ring, *rest):
-            rows = min(positions.numel(), ring.shape[0])
-            with self.rec.writes(ring, rows * _row(ring)), self._table_rows(rope, positions.numel()):
-                return attn_inputs(q, kv, positions, rope, kv_norm, eps, ring, *rest)
-
-        return call
-
     def _query_inputs(self, query_inputs, rows_of):
         """The query products' weights and outputs (`_products`); the row work's ring written at the call's
-        positions where it writes it (not read), the RoPE tables read at them (as `_attn_inputs`)."""
+        positions where it writes it (not read), the RoPE tables read at them."""
         rec = self.rec
         products = self._products(query_inputs, rows_of, query_kind)
 
@@ -311,7 +301,7 @@ class DeclaredReads:
         return call
 
     def _window_keys(self, window_keys):
-        """As `_attn_inputs`, each of the call's rings."""
+        """As `_query_inputs`' row work, each of the call's rings."""
         def call(kvs, positions, rope, kv_norms, eps, rings, quant):
             rows = min(positions.numel(), rings[0].shape[0])
             with ExitStack() as declared:
