@@ -11,7 +11,7 @@ fl32(position * f_i), as the official code precomputes them; no transcendental f
 `quant` False skips the fake quantizations (plain numerics). Reference: the torch ops the model ran before
 this fusion, in the same order (rope, rmsnorm and formats references).
 
-`QueryRows`, `rope_tile`, `key_rows`: the same work inside the launch of the query products, beside the
+`QueryRows`, `rope_tile`, `key_row`: the same work inside the launch of the query products, beside the
 tiles they store (kernels/query_inputs.py; no launch of its own in a decode step).
 
 `window_keys`: several attentions' window keys of the same rows (DSpark's stages), each into its ring; its
@@ -90,7 +90,7 @@ class QueryRows:
     """`fast`'s work without a launch of its own (kernels/query_inputs.py): given to the launch of the query
     products (kernels/linear.py `launch`), whose programs rotate the queries (product 0, heads kv's width)
     and the index queries (product 1 where `index_width`: RoPE and FP4) tile by tile once they stored them,
-    and whose one more program a row block writes the rows' window keys (and index head weights). `fast`'s
+    and whose one more program a row writes its window key (and index head weights). `fast`'s
     arguments, checked by the caller, with its outputs k (and w) allocated."""
     kv: torch.Tensor  # [T, hd] the window key projection, contiguous
     positions: torch.Tensor  # int64 [T]
@@ -109,7 +109,8 @@ class QueryRows:
 
 def row_work_args(rows: QueryRows | None, filler: torch.Tensor, end: int) -> tuple[tuple, list, dict]:
     """kernels/linear.py `_kernel`'s ROWS arguments (tensors, runtime values, constexprs) for `rows` (None:
-    off, `filler` in every tensor's place); the row work's program is the one after the products' `end`."""
+    off, `filler` in every tensor's place); the row work's programs are those after the products' `end`, one
+    a row of the block."""
     if rows is None:
         return (filler,) * 9, [1, 1, 1, 1, 0.0, 1.0, -1], dict(ROWS=False, R_HALF=1, R_WRITE=False, R_QUANT=False,
                                                               R_INDEX=False, R_BF16=False, R_BHD=1, R_BNH=1)
@@ -140,10 +141,16 @@ def _rotate(x_ptr, row, n_heads, hd, heads, cols, pos, cos_ptr, sin_ptr, HALF: t
     c = tl.load(cos_ptr + pair, mask=rot, other=1.0)
     s = tl.load(sin_ptr + pair, mask=rot, other=0.0)
     partner = tl.load(base + tl.where(rot, cols ^ 1, cols)[None, :], mask=m & rot[None, :], other=0.0).to(tl.float32)
-    even = (j % 2) == 0
-    # (a, b) -> (a c - b s, a s + b c): an even column is a, its partner b; an odd column is b, its partner a
-    out = tl.where(even[None, :], v * c[None, :] - partner * s[None, :], partner * s[None, :] + v * c[None, :])
-    return tl.where(rot[None, :], round_out(out, OUT_BF16).to(tl.float32), v)
+    return _turn(v, partner, c[None, :], s[None, :], ((j % 2) == 0)[None, :], rot[None, :], OUT_BF16)
+
+
+@device_function
+def _turn(v, partner, c, s, even, rot, OUT_BF16: tl.constexpr):
+    """RoPE of interleaved pairs, elementwise (broadcasting): (a, b) -> (a c - b s, a s + b c), where an
+    even column is a and its partner b, an odd one b and its partner a; rounded to the output dtype where
+    `rot`, v elsewhere (float32)."""
+    out = tl.where(even, v * c - partner * s, partner * s + v * c)
+    return tl.where(rot, round_out(out, OUT_BF16).to(tl.float32), v)
 
 
 def check_rope(rope: tuple[torch.Tensor, torch.Tensor], width: int) -> int:
@@ -203,9 +210,7 @@ def rope_tile(y_ptr, rows, row_mask, cols, N, hd, pos_ptr, cos_ptr, sin_ptr, HAL
     c = tl.load(cos_ptr + pair, mask=rm, other=1.0)
     s = tl.load(sin_ptr + pair, mask=rm, other=0.0)
     partner = tl.load(base + tl.where(rot, cols ^ 1, cols)[:, None], mask=rm, other=0.0).to(tl.float32)
-    even = ((j % 2) == 0)[:, None]
-    out = tl.where(even, v * c - partner * s, partner * s + v * c)
-    out = tl.where(rot[:, None], round_out(out, OUT_BF16).to(tl.float32), v)
+    out = _turn(v, partner, c, s, ((j % 2) == 0)[:, None], rot[:, None], OUT_BF16)
     if QUANT4:
         out = tl.trans(q4_e8m0_tile(tl.trans(out), BM, BN))
     tl.debug_barrier()  # every partner was read before any element is overwritten
@@ -213,22 +218,20 @@ def rope_tile(y_ptr, rows, row_mask, cols, N, hd, pos_ptr, cos_ptr, sin_ptr, HAL
 
 
 @device_function
-def key_rows(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, row0, T, hd, S, nh, eps,
-             iw_scale, WRITE: tl.constexpr, QUANT: tl.constexpr, INDEX: tl.constexpr, OUT_BF16: tl.constexpr,
-             HALF: tl.constexpr, BHD: tl.constexpr, BNH: tl.constexpr, BM: tl.constexpr):
-    """`fast`'s part 0 for rows row0 .. row0 + BM - 1 (those below T): each row's window key (and ring write)
-    and, INDEX, its index head weights scaled."""
-    for i in range(BM):
-        t = (row0 + i).to(tl.int64)
-        if t < T:
-            pos = tl.load(pos_ptr + t)
-            _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE, QUANT,
-                        OUT_BF16, HALF, BHD)
-            if INDEX:
-                heads = tl.arange(0, BNH)
-                hm = heads < nh
-                iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
-                tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
+def key_row(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, t, T, hd, S, nh, eps,
+            iw_scale, WRITE: tl.constexpr, QUANT: tl.constexpr, INDEX: tl.constexpr, OUT_BF16: tl.constexpr,
+            HALF: tl.constexpr, BHD: tl.constexpr, BNH: tl.constexpr):
+    """`fast`'s part 0 for row t (int64; nothing where t >= T): its window key (and ring write) and, INDEX,
+    its index head weights scaled."""
+    if t < T:
+        pos = tl.load(pos_ptr + t)
+        _window_key(kv_ptr, nw_ptr, ring_ptr, k_ptr, t, T, pos, hd, S, eps, cos_ptr, sin_ptr, WRITE, QUANT,
+                    OUT_BF16, HALF, BHD)
+        if INDEX:
+            heads = tl.arange(0, BNH)
+            hm = heads < nh
+            iw = tl.load(iw_ptr + t * nh + heads, mask=hm, other=0.0).to(tl.float32)
+            tl.store(wo_ptr + t * nh + heads, round_out(iw * iw_scale, OUT_BF16), mask=hm)
 
 
 @device_function
@@ -275,8 +278,8 @@ def _kernel(q_ptr,      # [T, H, hd] queries, rotated in place
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
     if part == 0:  # the window key (and the index head weights)
-        key_rows(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, t, T, hd, S, nh, eps,
-                 iw_scale, WRITE, QUANT, INDEX, OUT_BF16, HALF, BHD, BNH, 1)
+        key_row(kv_ptr, nw_ptr, ring_ptr, k_ptr, iw_ptr, wo_ptr, pos_ptr, cos_ptr, sin_ptr, t, T, hd, S, nh, eps,
+                iw_scale, WRITE, QUANT, INDEX, OUT_BF16, HALF, BHD, BNH)
     elif part <= q_blocks:  # a block of query heads: rotate the rope dims in place
         qheads = (part - 1) * BQH + tl.arange(0, BQH)
         rcols = hd - 2 * HALF + tl.arange(0, 2 * HALF)

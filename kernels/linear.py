@@ -46,7 +46,7 @@ Kernel (`fast`), float32 only (no float64 instruction; checked on the compiled P
   block-scaled MMA its K tiles are 256 columns (`plan`), and a launch of products in the checkpoint's formats
   beside plain ones is two (`native_split`).
 - `rows` (ROWS): an attention's row work on the query products it computes, in their launch
-  (kernels/query_inputs.py; each program rotates the tile it stored, one more writes the window keys).
+  (kernels/query_inputs.py; each program rotates the tile it stored, one more a row writes its window key).
 - Offsets that multiply a row index are int64.
 Tolerance against `reference`: |y - y_ref| <= K 2^-23 sum_k |x_k w_k| (float32 accumulation of exact
 products, truncating adds on tensor cores) plus one rounding of out_dtype; the activation codes are the
@@ -86,7 +86,7 @@ from ._triton import (
     tl,
     triton,
 )
-from .attn_inputs import QueryRows, key_rows, rope_tile, row_work_args
+from .attn_inputs import QueryRows, key_row, rope_tile, row_work_args
 from .formats import dequant_fp4, dequant_fp8, q8_pow2
 from .rank_sum import Publish, publish_slot, rank_publish
 from .rows import (
@@ -520,7 +520,7 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             M, K, stride_xm, norm_eps, hc, q_cols,
             pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
             # ROWS: kernels/attn_inputs.py QueryRows' tensors (positions, cos, sin, kv, kv_norm, ring, k, iw,
-            # w), the query and index head widths, ring size, index heads, eps, iw scale, the row work's program
+            # w), the query and index head widths, ring size, index heads, eps, iw scale, the row work's first
             rows_t, r_hd, r_di, r_size, r_nh, r_eps, r_iw_scale, r_prog,
             # per segment: outputs, weight and scale row strides, K per split, outputs per group (grouped),
             # one past its last program, its first counter
@@ -593,11 +593,11 @@ def _kernel(x_ptr,      # activations [M, G K] (float32 / bfloat16), row stride 
             _segment(x_ptr, w4, s4, y4, p4, cnt_ptr + cnt4, qc, qs, q_cols, pid - end3, pid_m, M, N4, K, stride_xm,
                      swn4, ssn4, kps4, npg4, r, nw_ptr, hc, X_ptr, post_ptr, comb_ptr, NORM, X_BF16, FMT4, BO4, BI4,
                      ACT4, XP4, DOT_BF16, NATIVE, PRESTAGED, K_ALIGN, SPLIT4, OUT4, False, BM, BN, BK, BHC)
-    if ROWS:  # the program after the products' in each row block: its rows' window keys (and head weights)
-        if pid == r_prog:
-            key_rows(rows_t[3], rows_t[4], rows_t[5], rows_t[6], rows_t[7], rows_t[8], rows_t[0], rows_t[1],
-                     rows_t[2], pid_m * BM, M, r_hd, r_size, r_nh, r_eps, r_iw_scale, R_WRITE, R_QUANT, R_INDEX,
-                     R_BF16, R_HALF, R_BHD, R_BNH, BM)
+    if ROWS:  # after the products' programs, one a row of the block: its window key (and index head weights)
+        if pid >= r_prog:
+            key_row(rows_t[3], rows_t[4], rows_t[5], rows_t[6], rows_t[7], rows_t[8], rows_t[0], rows_t[1],
+                    rows_t[2], (pid_m * BM + pid - r_prog).to(tl.int64), M, r_hd, r_size, r_nh, r_eps, r_iw_scale,
+                    R_WRITE, R_QUANT, R_INDEX, R_BF16, R_HALF, R_BHD, R_BNH)
     if PUBLISH:
         rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
 
@@ -842,7 +842,7 @@ def launch(x: torch.Tensor, products: list[Product], norm, expand, publish: Publ
             rt += [0, 0, 0, 0, 1, end, 0]
             cx.update({f"FMT{i}": 0, f"BO{i}": 1, f"BI{i}": 1, f"ACT{i}": 0, f"XP{i}": 1, f"SPLIT{i}": 1,
                        f"OUT{i}": False})
-    programs = end + (rows is not None)  # the row work's program after the products'
+    programs = end + (min(bm, m) if rows is not None else 0)  # then the row work's, one a row of a block
     if prestaged:
         qc, qs, q_cols = stage_launch(x2, nw, eps, norm is not None, cx["FMT0"], native, cx["ACT0"], row_blocks * bm,
                                       bk)

@@ -5,8 +5,8 @@ quantization and ring write, the index queries' RoPE and FP4, the index head wei
 
 Kernel (`fast`): the products' launch (kernels/linear.py `launch` with attn_inputs' `QueryRows`): the program
 that stores a tile of queries rotates it in place, and of index queries also quantizes it, after a barrier of
-its own threads (it reads back what it stored: no other program's output); one more program a row block
-writes those rows' window keys from the window key projection (the launch before's output). The arithmetic is
+its own threads (it reads back what it stored: no other program's output); more programs, one a row, write
+the rows' window keys from the window key projection (the launch before's output). The arithmetic is
 attn_inputs.fast's, element by element: the same bits as the products' launch followed by attn_inputs'. A long
 call (prefill) launches them apart: its products may take two launches (kernels/linear.py `native_split`).
 """
