@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import attention, engram, indexer, linear, mhc, moe, query_inputs, rmsnorm, rope, sampling
+from . import attention, engram, indexer, linear, mhc, moe, phases, query_inputs, rmsnorm, rope, sampling
 from .formats import encode_fp4, encode_fp8
 from .linear import PackedWeight
+from .phases import launched_apart
 
 L2_BYTES = 64 << 20  # rotate through at least 4x this (H200: 50 MB L2)
 
@@ -208,10 +209,13 @@ def _bench_moe(s, m, dev, dt, iters, tiny):
         return out
 
     t = _time(ffn, sets, iters, cuda)
+    with launched_apart():  # the router, gate and up, and down in three launches: what their one launch saves
+        t_apart = _time(ffn, sets, iters, cuda)
     distinct = statistics.mean(len(torch.unique(i)) for i in picks)
     nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + gate.nbytes + 10 * m * s.dim * dt.itemsize)
-    return [("moe sub-block fp4 (router, experts, shared, expand)", f"E={s.experts} k={s.top_k} I={s.inter}", t,
-             nbytes)]
+    shape = f"E={s.experts} k={s.top_k} I={s.inter}"
+    return [("moe sub-block fp4 (router, experts, shared, expand)", shape, t, nbytes),
+            ("moe sub-block fp4, router and experts in 3 launches", shape, t_apart, nbytes)]
 
 
 def _bench_attention(s, m, dev, dt, iters, tiny):
@@ -343,6 +347,10 @@ def _bench_small(s, m, dev, dt, iters, tiny):
     key = torch.zeros(2, dtype=torch.long, device=dev)
     t = _time(lambda x: sampling.fast_sample(x, params, key), lg, max(3, iters // 4), cuda)
     out.append(("sample top-p", f"V={s.vocab}", t, 3 * 4 * m * s.vocab))
+    # dependent steps in one launch (kernels/phases.py): 8 phases of 8 programs, each reading another's block
+    chains = [(torch.randn(8 * 128, device=dev),) for _ in range(4)]
+    t = _time(lambda x: phases.chain(x, 8, 8), chains, iters, cuda)
+    out.append(("8 phases in a launch", "8 programs x 128", t, 8 * 2 * 1024 * 4))
     return out
 
 

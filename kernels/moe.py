@@ -63,7 +63,9 @@ from .linear import (
     weight_product,
 )
 from .mhc import Combine, expand, expand_tile, output_row
+from .phases import Phase, in_order, phase_done, phase_ticket, phase_wait, separate_phases
 from .rank_sum import publish_slot, rank_arrive, rank_publish
+from .router import route_program
 from .rows import act_tile, scratch_area, stage_launch, stage_rows, stage_scratch
 
 
@@ -147,8 +149,10 @@ def reference_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None
 # up of every expert group (its leader pair walks the group's rows, 16 at a time), the shared expert one more
 # group; (3) down, likewise; (4) each row's experts added in increasing id, plus the shared expert, rounded,
 # and the mHC expand (kernels/mhc.py's output_row and expand_tile; a decode step's `pending` call leaves (4) to
-# the launch of the site that reads the streams next). Each selected expert's weights are read once, however
-# many rows chose it.
+# the launch of the site that reads the streams next). A decode step (one block of rows, its pairs sorted in
+# (1)) makes (1), (2) and (3) phases of one launch (`_step_kernel`, kernels/phases.py: each phase's programs
+# wait in the kernel for the phase before). Each selected expert's weights are read once, however many rows
+# chose it.
 
 _W_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.int8,
              torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}
@@ -215,17 +219,17 @@ def _weight_rows(base, J: tl.constexpr, offs_n, stride_wn, stride_sn, WDT: tl.co
 
 
 @device_function
-def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x, stride_wn, stride_sn,
-              limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-              X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
-              HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile, D, I, IW, stride_x, stride_wn,
+              stride_sn, limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+              ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
+              W_ALIGN: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+              PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Gate and up of one expert group (its table row at `base`, I intermediate outputs) for its pairs
     [p, end), BM at a time, into rows of h (IW wide). In the checkpoint's formats the rows are quantized once
     for both products, into the group's scratch `qc`/`qs` (rows.stage_rows); PRESTAGED: every row of x is,
-    there, before the launch (rows.stage_launch)."""
+    there, before the launch (rows.stage_launch). `tile`: the program's N tile."""
     a1 = tl.load(base)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_n = tile * BN + tl.arange(0, BN)
     n_mask = offs_n < I
     if not (NATIVE > 0 and ACT_BLOCK >= 32 and FMT > 0):  # from registers: made once for every block of pairs
         w1_rows, s1_rows = _weight_rows(base, 0, offs_n, stride_wn, stride_sn, WDT, W_ALIGN, BO)
@@ -271,6 +275,37 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I,
         tl.store(h_ptr + prs[None, :].to(tl.int64) * IW + offs_n[:, None], h, mask=n_mask[:, None] & pm[None, :])
 
 
+@device_function
+def gate_up_program(pid, tile, tiles, x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr, pw_ptr, first_ptr, end_ptr, h_ptr,
+                    qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn,
+                    limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+                    S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
+                    ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
+                    W_ALIGN: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """Pair program `pid`'s groups (PAIRS pairs from pid PAIRS: the groups whose first pair it holds) at N tile
+    `tile` of `tiles`: their gate and up, SwiGLU, into h (`_gate_up_kernel`'s arguments)."""
+    for p in range(pid * PAIRS, tl.minimum(P, (pid + 1) * PAIRS)):
+        if tl.load(first_ptr + p) == p:
+            end = tl.load(end_ptr + p)
+            e = tl.load(e_ptr + p)
+            qc, qs = qc_ptr, qs_ptr
+            if not PRESTAGED:  # the group's own (expert or program, N tile)
+                slot = tl.where(q_by_expert != 0, e, pid) * tiles + tile
+                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
+            if e < E:
+                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile, D, I, IW,
+                          stride_x, swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
+                          HAS_LIMIT, APPLY_W, X_BF16, PRESTAGED, BM, BN, BK)
+            elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
+                if PRESTAGED:
+                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
+                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile, D, I_S, IW, stride_x,
+                          s_swn, s_ssn, limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
+                          HAS_LIMIT, 0, X_BF16, PRESTAGED, BM, BN, BK)
+
+
 @triton.jit(do_not_specialize=["P"])  # pair counts vary call by call: one compile
 def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
                     tab_ptr,    # int64 [E, 6] expert weight addresses (ExpertTable)
@@ -292,37 +327,23 @@ def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row s
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                     PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
-    for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
-        if tl.load(first_ptr + p) == p:
-            end = tl.load(end_ptr + p)
-            e = tl.load(e_ptr + p)
-            qc, qs = qc_ptr, qs_ptr
-            if not PRESTAGED:  # the group's own (expert or program, N tile)
-                slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
-            if e < E:
-                _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I, IW, stride_x,
-                          swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT,
-                          APPLY_W, X_BF16, PRESTAGED, BM, BN, BK)
-            elif HAS_SHARED:  # its intermediate size may differ (a split over ranks narrower than an expert)
-                if PRESTAGED:
-                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
-                _up_group(x_ptr, stab_ptr, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, D, I_S, IW, stride_x, s_swn,
-                          s_ssn, limit, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
-                          HAS_LIMIT, 0, X_BF16, PRESTAGED, BM, BN, BK)
+    gate_up_program(tl.program_id(0), tl.program_id(1), tl.num_programs(1), x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr,
+                    pw_ptr, first_ptr, end_ptr, h_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, D, I, I_S, IW, E,
+                    stride_x, swn, ssn, s_swn, s_ssn, limit, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK,
+                    X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, APPLY_W, X_BF16, HAS_SHARED, PRESTAGED, BM, BN, BK)
 
 
 @device_function
-def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, qc, qs, q_cols, p, end, I, IW, D, stride_wn, stride_sn,
+def _down_group(h_ptr, base, pw_ptr, o_ptr, row0, qc, qs, q_cols, p, end, tile, I, IW, D, stride_wn, stride_sn,
                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, PRESTAGED: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr):
     """Down of one expert group (I intermediate inputs of rows IW wide) for its pairs [p, end): outputs per
     pair (values of x's dtype) at o's row pair - row0 (rows D apart); in the checkpoint's formats
-    through the group's scratch or the launch's staged rows of h, as `_up_group`."""
+    through the group's scratch or the launch's staged rows of h, as `_up_group`; `tile`: the N tile."""
     a2 = tl.load(base + 4)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_n = tile * BN + tl.arange(0, BN)
     n_mask = offs_n < D
     w2_rows = tl.multiple_of(a2.to(tl.pointer_type(WDT)), W_ALIGN) + offs_n.to(tl.int64) * stride_wn
     s2_rows = tl.load(base + 5).to(tl.pointer_type(tl.uint8)) + (offs_n // BO).to(tl.int64) * stride_sn
@@ -363,19 +384,60 @@ def _shared_codes(qc_ptr, qs_ptr, KQ, first, ACT_BLOCK: tl.constexpr):
 
 
 @device_function
-def _row_sums(o_ptr, pos_ptr, rs_ptr, counter, M, K, D, BN: tl.constexpr):
-    """A program's count-in for its N tile; the tile's last program to count in adds each row m's pairs' outputs
-    (rows pos[m] of o, in expert order: the combine's `output_row`) at the tile's columns into rs's row m, float32,
-    and resets the count."""
+def _row_sums(o_ptr, pos_ptr, rs_ptr, counter, M, K, D, programs, tile, BN: tl.constexpr):
+    """A program's count-in for its N tile `tile` (one of `programs`); the tile's last program to count in adds
+    each row m's pairs' outputs (rows pos[m] of o, in expert order: the combine's `output_row`) at the tile's
+    columns into rs's row m, float32, and resets the count."""
     tl.debug_barrier()  # the program's stores precede its count-in
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == programs - 1:
+        cols = tile * BN + tl.arange(0, BN)
         cmask = cols < D
         for m in range(M):
             y = output_row((o_ptr,), 0, pos_ptr, (o_ptr,), m, K, 0, cols, cmask, D, 1, 1, True, False, False, False,
                            False)
             tl.store(rs_ptr + m * D + cols, y, mask=cmask)
         tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replays this one)
+
+
+@device_function
+def down_program(pid, tile, programs, tiles, h_ptr, tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr, o_ptr,
+                 os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, M, K, pub_mine, pub_flags, pub_rank, pub_capacity, qc_ptr,
+                 qs_ptr, q_cols, q_by_expert, P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn, FMT: tl.constexpr,
+                 BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, S_FMT: tl.constexpr, S_BO: tl.constexpr,
+                 S_BI: tl.constexpr, S_WDT: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr,
+                 DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr,
+                 X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr, S_PARTIAL: tl.constexpr, PRESTAGED: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_SUMS: tl.constexpr,
+                 PUBLISH: tl.constexpr):
+    """Pair program `pid` (of `programs`) at N tile `tile` (of `tiles`): its groups' down products, the rows'
+    sums and the publish (`_down_kernel`'s arguments)."""
+    if PUBLISH:  # the rows that travel go to the slot of this rank's next call
+        c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
+        rs_ptr += base
+        if S_PARTIAL:
+            os_ptr += base
+    for p in range(pid * PAIRS, tl.minimum(P, (pid + 1) * PAIRS)):
+        if tl.load(first_ptr + p) == p:
+            end = tl.load(end_ptr + p)
+            e = tl.load(e_ptr + p)
+            qc, qs = qc_ptr, qs_ptr
+            if not PRESTAGED:  # the group's own (expert or program, N tile)
+                slot = tl.where(q_by_expert != 0, e, pid) * tiles + tile
+                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
+            if e < E:
+                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, qc, qs, q_cols, p, end, tile, I, IW, D, swn,
+                            ssn, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16,
+                            PRESTAGED, BM, BN, BK)
+            elif HAS_SHARED:
+                if PRESTAGED:
+                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
+                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, tile, I_S, IW, D,
+                            s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
+                            X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
+    if ROW_SUMS:
+        _row_sums(o_ptr, pos_ptr, rs_ptr, cnt_ptr + tile, M, K, D, programs, tile, BN)
+    if PUBLISH:
+        rank_publish(pub_mine, pub_flags, pub_rank, c, programs * tiles, PUBLISH)
 
 
 @triton.jit(do_not_specialize=["P", "M"])
@@ -398,33 +460,38 @@ def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), 
                  PUBLISH: tl.constexpr,  # ranks (with ROW_SUMS): rs (and a split shared expert's os) this rank's
                  PDL: tl.constexpr):     # symmetric buffer, published to them (0: not)
     dependent_launch(PDL)
-    if PUBLISH:  # the rows that travel go to the slot of this rank's next call
-        c, base = publish_slot(pub_mine, pub_rank, pub_capacity)
-        rs_ptr += base
-        if S_PARTIAL:
-            os_ptr += base
-    for p in range(tl.program_id(0) * PAIRS, tl.minimum(P, (tl.program_id(0) + 1) * PAIRS)):
-        if tl.load(first_ptr + p) == p:
-            end = tl.load(end_ptr + p)
-            e = tl.load(e_ptr + p)
-            qc, qs = qc_ptr, qs_ptr
-            if not PRESTAGED:  # the group's own (expert or program, N tile)
-                slot = tl.where(q_by_expert != 0, e, tl.program_id(0)) * tl.num_programs(1) + tl.program_id(1)
-                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
-            if e < E:
-                _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, qc, qs, q_cols, p, end, I, IW, D, swn, ssn,
-                            FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16, PRESTAGED,
-                            BM, BN, BK)
-            elif HAS_SHARED:
-                if PRESTAGED:
-                    qc, qs = _shared_codes(qc_ptr, qs_ptr, q_cols, q_by_expert, ACT_BLOCK)
-                _down_group(h_ptr, stab_ptr, pw_ptr, os_ptr, OS_ROW, qc, qs, q_cols, p, end, I_S, IW, D,
-                            s_swn, s_ssn, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, 0,
-                            X_BF16 and not S_PARTIAL, PRESTAGED, BM, BN, BK)
-    if ROW_SUMS:
-        _row_sums(o_ptr, pos_ptr, rs_ptr, cnt_ptr + tl.program_id(1), M, K, D, BN)
-    if PUBLISH:
-        rank_publish(pub_mine, pub_flags, pub_rank, c, tl.num_programs(0) * tl.num_programs(1), PUBLISH)
+    down_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), h_ptr, tab_ptr, stab_ptr,
+                 e_ptr, pw_ptr, first_ptr, end_ptr, o_ptr, os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, M, K, pub_mine,
+                 pub_flags, pub_rank, pub_capacity, qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, I, I_S, IW, D, E,
+                 swn, ssn, s_swn, s_ssn, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16,
+                 NATIVE, W_ALIGN, APPLY_W, X_BF16, HAS_SHARED, S_PARTIAL, PRESTAGED, BM, BN, BK, ROW_SUMS, PUBLISH)
+
+
+@triton.jit
+def _step_kernel(r, u, d,  # the router's, gate and up's, and down's arguments (their Phase's args)
+                 cnt_ptr, cnt0,  # int32 counters: the phases' from cnt0 on (kernels/phases.py), the router's and the
+                                 # rows' sums' before
+                 RP, RT, UP, UT, DP, DT,  # the router's programs and tiles; gate and up's, down's pair programs, tiles
+                 RC: tl.constexpr, UC: tl.constexpr, DC: tl.constexpr,  # their constexprs (`in_order`)
+                 PDL: tl.constexpr):
+    """A decode step's MoE in one launch (`_experts` with the router's Phase): the router's programs, then gate
+    and up's, then down's, each phase waiting in the kernel for the one before (kernels/phases.py)."""
+    dependent_launch(PDL)
+    phased = cnt_ptr + cnt0
+    t = phase_ticket(phased)
+    if t < RP:
+        route_program(t, 0, RT, 1, *r, *RC)
+        phase_done(phased, 0, RP, 2)
+    elif t < RP + UP * UT:
+        phase_wait(phased, 0, RP)
+        v = t - RP
+        gate_up_program(v // UT, v % UT, UT, *u, *UC)
+        phase_done(phased, 1, UP * UT, 2)
+    else:
+        phase_wait(phased, 1, UP * UT)
+        v = t - RP - UP * UT
+        down_program(v // DT, v % DT, DP, DT, *d, *DC)
+        phase_done(phased, 2, DP * DT, 2)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -488,8 +555,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, experts, shared,
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None, pending: bool = False):
-    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches;
-    `pending`, three where the call is a decode step's: its output a `Pending` (the combine left to the site
+    """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches, a
+    decode step's two (the router and the experts' in one: `_step_kernel`); `pending`, one where the call is a
+    decode step's: its output a `Pending` (the combine left to the site
     that reads the streams next, kernels/mhc.py fast_expand_pre), otherwise the streams as without it. Expert
     parallel (`reduce`): an object with `sum_produced(shape, produce, consume)` (every rank's float32 partials of
     what `produce` makes, in rank order, given to `consume`, which adds them in that order where it loads them: the
@@ -549,11 +617,12 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
         return torch.empty_like(X), weights, idx
     # (1) router and routing, the pairs sorted by expert
     n_pairs = m * top_k + (m if shared is not None else 0)
-    pair, pos = router.fast(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, weights, idx,
-                            shared is not None)
+    pair, pos, route = router.fast(x, gate, bias, top_k, score_func, route_scale, norm_eps, hash_idx, weights, idx,
+                                   shared is not None, hold=share is None and not separate_phases())
     # (2, 3) the experts
     o, o_shared, os_row, sent = _pair_outputs(x, top_k, shared is not None, share, reduce)
-    experts_into = functools.partial(_experts, x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2)
+    experts_into = functools.partial(_experts, x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2,
+                                     route=route)
     if share is not None:  # a long call: each rank sums and combines its share of the rows
         experts_into(o, o_shared, os_row, split)
         rows = _own_shared(x, share, whole, ab, limit, weight_before_w2) if own else None
@@ -616,11 +685,12 @@ _ALONE = types.SimpleNamespace(world=1, shared_split=False, share=lambda rows: (
 
 
 def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_shared, os_row, split,
-             to: rank_sum.Publish | None = None, sums: tuple | None = None) -> None:
+             to: rank_sum.Publish | None = None, sums: tuple | None = None, route: Phase | None = None) -> None:
     """(2, 3) of fast_ffn, gate and up then down, of `pair` (expert, row, weight, group's first and end pair;
     sorted by group, the shared expert's, `st`, id e): outputs at o's row or (shared) o_shared's pair - os_row;
     `sums` (rs [M, D] float32, pos [M, K]): each row's routed pairs also summed into rs by the down launch;
-    `to` (with `sums`): rs (and a split shared expert's o_shared) is this rank's symmetric buffer, published."""
+    `to` (with `sums`): rs (and a split shared expert's o_shared) is this rank's symmetric buffer, published.
+    `route`: the router's launch held (router.fast `hold`): one launch of the three (`_step_kernel`), else two."""
     (d, dev), (pe, pr, pw, first, end) = (x.shape[1], x.device), pair
     i, i_s = table.i, st.i if st is not None else table.i
     iw = max(i, i_s)
@@ -648,34 +718,47 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
     s_up = st.up if st is not None else table.up
     s_down = st.down if st is not None else table.down
     common = dict(ACT_BLOCK=ab, X_PARTS=parts, DOT_BF16=dot_bf16, NATIVE=native, W_ALIGN=align, X_BF16=xb,
-                  HAS_SHARED=st is not None, PRESTAGED=prestaged, BM=bm, BK=bk2,
-                  # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
-                  num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
-                  num_stages=2 if native == NATIVE_E4M3 or long_block_scaled else 3)
+                  HAS_SHARED=st is not None, PRESTAGED=prestaged, BM=bm, BK=bk2)
+    # a long call's gate and up (two accumulators of 128 x 128 rows) spill at 4 warps
+    shape = dict(num_warps=4 if native == NATIVE_BLOCK_SCALED and not prestaged else 8,
+                 num_stages=2 if native == NATIVE_E4M3 or long_block_scaled else 3)
     # staged whole (PRESTAGED), h's columns past a narrower group's I must read as zeros (none where I = I_S)
     h = (torch.zeros if prestaged and i != i_s else torch.empty)((n_pairs, iw), dtype=x.dtype, device=dev)
     stab = st.table if st is not None else table.table
     programs = triton.cdiv(n_pairs, per_program)
     q_up = (_staged_once(x, x.shape[0], (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
             _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
-    _gate_up_kernel[(programs, triton.cdiv(iw, bn_up))](
+    up = Phase((programs, triton.cdiv(iw, bn_up)), (
         x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
-        *table.up[:2], *s_up[:2], float(limit), FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up,
-        S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4], S_WDT=st.wdt_up if st is not None else table.wdt_up,
-        HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2, BN=bn_up, **common, **pdl(x.device))
+        *table.up[:2], *s_up[:2], float(limit)), dict(
+        FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up, S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4],
+        S_WDT=st.wdt_up if st is not None else table.wdt_up, HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2,
+        BN=bn_up, **common))
+    if route is None:
+        _gate_up_kernel[up.grid](*up.args, **up.constexprs, **shape, **pdl(dev))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     pub, world = to.check(sums[0].numel()) if to is not None else ((h, (h,), 0, 0), 0)
     rs, pos = sums if sums is not None else (o, pe.view(-1, 1))  # without sums: placeholders, never read
     tiles = triton.cdiv(d, bn_down)
-    _down_kernel[(programs, tiles)](
+    down = Phase((programs, tiles), (
         h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, rs, pos, counters(dev, tiles), pos.shape[0],
-        pos.shape[1], *pub, *q_down, n_pairs,
-        per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2],
+        pos.shape[1], *pub, *q_down, n_pairs, per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2]), dict(
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, ROW_SUMS=sums is not None,
-        PUBLISH=world, **common, **pdl(h.device))
+        PUBLISH=world, **common))
+    if route is None:
+        _down_kernel[down.grid](*down.args, **down.constexprs, **shape, **pdl(dev))
+        return
+    # a decode step's: the router, gate and up, down in one launch, each phase waiting for the one before (h
+    # in scratch per program: nothing staged between the phases)
+    rt = route.grid[0] // route.constexprs["SPLIT"]
+    held = max(rt + 1, tiles)  # the router's and the row sums' counters, then the phases'
+    _step_kernel[(sum(p.grid[0] * p.grid[1] for p in (route, up, down)),)](
+        route.args, up.args, down.args, counters(dev, held + 4), held, route.grid[0], rt, *up.grid, *down.grid,
+        RC=in_order(route_program, route.constexprs), UC=in_order(gate_up_program, up.constexprs),
+        DC=in_order(down_program, down.constexprs), **shape, **pdl(dev))
 
 
 def _own_shared(x, share, whole, ab, limit, weight_before_w2) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from . import linear
 from ._triton import INTERPRET, counters, dependent_launch, device_function, pdl, pow2, tl, tmax, tmin, triton, tsum
 from .linear import PackedWeight, product_tile
+from .phases import Phase
 
 
 def route(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
@@ -147,25 +148,16 @@ def _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, po
         tl.store(pend_ptr + n + rows, tl.full((BM,), n + M, dtype=tl.int64), mask=sm)
 
 
-@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
-def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
-                   g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
-                   part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
-                   l_ptr,      # float32 [M, E] logits out
-                   cnt_ptr,    # int32 counters: [tiles * blocks] per tile, then [blocks] per row block
-                   bias_ptr, hash_ptr,
-                   w_ptr, i_ptr,  # out float32 / int64 [M, K] routing
-                   pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,  # out: the sorted pairs (PAIRS)
-                   M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
-                   FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-                   SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
-                   PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch(PDL)
-    pid = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    tiles = tl.num_programs(0) // SPLIT
-    blocks = tl.num_programs(1)
+@device_function
+def route_program(pid, pid_m, tiles, blocks, x_ptr, g_ptr, part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr, w_ptr,
+                  i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, M, E, D, stride_x, stride_g, k_per_split,
+                  route_scale, norm_eps, FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+                  SPLIT: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                  K: tl.constexpr, PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr):
+    """Program `pid` of row block `pid_m` (of `tiles` tiles of experts times SPLIT, `blocks` blocks of rows):
+    its tile of the logits over its split of D; a tile's last split adds the partials in split order, and the
+    block's last tile routes the block's rows (and sorts the pairs: PAIRS)."""
     tile = pid // SPLIT
     split = pid % SPLIT
     rows = pid_m * BM + tl.arange(0, BM)
@@ -208,6 +200,27 @@ def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
             tl.atomic_xchg(counter, 0)
 
 
+@triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
+def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
+                   g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
+                   part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
+                   l_ptr,      # float32 [M, E] logits out
+                   cnt_ptr,    # int32 counters: [tiles * blocks] per tile, then [blocks] per row block
+                   bias_ptr, hash_ptr,
+                   w_ptr, i_ptr,  # out float32 / int64 [M, K] routing
+                   pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,  # out: the sorted pairs (PAIRS)
+                   M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
+                   FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                   SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
+                   PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch(PDL)
+    route_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0) // SPLIT, tl.num_programs(1), x_ptr, g_ptr,
+                  part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr,
+                  pos_ptr, M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps, FMT, X_PARTS, DOT_BF16,
+                  SPLIT, SCORE, HAS_BIAS, HASH, K, PAIRS, HAS_SHARED, BM, BN, BK, BE, BKK)
+
+
 def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
     """The sorted pairs of `_sort_pairs` made with torch (a prefill chunk of several row blocks: no one
     program sees every row)."""
@@ -234,11 +247,14 @@ def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: in
 
 def fast(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: int, score_func: str,
          route_scale: float, norm_eps: float, hash_idx: torch.Tensor | None, weights: torch.Tensor,
-         idx: torch.Tensor, shared: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+         idx: torch.Tensor, shared: bool, hold: bool = False) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                          Phase | None]:
     """The routing of x [M, D] into `weights` [M, k] and `idx` [M, k] (one launch), and the pairs sorted by
     expert (expert, row, weight, the group's first and end pair; the shared expert's group of every row after
     them where `shared`) with each row's pairs' positions [M, k]: sorted in the launch for a decode step (one
-    block of rows), with torch for a prefill chunk's several blocks."""
+    block of rows), with torch for a prefill chunk's several blocks. Returns (pairs, positions, the launch held):
+    `hold` (a decode step's) and one block of rows: the launch not made but returned as a Phase, which the
+    experts' launch runs first (kernels/moe.py `_step_kernel`); otherwise made, and None."""
     m, d = x.shape
     e = gate.shape[0]
     dev = x.device
@@ -252,16 +268,18 @@ def fast(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: 
     pos = torch.empty((m, top_k), dtype=torch.int64, device=dev)
     logits = torch.empty((m, e), dtype=torch.float32, device=dev)
     part = torch.empty((splits, m, e), dtype=torch.float32, device=dev) if splits > 1 else logits
-    cnt = counters(dev, tiles * blocks + blocks)
     gdata = gate.data
     exact = gate.bf16_exact
-    _router_kernel[(tiles * splits, blocks)](
-        x, gdata, part, logits, cnt, bias.float().contiguous() if bias is not None else logits,
-        hash_idx.to(torch.int64).contiguous() if hash_idx is not None else idx, weights, idx, *pair, pos,
-        m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps),
+    phase = Phase((tiles * splits, blocks), (
+        x, gdata, part, logits, counters(dev, tiles * blocks + blocks), bias.float().contiguous() if bias is not None
+        else logits, hash_idx.to(torch.int64).contiguous() if hash_idx is not None else idx, weights, idx, *pair, pos,
+        m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps)), dict(
         FMT=0, X_PARTS=3 if exact and x.dtype == torch.float32 else 1, DOT_BF16=exact and not INTERPRET,
         SPLIT=splits, SCORE=SCORES[score_func], HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k,
-        PAIRS=pairs_in_kernel, HAS_SHARED=shared, BM=bm, BN=bn, BK=bk, BE=pow2(e), BKK=pow2(top_k), **pdl(x.device))
+        PAIRS=pairs_in_kernel, HAS_SHARED=shared, BM=bm, BN=bn, BK=bk, BE=pow2(e), BKK=pow2(top_k)))
+    if hold and pairs_in_kernel:
+        return pair, pos, phase
+    _router_kernel[phase.grid](*phase.args, **phase.constexprs, **pdl(x.device))
     if not pairs_in_kernel:
         *pair, pos = _pairs_on_host_order(idx, weights, e, shared)
-    return pair, pos
+    return pair, pos, None

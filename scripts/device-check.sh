@@ -6,7 +6,8 @@
 # Sections run in order of value, each under a time limit taken from one budget (BUDGET seconds, default
 # 450, under the device run's 8 minutes), and each writes its JSON as soon as it is done:
 #   1. device: the GPU, torch/triton versions, the copy bandwidth and the latency of one launch inside a
-#      CUDA graph (the cost model's two hardware terms, measured)
+#      CUDA graph (the cost model's two hardware terms, measured), with and without dependent launch, and
+#      of a dependent step inside one launch (kernels/phases.py)
 #   2. bench kernels: every kernel at V4.1-Flash decode shapes, M = 1 and 6, against the copy bandwidth,
 #      and the Engram lookup from pinned host tables beside device tables (what the host link costs a step)
 #      (dry: toy shapes under the Triton interpreter)
@@ -73,7 +74,8 @@ doc = {"torch": torch.__version__, "triton": triton.__version__, "device": str(d
        "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
        "copy_bandwidth_GBps": (bench.copy_bandwidth(dev) or 0) / 1e9,
        "launch_us_in_graph": bench.measure_launch_latency(dev),
-       "dependent_launch_us_in_graph": bench.measure_dependent_launch(dev)}
+       "dependent_launch_us_in_graph": bench.measure_dependent_launch(dev),
+       "phase_wait_us_in_graph": bench.measure_phase_wait(dev)}
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(doc))
 PYEOF

@@ -86,6 +86,11 @@ WEIGHT_LOOPS = {"kernels.linear._kernel": WeightLoop("BN", "BK", "FMT0", "ACT0",
                 "kernels.moe._gate_up_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 2),
                 "kernels.moe._down_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 1),
                 "kernels.engram._layer_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "w_ptr", 1)}
+# A launch of phases (kernels/phases.py) takes each phase's constexprs as a tuple in its program's parameter
+# order: its weight loops are read with those of the phase named (a decode step's MoE: gate and up's, whose
+# tile and format the down phase shares; its largest loop with an MMA is the experts' product, not the router's)
+PHASED_LOOPS = {"kernels.moe._step_kernel": ("UC", "kernels.moe.gate_up_program",
+                                             WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 2))}
 WEIGHT_FORMATS = {1: "fp8", 2: "fp4"}  # kernels/linear.py's FMT codes (0: dense weights, not budgeted)
 # Lane-instructions per FP8/FP4 weight element the main loop may issue with the served numerics (official:
 # quantized rows): what the GPU issues while the weights stream in at its full bandwidth (B300: 148 SMs x 4
@@ -258,9 +263,15 @@ class Compiler:
         tiny checkpoints give, loads byte by byte: a different program, counted apart); the worst of each
         kernel, format, numerics and target is kept (with its staging loop's, `sass.staging_loop`), and one over
         its budget (official numerics) is a failure unless it multiplies on a block-scaled MMA."""
-        if name not in WEIGHT_LOOPS:
+        if name in PHASED_LOOPS:
+            key, program, spec = PHASED_LOOPS[name]
+            module, _, fn = program.rpartition(".")
+            params = [p.name for p in getattr(sys.modules[module], fn).params if p.is_constexpr]
+            constexprs = dict(zip(params, constexprs[key], strict=True))
+        elif name in WEIGHT_LOOPS:
+            spec = WEIGHT_LOOPS[name]
+        else:
             return
-        spec = WEIGHT_LOOPS[name]
         rows, depth, fmt, act = (constexprs[c] for c in (spec.rows, spec.depth, spec.fmt, spec.act))
         if fmt not in WEIGHT_FORMATS:
             return

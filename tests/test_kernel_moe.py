@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import kernels._triton
-from kernels import moe, rank_sum
+from kernels import moe, rank_sum, router
 from kernels.bench import dense_weight, fp4_weight, fp8_weight
+from kernels.phases import launched_apart
 
 from .kernel_check import DEVICE, assert_close, assert_equal, assert_rows_invariant, requires_cuda, run, seed
 
@@ -251,6 +252,47 @@ def test_with_ranks_a_decode_step_sends_each_rows_pairs_summed_in_expert_order(m
         assert (pos.cpu().diff(dim=1) > 0).all(), f"a row's pairs out of expert order {ctx}"
         if split:  # the shared expert's partial: not one of the routed pairs' sums
             assert sent[m:].abs().sum() > 0 and not torch.equal(sent[m:], sent[:m]), ctx
+
+
+class Counted:
+    """A kernel whose launches are noted by name in `made` (where it is subscripted with its grid)."""
+
+    def __init__(self, kernel, name: str, made: list):
+        self.kernel, self.name, self.made = kernel, name, made
+
+    def __getitem__(self, grid):
+        self.made.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_a_decode_steps_router_and_experts_take_one_launch_with_the_bits_of_three(native, monkeypatch, dt):
+    """A decode step's routing, gate and up, and down are phases of one launch (kernels/phases.py), each
+    waiting for the one before: the bits of the three launches they replace (kernels/phases.py
+    `launched_apart`), whole and with ranks (the down phase's rows' sums and their publish), a shared expert
+    split or not, rows 1..6, the checkpoint's formats or not; a long call (several row blocks) keeps three."""
+    s = seed()
+    m = int(torch.randint(1, 7, ()))
+    fmt = ("fp4", "fp8")[int(torch.randint(0, 2, ()))]
+    args = ffn_args(m, 96, 64, 7, 2, fmt, dt, bool(torch.randint(0, 2, ())), True, 10.0)
+    made = []
+    for mod, name in ((moe, "_step_kernel"), (moe, "_gate_up_kernel"), (moe, "_down_kernel"),
+                      (router, "_router_kernel")):
+        monkeypatch.setattr(mod, name, Counted(getattr(mod, name), name, made))
+    for reduce in (None, Ranks(False, 4, False, s), Ranks(True, 4, False, s)):
+        ctx = f"(seed {s}, {m} rows, {fmt} {dt}, ranks: {reduce is not None})"
+        joined = run(moe.fast_ffn, *args, reduce=reduce)
+        assert made == ["_step_kernel"], f"{made} {ctx}"
+        made.clear()
+        with launched_apart():
+            apart = run(moe.fast_ffn, *args, reduce=reduce)
+        assert made == ["_router_kernel", "_gate_up_kernel", "_down_kernel"], f"{made} {ctx}"
+        made.clear()
+        for name, a, b in zip(("streams", "weights", "indices"), apart, joined):
+            assert_equal(name, a, b, ctx)
+    long = ffn_args(40, 96, 64, 7, 2, fmt, dt, False, True, 10.0)
+    run(moe.fast_ffn, *long)
+    assert made == ["_router_kernel", "_gate_up_kernel", "_down_kernel"], f"{made} (40 rows: three row blocks)"
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])

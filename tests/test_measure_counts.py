@@ -287,13 +287,13 @@ def test_four_ranks_on_the_meta_device_count_their_collectives():
 
 
 def _launch(name="copy_", bytes_read=0, weights=None, routed_bytes=0, routed_weights=None, routing=None,
-            host_bytes=0, flops=None, staged_bytes=0, path="", bytes_written=0) -> dict:
+            host_bytes=0, flops=None, staged_bytes=0, path="", bytes_written=0, phase_waits=0) -> dict:
     return {"kind": "triton" if name.startswith("kernels.") else "torch", "name": name, "block": "layer 0",
             "bytes_read": bytes_read, "bytes_written": bytes_written,
             "weights": weights or {},
             "routed_bytes": routed_bytes, "routed_weights": routed_weights or {}, "routing": routing,
             "whole_experts": routing is not None, "host_bytes": host_bytes, "flops": flops or {},
-            "staged_bytes": staged_bytes, "path": path or ("native" if weights else "")}
+            "staged_bytes": staged_bytes, "path": path or ("native" if weights else ""), "phase_waits": phase_waits}
 
 
 def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_collectives_and_host_link():
@@ -302,9 +302,10 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     per = cm.ISSUE_PER_ELEMENT[103][("moe", "fp4")]
     copy = _launch(bytes_read=int(torch.randint(10**6, 10**8, ()).item()),
                    bytes_written=int(torch.randint(10**6, 10**8, ()).item()))
-    # an expert launch whose instructions outweigh its bytes: 8e6 fp4 elements (4 MB) issue per x 8e6
-    moe = _launch("kernels.moe._gate_up_kernel", bytes_read=4_000_000, weights={"fp4": 8_000_000},
-                  routed_bytes=3_000_000, routed_weights={"fp4": 6_000_000}, routing=(256, 6, 1))
+    # an expert launch whose instructions outweigh its bytes: 8e6 fp4 elements (4 MB) issue per x 8e6; a decode
+    # step's router and experts, three phases of one launch (two waits)
+    moe = _launch("kernels.moe._step_kernel", bytes_read=4_000_000, weights={"fp4": 8_000_000},
+                  routed_bytes=3_000_000, routed_weights={"fp4": 6_000_000}, routing=(256, 6, 1), phase_waits=2)
     host = _launch("kernels.engram._lookup_kernel", bytes_read=30_000, host_bytes=20_000)
     count = {"bytes_per_step": {"total": 10**9, "ideal": 5 * 10**8}, "launches": [copy, moe, host],
              "launches_by_layer": [3], "launches_outside_layers": 0, "width": 1,
@@ -317,13 +318,14 @@ def test_the_cost_model_prices_each_launch_at_its_bound_plus_imbalance_launches_
     assert t["bytes"] == pytest.approx((copy["bytes_read"] + copy["bytes_written"]) / copy_bw)
     assert t["issue"] == pytest.approx(8e6 * per / 1e12)  # the MoE launch is bound by issue, not its 4 MB
     assert t["host_link"] == pytest.approx(cm.HOST_READ_LATENCY_S + 20e3 / gpu.host_link_bytes_per_s)
-    # the copy a torch operation, the MoE launch and the lookup Triton kernels launched dependent (sm_103)
-    assert t["launches"] == pytest.approx(cm.LAUNCH_S + 2 * cm.LAUNCH_PDL_S)
+    # the copy a torch operation, the MoE launch and the lookup Triton kernels launched dependent (sm_103), the
+    # MoE launch's two waits between its phases
+    assert t["launches"] == pytest.approx(cm.LAUNCH_S + 2 * cm.LAUNCH_PDL_S + 2 * cm.PHASE_WAIT_S)
     assert cm.cycle_time(count, dataclasses.replace(gpu, arch=0), world=1)["terms_s"]["launches"] == pytest.approx(
-        3 * cm.LAUNCH_S)  # a GPU without dependent launch
+        3 * cm.LAUNCH_S + 2 * cm.PHASE_WAIT_S)  # a GPU without dependent launch
     assert t["collectives"] == 0 and t["imbalance"] == 0
     assert {k["kernel"]: k["bound"] for k in one["kernels"]} == {
-        "copy_": "bytes", "kernels.moe._gate_up_kernel": "issue", "kernels.engram._lookup_kernel": "host_link"}
+        "copy_": "bytes", "kernels.moe._step_kernel": "issue", "kernels.engram._lookup_kernel": "host_link"}
     assert one["cycle_s"] == pytest.approx(sum(t.values()))
     four = cm.cycle_time(count, gpu, world=4)
     share = cm.busiest_share(256, 6, 1, 4)
@@ -431,8 +433,13 @@ def test_bench_model_names_each_kernels_bound_prices_the_placements_and_sets_the
         others = [(c["op"], c["bytes"], c["count"]) for c in payloads if c["op"] != "symm_"]
         assert others == ([("symm_read", columns, rows - 1)] if stage else []), others
     assert verify["prediction"]["counted"]["cycle_s"] > plain["prediction"]["counted"]["cycle_s"]
-    moe = next(k for k in plain["prediction"]["counted"]["kernels"] if k["kernel"] == "kernels.moe._gate_up_kernel")
-    assert moe["weights"] > 0  # its FP4 expert elements are counted: what its issue is priced by
+    # a decode step's router, gate and up, and down: one launch a layer, its FP4 expert elements counted (what its
+    # issue is priced by) and its two waits between phases priced with the launches
+    kernels = {k["kernel"]: k for k in plain["prediction"]["counted"]["kernels"]}
+    moe = kernels["kernels.moe._step_kernel"]
+    assert moe["weights"] > 0 and moe["launches"] == len(plain["count"]["launches_by_layer"])
+    apart = {"kernels.moe._gate_up_kernel", "kernels.moe._down_kernel", "kernels.router._router_kernel"}
+    assert not apart & set(kernels), sorted(apart & set(kernels))
     routing = tmp_path / "routing.jsonl"
     routing.write_text("".join(json.dumps([[0, 1, 2, 3, 4, 5]]) + "\n" for _ in range(20)))
     lopsided = bench_model(*args, "--routing", routing)["cycles"][0]["placement"]["routed_experts"]

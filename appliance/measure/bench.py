@@ -207,6 +207,21 @@ def measure_dependent_launch(device: torch.device) -> dict | None:
     return per
 
 
+def measure_phase_wait(device: torch.device, phases: int = 8) -> dict | None:
+    """Microseconds a dependent step costs inside one launch against a launch of its own (kernels/phases.py
+    `chain`: a step of 8 programs, each reading another program's block of the step before), in a graph
+    (`graph_chain_us`): `in_launch` per phase of launches of `phases` phases, `per_launch` per launch of one
+    phase, each launched dependent on the one ahead (PDL). A layer's dependent launches folded into phases of
+    one launch save per_launch - in_launch each; the cost model prices a boundary at LAUNCH_PDL_S until
+    this is measured. None without CUDA."""
+    if device.type != "cuda":
+        return None
+    from kernels.phases import chain
+
+    return {"in_launch": graph_chain_us(device, lambda x: chain(x, phases, 8), 2000 // phases) / phases,
+            "per_launch": graph_chain_us(device, lambda x: chain(x, 1, 8))}
+
+
 def measure_prefill(session, tokens: int) -> dict:
     """A prompt of `tokens` random ids prefilled from an empty state, each chunk timed on its own (`chunks`:
     start, rows, ms; a chunk's timer waits for the device, as the request loop's progress event does)."""

@@ -10,9 +10,10 @@ Assumptions (each constant below names its source):
   one's full occupancy, its ramp and tail; `LAUNCH_PDL_S` for the project's Triton kernels on sm_90 and
   later, which launch dependent on the one ahead and overlap its tail):
       launch = max(bytes / (HBM x COPY_FRACTION), issued instructions / issue rate,
-                   tensor FLOPs / tensor peak, host-link reads) + launch_s
+                   tensor FLOPs / tensor peak, host-link reads) + launch_s + phase waits x PHASE_WAIT_S
   The bandwidth term is the copy bandwidth: a kernel's ramp and tail are in its fixed cost, not a second
-  fraction.
+  fraction. A launch of dependent phases (kernels/phases.py) pays a wait at each phase boundary, in the
+  `launches` term with the launches' fixed costs.
 - Bytes are what the launch reads and writes, counted (not the ideal; recorder.py says what it counts of
   the writes), both at the copy bandwidth. The bytes a launch reads from host memory (the Engram rows the
   lookup copies, ~12.7 KB per token on V4.1-Flash) go over the host link: one round trip
@@ -101,6 +102,11 @@ LAUNCH_S = 2.0e-6
 # survey, 2026-12): 1 us taken, the top of that; `scripts/device-check.sh` measures both
 # (`dependent_launch_us_in_graph`). Torch's own operations keep LAUNCH_S.
 LAUNCH_PDL_S = 1.0e-6
+# A phase's wait inside a launch for the phase before it (kernels/phases.py: a decode step's router, gate and
+# up, and down in one launch): one thread's acquire poll of a counter in L2 that the phase before's programs
+# released. No published figure was found; priced as the boundary it replaces, LAUNCH_PDL_S, until the device
+# check measures it (`phase_wait_us_in_graph`: a chain of phases in one launch against a launch each).
+PHASE_WAIT_S = LAUNCH_PDL_S
 # The device's reads of host memory (zero-copy loads of registered pages) on an HGX board: PCIe Gen5 x16 to
 # the host, 64 GB/s per direction raw, taken as 50 GB/s after protocol overhead (a pinned host-to-device copy
 # reaches about that); a round trip of about 1.5 us per dependent load. Both are assumptions until
@@ -139,7 +145,8 @@ ISSUE_PER_ELEMENT_REGISTERS_LONG = {90: {("linear", "fp8"): 8.41}, 103: {("linea
 for _table in (ISSUE_PER_ELEMENT_REGISTERS, ISSUE_PER_ELEMENT_REGISTERS_LONG):
     _table[100] = _table[103]
 WEIGHT_KERNELS = {"kernels.linear._kernel": "linear", "kernels.moe._gate_up_kernel": "moe",
-                  "kernels.moe._down_kernel": "moe", "kernels.engram._layer_kernel": "engram"}
+                  "kernels.moe._down_kernel": "moe", "kernels.moe._step_kernel": "moe",
+                  "kernels.engram._layer_kernel": "engram"}
 # The best public single-user results on 4 x B300 this product is measured against (DESIGN.md): vLLM's P90
 # of 826 tokens/s for one user, SGLang's 1.31 ms time per output token with DSpark drafting.
 ANCHORS = {"vllm_p90_tokens_per_s": 826.0, "sglang_dspark_tpot_ms": 1.31}
@@ -307,7 +314,7 @@ def cycle_time(count: dict, gpu: GPU, world: int, routing: list | None = None) -
         k["bytes"] += la["bytes_read"]
         k["written"] += la["bytes_written"]
         k["weights"] += sum(la["weights"].values())
-        own = launch_s(la["kind"], gpu)
+        own = launch_s(la["kind"], gpu) + la["phase_waits"] * PHASE_WAIT_S
         fixed += own
         k["s"] += t[bound] + own
         k["by_bound"][bound] += t[bound]
@@ -343,7 +350,8 @@ def placement(count: dict, gpu: GPU, world: int, dim: int, routing: list | None 
     for la in count["launches"]:
         if la["routing"] is not None:
             experts["expert_parallel"] += busier_rank_s(la, gpu, world, routing, shares)
-            if "gate_up" in la["name"]:  # one sum over ranks per MoE call
+            # one sum over ranks per MoE call: at its gate and up's launch (a decode step's one launch)
+            if "gate_up" in la["name"] or "moe._step_kernel" in la["name"]:
                 sent = collective_s(sums, la["routing"][2] * 2 * dim * 4, world, gpu)
                 experts["expert_parallel"] += sent
                 experts["split_intermediate"] += sent
@@ -367,7 +375,7 @@ def bytes_bound_cycle(count: dict, gpu: GPU, world: int, nbytes: float, fixed: f
 def constants(gpu: GPU) -> dict:
     return {"gpu": asdict(gpu), "copy_fraction": COPY_FRACTION,
             "copy_bytes_per_s": gpu.hbm_bytes_per_s * COPY_FRACTION, "launch_s": LAUNCH_S,
-            "triton_launch_s": launch_s("triton", gpu),
+            "triton_launch_s": launch_s("triton", gpu), "phase_wait_s": PHASE_WAIT_S,
             "allreduce_latency_s": ALLREDUCE_LATENCY_S, "symm_wait_s": SYMM_WAIT_S,
             "host_read_latency_s": HOST_READ_LATENCY_S,
             "host_link": HOST_LINK, "issue_per_element": {f"{k} {f}": v for (k, f), v in

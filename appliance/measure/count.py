@@ -377,6 +377,7 @@ class DeclaredReads:
                 long = act_block is not None and act_block >= 32  # in the checkpoint's formats: can run long
                 for la in rec.launches[first:]:
                     la.path = ("native" if long else "registers") if la.weights else ""
+                    la.phase_waits = 2 if STEP in la.name else 0
                 all_pairs = x.shape[0] * (top_k + (shared is not None))
                 tiles = ((MMA_ROWS, "products"), (E4M3_MMA_ROWS, "products_e4m3"), (LONG_ROWS, "products_long"),
                          (E4M3_LONG_ROWS, "products_long_e4m3"))
@@ -405,14 +406,19 @@ def _mma_rows(rows: float, tile: int = MMA_ROWS) -> int:
     return math.ceil(rows / tile) * tile
 
 
+# A decode step's router, gate and up, and down: phases of one launch (kernels/moe.py), two waits between them
+STEP = "moe._step_kernel"
+
+
 def _expert_reads(launches: list, expert: tuple, n: float, shared: tuple, routing: tuple[int, int, int],
                   whole: bool) -> None:
     """What the fused MoE kernels read through their tables of expert addresses: w1 and w3 (gate and up) in
-    the gate/up launch, w2 in the down launch, of `n` routed experts like `expert` and of the shared one;
+    the gate/up launch, w2 in the down launch (a decode step's: both in its one launch, STEP), of `n` routed
+    experts like `expert` and of the shared one;
     `routing`: (experts, top-k, rows) of the call; `whole`: the ranks hold whole experts (a share of each
     otherwise: no rank is busier)."""
     for kernel, picked in (("gate_up", (0, 2)), ("down", (1,))):
-        fused = next((la for la in launches if la.kind == "triton" and kernel in la.name), None)
+        fused = next((la for la in launches if la.kind == "triton" and (kernel in la.name or STEP in la.name)), None)
         if fused is None:
             continue
         fused.routing, fused.whole_experts = routing, whole

@@ -182,6 +182,9 @@ class Launch:
     # FP8/FP4 weights, quantized rows), "registers" (weights dequantized to bfloat16 values in registers: a
     # plain product, or a launch mixing formats); "" for a launch without weight products
     path: str = ""
+    # waits inside it for the phase before (kernels/phases.py: dependent steps as phases of one launch),
+    # declared by count.py's wrappers: each priced as costmodel.PHASE_WAIT_S
+    phase_waits: int = 0
 
 
 # "collectives" that are reads of the peers' parts with no wait of their own (count.py's DSpark base)
