@@ -88,7 +88,8 @@ WEIGHT_LOOPS = {"kernels.linear._kernel": WeightLoop("BN", "BK", "FMT0", "ACT0",
                 "kernels.engram._layer_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "w_ptr", 1)}
 # A launch of phases (kernels/phases.py) takes each phase's constexprs as a tuple in its program's parameter
 # order: its weight loops are read with those of the phase named (a decode step's MoE: gate and up's, whose
-# tile and format the down phase shares; its largest loop with an MMA is the experts' product, not the router's)
+# tile and format the down phase shares), its main loop the largest on the weights' MMA where one multiplies
+# in the checkpoint's formats (the router's bfloat16 product of float32 rows, three MMAs a step, can be larger)
 PHASED_LOOPS = {"kernels.moe._step_kernel": ("UC", "kernels.moe.gate_up_program",
                                              WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 2))}
 WEIGHT_FORMATS = {1: "fp8", 2: "fp4"}  # kernels/linear.py's FMT codes (0: dense weights, not budgeted)
@@ -279,7 +280,7 @@ class Compiler:
             self.unaligned[arch] += 1
             return
         code = sass.disassemble(k.asm["cubin"])
-        loop = sass.main_loop(code)
+        loop = sass.main_loop(code, native_first=name in PHASED_LOOPS)
         if loop is None:
             self.failures.append({"kernel": name, "arch": arch, "error": "no main loop with an MMA in its SASS"})
             return

@@ -80,9 +80,12 @@ def loops(sass: str) -> list[Loop]:
     return out
 
 
-def main_loop(sass: str) -> Loop | None:
-    """The largest innermost loop holding an MMA instruction (see the module docstring), None without one."""
+def main_loop(sass: str, native_first: bool = False) -> Loop | None:
+    """The largest innermost loop holding an MMA instruction (see the module docstring), None without one;
+    `native_first`: the largest on a block-scaled MMA where there is one."""
     with_mma = [lp for lp in loops(sass) if lp.mma]
+    if native_first and any(lp.native for lp in with_mma):
+        with_mma = [lp for lp in with_mma if lp.native]
     return max(with_mma, key=lambda lp: lp.instructions) if with_mma else None
 
 
