@@ -21,6 +21,7 @@ import torch
 from . import attention, engram, indexer, linear, mhc, moe, phases, query_inputs, rmsnorm, rope, sampling
 from .formats import encode_fp4, encode_fp8
 from .linear import PackedWeight
+from .phases import launched_apart
 
 L2_BYTES = 64 << 20  # rotate through at least 4x this (H200: 50 MB L2)
 
@@ -208,10 +209,13 @@ def _bench_moe(s, m, dev, dt, iters, tiny):
         return out
 
     t = _time(ffn, sets, iters, cuda)
+    with launched_apart():  # the router, gate and up, and down in three launches: what their one launch saves
+        t_apart = _time(ffn, sets, iters, cuda)
     distinct = statistics.mean(len(torch.unique(i)) for i in picks)
     nbytes = int(distinct * _nbytes(*experts[0]) + _nbytes(*shared) + gate.nbytes + 10 * m * s.dim * dt.itemsize)
-    return [("moe sub-block fp4 (router, experts, shared, expand)", f"E={s.experts} k={s.top_k} I={s.inter}", t,
-             nbytes)]
+    shape = f"E={s.experts} k={s.top_k} I={s.inter}"
+    return [("moe sub-block fp4 (router, experts, shared, expand)", shape, t, nbytes),
+            ("moe sub-block fp4, router and experts in 3 launches", shape, t_apart, nbytes)]
 
 
 def _bench_attention(s, m, dev, dt, iters, tiny):

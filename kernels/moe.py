@@ -276,9 +276,9 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile,
 
 
 @device_function
-def gate_up_program(pid, tile, tiles, P, x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr, pw_ptr, first_ptr, end_ptr,
-                    h_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn,
-                    s_ssn, limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
+def gate_up_program(pid, tile, tiles, x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr, pw_ptr, first_ptr, end_ptr, h_ptr,
+                    qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn,
+                    limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
                     W_ALIGN: tl.constexpr, HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr,
@@ -307,8 +307,7 @@ def gate_up_program(pid, tile, tiles, P, x_ptr, tab_ptr, stab_ptr, e_ptr, row_pt
 
 
 @triton.jit(do_not_specialize=["P"])  # pair counts vary call by call: one compile
-def _gate_up_kernel(P,          # pairs (apart: kernels/phases.py Phase.counts)
-                    x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
+def _gate_up_kernel(x_ptr,      # activations [M, D] (float32 / bfloat16), row stride stride_x
                     tab_ptr,    # int64 [E, 6] expert weight addresses (ExpertTable)
                     stab_ptr,   # int64 [1, 6] the shared expert's (HAS_SHARED), the group of expert id E
                     e_ptr,      # int64 [P] expert of each pair, pairs sorted by (expert, row)
@@ -320,7 +319,7 @@ def _gate_up_kernel(P,          # pairs (apart: kernels/phases.py Phase.counts)
                     # scratch (NATIVE): per group and N tile (_scratch); PRESTAGED: every row's codes, the shared
                     # expert's from row q_by_expert on (its own layout: _staged_once)
                     qc_ptr, qs_ptr, q_cols, q_by_expert,
-                    PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
+                    P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit,  # PAIRS: per program
                     FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                     S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                     ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
@@ -328,11 +327,10 @@ def _gate_up_kernel(P,          # pairs (apart: kernels/phases.py Phase.counts)
                     HAS_LIMIT: tl.constexpr, APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr,
                     PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
-    gate_up_program(tl.program_id(0), tl.program_id(1), tl.num_programs(1), P, x_ptr, tab_ptr, stab_ptr, e_ptr,
-                    row_ptr, pw_ptr, first_ptr, end_ptr, h_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert, PAIRS, D, I, I_S,
-                    IW, E, stride_x, swn, ssn, s_swn, s_ssn, limit, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT,
-                    ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, APPLY_W, X_BF16, HAS_SHARED, PRESTAGED,
-                    BM, BN, BK)
+    gate_up_program(tl.program_id(0), tl.program_id(1), tl.num_programs(1), x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr,
+                    pw_ptr, first_ptr, end_ptr, h_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, D, I, I_S, IW, E,
+                    stride_x, swn, ssn, s_swn, s_ssn, limit, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK,
+                    X_PARTS, DOT_BF16, NATIVE, W_ALIGN, HAS_LIMIT, APPLY_W, X_BF16, HAS_SHARED, PRESTAGED, BM, BN, BK)
 
 
 @device_function
@@ -402,15 +400,15 @@ def _row_sums(o_ptr, pos_ptr, rs_ptr, counter, M, K, D, programs, tile, BN: tl.c
 
 
 @device_function
-def down_program(pid, tile, programs, tiles, P, M, h_ptr, tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,
-                 o_ptr, os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, K, pub_mine, pub_flags, pub_rank, pub_capacity,
-                 qc_ptr, qs_ptr, q_cols, q_by_expert, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,
-                 FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, S_FMT: tl.constexpr,
-                 S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr, ACT_BLOCK: tl.constexpr,
-                 X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr,
-                 APPLY_W: tl.constexpr, X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr, S_PARTIAL: tl.constexpr,
-                 PRESTAGED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 ROW_SUMS: tl.constexpr, PUBLISH: tl.constexpr):
+def down_program(pid, tile, programs, tiles, h_ptr, tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr, o_ptr,
+                 os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, M, K, pub_mine, pub_flags, pub_rank, pub_capacity, qc_ptr,
+                 qs_ptr, q_cols, q_by_expert, P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn, FMT: tl.constexpr,
+                 BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr, S_FMT: tl.constexpr, S_BO: tl.constexpr,
+                 S_BI: tl.constexpr, S_WDT: tl.constexpr, ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr,
+                 DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, W_ALIGN: tl.constexpr, APPLY_W: tl.constexpr,
+                 X_BF16: tl.constexpr, HAS_SHARED: tl.constexpr, S_PARTIAL: tl.constexpr, PRESTAGED: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_SUMS: tl.constexpr,
+                 PUBLISH: tl.constexpr):
     """Pair program `pid` (of `programs`) at N tile `tile` (of `tiles`): its groups' down products, the rows'
     sums and the publish (`_down_kernel`'s arguments)."""
     if PUBLISH:  # the rows that travel go to the slot of this rank's next call
@@ -443,16 +441,15 @@ def down_program(pid, tile, programs, tiles, P, M, h_ptr, tab_ptr, stab_ptr, e_p
 
 
 @triton.jit(do_not_specialize=["P", "M"])
-def _down_kernel(P, M,       # pairs, rows (apart: kernels/phases.py Phase.counts)
-                 h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
+def _down_kernel(h_ptr,      # [P, IW] SwiGLU activations per pair (x's dtype), contiguous
                  tab_ptr, stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr,  # as for _gate_up_kernel
                  o_ptr,      # out [P, D] float32 or (a long call) x's dtype: each pair's expert output (its values)
                  os_ptr, OS_ROW,  # out: the shared expert's rows, pair p at os's row p - OS_ROW
-                 rs_ptr, pos_ptr, cnt_ptr, K,  # ROW_SUMS: out float32 [M, D] each row's routed pairs' sum (pairs
+                 rs_ptr, pos_ptr, cnt_ptr, M, K,  # ROW_SUMS: out float32 [M, D] each row's routed pairs' sum (pairs
                                                   # pos [M, K] in expert order), counters [N tiles]
                  pub_mine, pub_flags, pub_rank, pub_capacity,  # PUBLISH: kernels/rank_sum.py Publish.check's
                  qc_ptr, qs_ptr, q_cols, q_by_expert,  # scratch, as for _gate_up_kernel (of h)
-                 PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
+                 P, PAIRS, I, I_S, IW, D, E, swn, ssn, s_swn, s_ssn,  # PAIRS: pairs per program
                  FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
                  S_FMT: tl.constexpr, S_BO: tl.constexpr, S_BI: tl.constexpr, S_WDT: tl.constexpr,
                  ACT_BLOCK: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr,
@@ -463,16 +460,15 @@ def _down_kernel(P, M,       # pairs, rows (apart: kernels/phases.py Phase.count
                  PUBLISH: tl.constexpr,  # ranks (with ROW_SUMS): rs (and a split shared expert's os) this rank's
                  PDL: tl.constexpr):     # symmetric buffer, published to them (0: not)
     dependent_launch(PDL)
-    down_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), P, M, h_ptr, tab_ptr,
-                 stab_ptr, e_ptr, pw_ptr, first_ptr, end_ptr, o_ptr, os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, K,
-                 pub_mine, pub_flags, pub_rank, pub_capacity, qc_ptr, qs_ptr, q_cols, q_by_expert, PAIRS, I, I_S, IW, D,
-                 E, swn, ssn, s_swn, s_ssn, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16,
+    down_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), h_ptr, tab_ptr, stab_ptr,
+                 e_ptr, pw_ptr, first_ptr, end_ptr, o_ptr, os_ptr, OS_ROW, rs_ptr, pos_ptr, cnt_ptr, M, K, pub_mine,
+                 pub_flags, pub_rank, pub_capacity, qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, I, I_S, IW, D, E,
+                 swn, ssn, s_swn, s_ssn, FMT, BO, BI, WDT, S_FMT, S_BO, S_BI, S_WDT, ACT_BLOCK, X_PARTS, DOT_BF16,
                  NATIVE, W_ALIGN, APPLY_W, X_BF16, HAS_SHARED, S_PARTIAL, PRESTAGED, BM, BN, BK, ROW_SUMS, PUBLISH)
 
 
-@triton.jit(do_not_specialize=["RM", "UPAIRS", "DPAIRS", "DM"])  # as its phases' kernels: one compile
-def _step_kernel(RM, UPAIRS, DPAIRS, DM,  # the router's rows, gate and up's pairs, down's pairs and rows
-                 r, u, d,  # the router's, gate and up's, and down's other arguments (their Phase's args)
+@triton.jit
+def _step_kernel(r, u, d,  # the router's, gate and up's, and down's arguments (their Phase's args)
                  cnt_ptr, cnt0,  # int32 counters: the phases' from cnt0 on (kernels/phases.py), the router's and the
                                  # rows' sums' before
                  RP, RT, UP, UT, DP, DT,  # the router's programs and tiles; gate and up's, down's pair programs, tiles
@@ -484,17 +480,17 @@ def _step_kernel(RM, UPAIRS, DPAIRS, DM,  # the router's rows, gate and up's pai
     phased = cnt_ptr + cnt0
     t = phase_ticket(phased)
     if t < RP:
-        route_program(t, 0, RT, 1, RM, *r, *RC)
+        route_program(t, 0, RT, 1, *r, *RC)
         phase_done(phased, 0, RP, 2)
     elif t < RP + UP * UT:
         phase_wait(phased, 0, RP)
         v = t - RP
-        gate_up_program(v // UT, v % UT, UT, UPAIRS, *u, *UC)
+        gate_up_program(v // UT, v % UT, UT, *u, *UC)
         phase_done(phased, 1, UP * UT, 2)
     else:
         phase_wait(phased, 1, UP * UT)
         v = t - RP - UP * UT
-        down_program(v // DT, v % DT, DP, DT, DPAIRS, DM, *d, *DC)
+        down_program(v // DT, v % DT, DP, DT, *d, *DC)
         phase_done(phased, 2, DP * DT, 2)
 
 
@@ -560,9 +556,9 @@ def fast_ffn(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top
              act_block: int | None, limit: float, weight_before_w2: bool, X: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, reduce=None, pending: bool = False):
     """The kernels for `reference_ffn` (same signature; results within the stated tolerances): four launches, a
-    decode step's two (the router's and the experts' one, `_step_kernel`, then the combine); `pending`, one where
-    the call is a decode step's: its output a `Pending` (the combine left to the site that reads the streams
-    next, kernels/mhc.py fast_expand_pre), otherwise the streams as without it. Expert
+    decode step's two (the router and the experts' in one: `_step_kernel`); `pending`, one where the call is a
+    decode step's: its output a `Pending` (the combine left to the site
+    that reads the streams next, kernels/mhc.py fast_expand_pre), otherwise the streams as without it. Expert
     parallel (`reduce`): an object with `sum_produced(shape, produce, consume)` (every rank's float32 partials of
     what `produce` makes, in rank order, given to `consume`, which adds them in that order where it loads them: the
     same bits on every rank, whatever the batch; over symmetric memory the down kernel publishes them:
@@ -732,36 +728,35 @@ def _experts(x, e, table, st, pair, n_pairs, ab, limit, weight_before_w2, o, o_s
     programs = triton.cdiv(n_pairs, per_program)
     q_up = (_staged_once(x, x.shape[0], (table.up[2], s_up[2]), native, ab, bk2) if prestaged else
             _scratch(native, e, programs, triton.cdiv(iw, bn_up), bm, triton.cdiv(d, bk2) * bk2, x))
-    up = Phase((programs, triton.cdiv(iw, bn_up)), (n_pairs,), (
-        x, table.table, stab, pe, pr, pw, first, end, h, *q_up, per_program, d, i, i_s, iw, e, x.stride(0),
+    up = Phase((programs, triton.cdiv(iw, bn_up)), (
+        x, table.table, stab, pe, pr, pw, first, end, h, *q_up, n_pairs, per_program, d, i, i_s, iw, e, x.stride(0),
         *table.up[:2], *s_up[:2], float(limit)), dict(
         FMT=table.up[2], BO=table.up[3], BI=table.up[4], WDT=table.wdt_up, S_FMT=s_up[2], S_BO=s_up[3], S_BI=s_up[4],
         S_WDT=st.wdt_up if st is not None else table.wdt_up, HAS_LIMIT=limit > 0, APPLY_W=1 if weight_before_w2 else 2,
         BN=bn_up, **common))
     if route is None:
-        _gate_up_kernel[up.grid](*up.counts, *up.args, **up.constexprs, **shape, **pdl(dev))
+        _gate_up_kernel[up.grid](*up.args, **up.constexprs, **shape, **pdl(dev))
     q_down = (_staged_once(h, n_pairs, (table.down[2], s_down[2]), native, ab, bk2) if prestaged else
               _scratch(native, e, programs, triton.cdiv(d, bn_down), bm, triton.cdiv(iw, bk2) * bk2, x))
     pub, world = to.check(sums[0].numel()) if to is not None else ((h, (h,), 0, 0), 0)
     rs, pos = sums if sums is not None else (o, pe.view(-1, 1))  # without sums: placeholders, never read
     tiles = triton.cdiv(d, bn_down)
-    down = Phase((programs, tiles), (n_pairs, pos.shape[0]), (
-        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, rs, pos, counters(dev, tiles), pos.shape[1],
-        *pub, *q_down, per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2]), dict(
+    down = Phase((programs, tiles), (
+        h, table.table, stab, pe, pw, first, end, o, o_shared, os_row, rs, pos, counters(dev, tiles), pos.shape[0],
+        pos.shape[1], *pub, *q_down, n_pairs, per_program, i, i_s, iw, d, e, *table.down[:2], *s_down[:2]), dict(
         FMT=table.down[2], BO=table.down[3], BI=table.down[4], WDT=table.wdt_down, S_FMT=s_down[2], S_BO=s_down[3],
         S_BI=s_down[4], S_WDT=st.wdt_down if st is not None else table.wdt_down,
         APPLY_W=1 if weight_before_w2 else 2, S_PARTIAL=split, BN=bn_down, ROW_SUMS=sums is not None,
         PUBLISH=world, **common))
     if route is None:
-        _down_kernel[down.grid](*down.counts, *down.args, **down.constexprs, **shape, **pdl(dev))
+        _down_kernel[down.grid](*down.args, **down.constexprs, **shape, **pdl(dev))
         return
     # a decode step's: the router, gate and up, down in one launch, each phase waiting for the one before (h
     # in scratch per program: nothing staged between the phases)
     rt = route.grid[0] // route.constexprs["SPLIT"]
     held = max(rt + 1, tiles)  # the router's and the row sums' counters, then the phases'
     _step_kernel[(sum(p.grid[0] * p.grid[1] for p in (route, up, down)),)](
-        *route.counts, *up.counts, *down.counts, route.args, up.args, down.args, counters(dev, held + 4), held,
-        route.grid[0], rt, *up.grid, *down.grid,
+        route.args, up.args, down.args, counters(dev, held + 4), held, route.grid[0], rt, *up.grid, *down.grid,
         RC=in_order(route_program, route.constexprs), UC=in_order(gate_up_program, up.constexprs),
         DC=in_order(down_program, down.constexprs), **shape, **pdl(dev))
 

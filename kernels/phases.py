@@ -32,13 +32,9 @@ from ._triton import counters, dependent_launch, device_function, pdl, require, 
 
 class Phase(NamedTuple):
     """A kernel's launch held to run as a phase of another launch: its grid (programs, row blocks or tiles),
-    its counts (rows, pairs: what varies call by call, its kernel's first arguments, not specialized), its
-    other arguments and its constexprs, as its own kernel takes them. A launch of phases takes the counts
-    apart, unspecialized as the kernel takes them (in a tuple of arguments Triton would compile a call of one
-    row apart from one of several)."""
+    its arguments and its constexprs, as its own kernel takes them."""
 
     grid: tuple[int, int]
-    counts: tuple
     args: tuple
     constexprs: dict
 

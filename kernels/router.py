@@ -149,13 +149,13 @@ def _sort_pairs(i_ptr, w_ptr, M, E, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, po
 
 
 @device_function
-def route_program(pid, pid_m, tiles, blocks, M, x_ptr, g_ptr, part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr,
-                  w_ptr, i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, E, D, stride_x, stride_g,
-                  k_per_split, route_scale, norm_eps, FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
+def route_program(pid, pid_m, tiles, blocks, x_ptr, g_ptr, part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr, w_ptr,
+                  i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr, M, E, D, stride_x, stride_g, k_per_split,
+                  route_scale, norm_eps, FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr,
                   SPLIT: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                   K: tl.constexpr, PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr):
-    """Program `pid` of row block `pid_m` (of `tiles` tiles of experts times SPLIT, `blocks` blocks of M rows):
+    """Program `pid` of row block `pid_m` (of `tiles` tiles of experts times SPLIT, `blocks` blocks of rows):
     its tile of the logits over its split of D; a tile's last split adds the partials in split order, and the
     block's last tile routes the block's rows (and sorts the pairs: PAIRS)."""
     tile = pid // SPLIT
@@ -201,8 +201,7 @@ def route_program(pid, pid_m, tiles, blocks, M, x_ptr, g_ptr, part_ptr, l_ptr, c
 
 
 @triton.jit(do_not_specialize=["M"])  # row counts vary call by call: one compile
-def _router_kernel(M,          # rows (apart: kernels/phases.py Phase.counts)
-                   x_ptr,      # activations [M, D], row stride stride_x
+def _router_kernel(x_ptr,      # activations [M, D], row stride stride_x
                    g_ptr,      # the gate's weight data [E, D] (dense), row stride stride_g
                    part_ptr,   # float32 [SPLIT, M, E] partials (SPLIT > 1)
                    l_ptr,      # float32 [M, E] logits out
@@ -210,16 +209,16 @@ def _router_kernel(M,          # rows (apart: kernels/phases.py Phase.counts)
                    bias_ptr, hash_ptr,
                    w_ptr, i_ptr,  # out float32 / int64 [M, K] routing
                    pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr, pos_ptr,  # out: the sorted pairs (PAIRS)
-                   E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
+                   M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps,
                    FMT: tl.constexpr, X_PARTS: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
                    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, K: tl.constexpr,
                    PAIRS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, PDL: tl.constexpr):
     dependent_launch(PDL)
-    route_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0) // SPLIT, tl.num_programs(1), M, x_ptr,
-                  g_ptr, part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr,
-                  pend_ptr, pos_ptr, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps, FMT, X_PARTS,
-                  DOT_BF16, SPLIT, SCORE, HAS_BIAS, HASH, K, PAIRS, HAS_SHARED, BM, BN, BK, BE, BKK)
+    route_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0) // SPLIT, tl.num_programs(1), x_ptr, g_ptr,
+                  part_ptr, l_ptr, cnt_ptr, bias_ptr, hash_ptr, w_ptr, i_ptr, pe_ptr, pr_ptr, pw_ptr, pf_ptr, pend_ptr,
+                  pos_ptr, M, E, D, stride_x, stride_g, k_per_split, route_scale, norm_eps, FMT, X_PARTS, DOT_BF16,
+                  SPLIT, SCORE, HAS_BIAS, HASH, K, PAIRS, HAS_SHARED, BM, BN, BK, BE, BKK)
 
 
 def _pairs_on_host_order(idx: torch.Tensor, weights: torch.Tensor, n_experts: int, shared: bool):
@@ -271,16 +270,16 @@ def fast(x: torch.Tensor, gate: PackedWeight, bias: torch.Tensor | None, top_k: 
     part = torch.empty((splits, m, e), dtype=torch.float32, device=dev) if splits > 1 else logits
     gdata = gate.data
     exact = gate.bf16_exact
-    phase = Phase((tiles * splits, blocks), (m,), (
+    phase = Phase((tiles * splits, blocks), (
         x, gdata, part, logits, counters(dev, tiles * blocks + blocks), bias.float().contiguous() if bias is not None
         else logits, hash_idx.to(torch.int64).contiguous() if hash_idx is not None else idx, weights, idx, *pair, pos,
-        e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps)), dict(
+        m, e, d, x.stride(0), gdata.stride(0), kps, float(route_scale), float(norm_eps)), dict(
         FMT=0, X_PARTS=3 if exact and x.dtype == torch.float32 else 1, DOT_BF16=exact and not INTERPRET,
         SPLIT=splits, SCORE=SCORES[score_func], HAS_BIAS=bias is not None, HASH=hash_idx is not None, K=top_k,
         PAIRS=pairs_in_kernel, HAS_SHARED=shared, BM=bm, BN=bn, BK=bk, BE=pow2(e), BKK=pow2(top_k)))
     if hold and pairs_in_kernel:
         return pair, pos, phase
-    _router_kernel[phase.grid](*phase.counts, *phase.args, **phase.constexprs, **pdl(x.device))
+    _router_kernel[phase.grid](*phase.args, **phase.constexprs, **pdl(x.device))
     if not pairs_in_kernel:
         *pair, pos = _pairs_on_host_order(idx, weights, e, shared)
     return pair, pos, None
