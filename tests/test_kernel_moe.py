@@ -269,8 +269,9 @@ class Counted:
 def test_a_decode_steps_router_and_experts_take_one_launch_with_the_bits_of_three(native, monkeypatch, dt):
     """A decode step's routing, gate and up, and down are phases of one launch (kernels/phases.py), each
     waiting for the one before: the bits of the three launches they replace (kernels/phases.py
-    `launched_apart`), whole and with ranks (the down phase's rows' sums and their publish), a shared expert
-    split or not, rows 1..6, the checkpoint's formats or not; a long call (several row blocks) keeps three."""
+    `launched_apart`), whole and with ranks (the down phase's rows' sums; their publish over symmetric memory
+    runs in the four-rank tests), a shared expert split or not, rows 1..6, the checkpoint's formats or not; a
+    long call (several row blocks) keeps three."""
     s = seed()
     m = int(torch.randint(1, 7, ()))
     fmt = ("fp4", "fp8")[int(torch.randint(0, 2, ()))]
