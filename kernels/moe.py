@@ -276,6 +276,21 @@ def _up_group(x_ptr, base, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile,
 
 
 @device_function
+def _group_at(p, pid, tile, tiles, e_ptr, end_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert, PRESTAGED: tl.constexpr,
+              BM: tl.constexpr):
+    """The group whose first pair is p, in pair program `pid` at N tile `tile` (of `tiles`): its end pair, its
+    expert, and where its rows' codes and scales are (staged once, or the group's own scratch area: by expert or
+    program, and N tile)."""
+    end = tl.load(end_ptr + p)
+    e = tl.load(e_ptr + p)
+    qc, qs = qc_ptr, qs_ptr
+    if not PRESTAGED:
+        slot = tl.where(q_by_expert != 0, e, pid) * tiles + tile
+        qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
+    return end, e, qc, qs
+
+
+@device_function
 def gate_up_program(pid, tile, tiles, x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr, pw_ptr, first_ptr, end_ptr, h_ptr,
                     qc_ptr, qs_ptr, q_cols, q_by_expert, P, PAIRS, D, I, I_S, IW, E, stride_x, swn, ssn, s_swn, s_ssn,
                     limit, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, WDT: tl.constexpr,
@@ -288,12 +303,8 @@ def gate_up_program(pid, tile, tiles, x_ptr, tab_ptr, stab_ptr, e_ptr, row_ptr, 
     `tile` of `tiles`: their gate and up, SwiGLU, into h (`_gate_up_kernel`'s arguments)."""
     for p in range(pid * PAIRS, tl.minimum(P, (pid + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
-            end = tl.load(end_ptr + p)
-            e = tl.load(e_ptr + p)
-            qc, qs = qc_ptr, qs_ptr
-            if not PRESTAGED:  # the group's own (expert or program, N tile)
-                slot = tl.where(q_by_expert != 0, e, pid) * tiles + tile
-                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
+            end, e, qc, qs = _group_at(p, pid, tile, tiles, e_ptr, end_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert,
+                                       PRESTAGED, BM)
             if e < E:
                 _up_group(x_ptr, tab_ptr + e * 6, row_ptr, pw_ptr, h_ptr, qc, qs, q_cols, p, end, tile, D, I, IW,
                           stride_x, swn, ssn, limit, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN,
@@ -418,12 +429,8 @@ def down_program(pid, tile, programs, tiles, h_ptr, tab_ptr, stab_ptr, e_ptr, pw
             os_ptr += base
     for p in range(pid * PAIRS, tl.minimum(P, (pid + 1) * PAIRS)):
         if tl.load(first_ptr + p) == p:
-            end = tl.load(end_ptr + p)
-            e = tl.load(e_ptr + p)
-            qc, qs = qc_ptr, qs_ptr
-            if not PRESTAGED:  # the group's own (expert or program, N tile)
-                slot = tl.where(q_by_expert != 0, e, pid) * tiles + tile
-                qc, qs = scratch_area(qc_ptr, qs_ptr, slot, q_cols, BM)
+            end, e, qc, qs = _group_at(p, pid, tile, tiles, e_ptr, end_ptr, qc_ptr, qs_ptr, q_cols, q_by_expert,
+                                       PRESTAGED, BM)
             if e < E:
                 _down_group(h_ptr, tab_ptr + e * 6, pw_ptr, o_ptr, 0, qc, qs, q_cols, p, end, tile, I, IW, D, swn,
                             ssn, FMT, BO, BI, WDT, ACT_BLOCK, X_PARTS, DOT_BF16, NATIVE, W_ALIGN, APPLY_W, X_BF16,

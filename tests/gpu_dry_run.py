@@ -8,10 +8,13 @@
    that the kernel benchmark's cases at real V4.1 shapes (bf16 and float32 activations, M = 1 and 6), a
    rank of four's split MoE and indexer at those shapes, and the tiny models' fast path launch. The wrappers
    choose tiles and paths by the device (`kernels._triton.capability`: on sm_100 and later the weight
-   products take the block-scaled MMA), so the cases run once per target, as that target chooses. The tiny
+   products take the block-scaled MMA), so the cases run once per target, as that target chooses; a rank of
+   four's launches for the last target only (the four-GPU box's B300: the device check's one H100/H200 runs
+   none of them; their kernels' code, less the sums over ranks, compiles for every target). The tiny
    models' specializations of a kernel the benchmark cases reach compile for the last target only (the
    B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), and only where
-   their constexprs, block sizes aside, take a path no compiled specialization took; those of the kernels
+   their constexprs, block sizes aside (a launch of phases': each phase's), take a path no compiled
+   specialization took; those of the kernels
    only the cycles reach (the fused layer-input kernels) for every target. Nothing is
    executed: outputs are zero-filled allocations, enough to keep the host code going (a verify's result
    says one token was produced).
@@ -87,11 +90,13 @@ WEIGHT_LOOPS = {"kernels.linear._kernel": WeightLoop("BN", "BK", "FMT0", "ACT0",
                 "kernels.moe._down_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 1),
                 "kernels.engram._layer_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "w_ptr", 1)}
 # A launch of phases (kernels/phases.py) takes each phase's constexprs as a tuple in its program's parameter
-# order: its weight loops are read with those of the phase named (a decode step's MoE: gate and up's, whose
-# tile and format the down phase shares), its main loop the largest on the weights' MMA where one multiplies
-# in the checkpoint's formats (the router's bfloat16 product of float32 rows, three MMAs a step, can be larger)
-PHASED_LOOPS = {"kernels.moe._step_kernel": ("UC", "kernels.moe.gate_up_program",
-                                             WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 2))}
+# order: the program of each such argument
+PHASES = {"kernels.moe._step_kernel": {"RC": "kernels.router.route_program", "UC": "kernels.moe.gate_up_program",
+                                       "DC": "kernels.moe.down_program"}}
+# Its weight loops are read with those of the phase named (a decode step's MoE: gate and up's, whose tile and
+# format the down phase shares), its main loop the largest on the weights' MMA where one multiplies in the
+# checkpoint's formats (the router's bfloat16 product of float32 rows, three MMAs a step, can be larger)
+PHASED_LOOPS = {"kernels.moe._step_kernel": ("UC", WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 2))}
 WEIGHT_FORMATS = {1: "fp8", 2: "fp4"}  # kernels/linear.py's FMT codes (0: dense weights, not budgeted)
 # Lane-instructions per FP8/FP4 weight element the main loop may issue with the served numerics (official:
 # quantized rows): what the GPU issues while the weights stream in at its full bandwidth (B300: 148 SMs x 4
@@ -110,6 +115,25 @@ _F64 = re.compile(r"^\s*(@!?%\w+\s+)?[a-z][\w.]*\.f64\b")  # an instruction (not
 BLOCK_SIZE = re.compile(r"B[A-Z0-9]*$")
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def phase_constexprs(name: str, key: str, values: tuple) -> dict:
+    """A launch of phases' constexpr argument `key` (one phase's tuple) by its program's parameter names."""
+    module, _, fn = PHASES[name][key].rpartition(".")
+    params = [p.name for p in getattr(sys.modules[module], fn).params if p.is_constexpr]
+    return dict(zip(params, values, strict=True))
+
+
+def path_constexprs(name: str, named: dict) -> list[tuple]:
+    """A launch's constexprs less its block sizes (a phase's, inside its tuple, too): its code path."""
+    pairs = []
+    for key, value in named.items():
+        if key in PHASES.get(name, {}):
+            pairs += [(f"{key}.{p}", v) for p, v in phase_constexprs(name, key, value).items()
+                      if not BLOCK_SIZE.match(p)]
+        elif not BLOCK_SIZE.match(key):
+            pairs.append((key, value))
+    return sorted(pairs)
 
 
 def f64_instructions(ptx: str) -> int:
@@ -207,8 +231,7 @@ class Compiler:
             key = (name, target.arch, repr(signature), repr(sorted(constexprs.items())),
                    repr(sorted(aligned)) if name in WEIGHT_LOOPS else "")
             named = {fn.arg_names[c[0]] if isinstance(c, tuple) else c: v for c, v in constexprs.items()}
-            path = (name, target.arch, repr(signature), repr(sorted((n, v) for n, v in named.items()
-                                                                    if not BLOCK_SIZE.match(n))))
+            path = (name, target.arch, repr(signature), repr(path_constexprs(name, named)))
             if key in self.done or (name in self.last_target_only and path in self.paths):
                 continue
             self.paths.add(path)
@@ -265,10 +288,8 @@ class Compiler:
         kernel, format, numerics and target is kept (with its staging loop's, `sass.staging_loop`), and one over
         its budget (official numerics) is a failure unless it multiplies on a block-scaled MMA."""
         if name in PHASED_LOOPS:
-            key, program, spec = PHASED_LOOPS[name]
-            module, _, fn = program.rpartition(".")
-            params = [p.name for p in getattr(sys.modules[module], fn).params if p.is_constexpr]
-            constexprs = dict(zip(params, constexprs[key], strict=True))
+            key, spec = PHASED_LOOPS[name]
+            constexprs = phase_constexprs(name, key, constexprs[key])
         elif name in WEIGHT_LOOPS:
             spec = WEIGHT_LOOPS[name]
         else:
@@ -562,7 +583,8 @@ def main() -> int:
         compiler.targets = [target]
         kt.capability = lambda dev, arch=target.arch: arch
         drive_benchmark_cases(failures)
-        drive_split_specializations(failures)
+        if target is targets[-1]:  # the four-GPU box's (B300's): the device check's one GPU runs none of them
+            drive_split_specializations(failures)
         drive_long_calls(failures)
     compiler.targets = targets
     phases = {"benchmark cases": [len(compiler.done), round(time.perf_counter() - t, 1)]}
