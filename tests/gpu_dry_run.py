@@ -14,10 +14,9 @@
    models' specializations of a kernel the benchmark cases reach compile for the last target only (the
    B300's sm_103: the same code at smaller blocks; every target saw it at the real shapes), and only where
    their constexprs, block sizes aside (a launch of phases': each phase's), take a path no compiled
-   specialization took; those of the kernels
-   only the cycles reach (the fused layer-input kernels) for every target. Nothing is
-   executed: outputs are zero-filled allocations, enough to keep the host code going (a verify's result
-   says one token was produced).
+   specialization took; those of the kernels only the cycles reach (the fused layer-input kernels) for
+   every target. Nothing is executed: outputs are zero-filled allocations, enough to keep the host code
+   going (a verify's result says one token was produced).
 2. Every decode-cycle step of every tiny family and drafter mode is capturable in a CUDA graph: after the
    warm-up calls a capture would do, a step runs under the product's cycle recorder
    (appliance/measure/recorder.py), which records each operation a capture refuses (a host read of a
