@@ -89,7 +89,7 @@ WEIGHT_LOOPS = {"kernels.linear._kernel": WeightLoop("BN", "BK", "FMT0", "ACT0",
                 "kernels.moe._down_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "W_ALIGN", 1),
                 "kernels.engram._layer_kernel": WeightLoop("BN", "BK", "FMT", "ACT_BLOCK", "w_ptr", 1)}
 # A launch of phases (kernels/phases.py) takes each phase's constexprs as a tuple in its program's parameter
-# order: the program of each such argument
+# order (`in_order`): each such argument's program, whose parameter names read the tuple back
 PHASES = {"kernels.moe._step_kernel": {"RC": "kernels.router.route_program", "UC": "kernels.moe.gate_up_program",
                                        "DC": "kernels.moe.down_program"}}
 # Its weight loops are read with those of the phase named (a decode step's MoE: gate and up's, whose tile and
