@@ -6,6 +6,8 @@ re-indexing layer only its candidate blocks' keys), the distinct compressed rows
 the format the state stores them.
 """
 
+import functools
+
 import torch
 
 from appliance.model.config import ModelConfig, V41Config
@@ -20,9 +22,7 @@ def ideal_bytes(cfg: ModelConfig, world: int, width: int, drafting: bool, routed
     """What one cycle must read at least (the module docstring), this rank's share; `routed` and
     `selected_rows`: the routed experts' and the selected compressed rows' bytes, as counted. A rank's
     share of each weight is what the split (appliance/parallel/sharding.py) leaves it of a meta build."""
-    whole = meta_model(cfg)
-    shares = rank_shares(whole, world)
-    ckpt = whole.checkpoint
+    shares, ckpt = _rank_shares(cfg, world)
     weights = gathered = 0.0
     for name, (_, shape) in ckpt.tensors.items():
         if ".engram.embed." in name or (name.startswith("mtp.") and not drafting):
@@ -44,6 +44,13 @@ def ideal_bytes(cfg: ModelConfig, world: int, width: int, drafting: bool, routed
     total = int(weights + gathered + routed + engram + st)
     return {"total": total, "weights": int(weights), "embedding_rows": int(gathered), "routed_experts": routed,
             "engram_rows": engram, "state": int(st)}
+
+
+@functools.lru_cache(maxsize=4)
+def _rank_shares(cfg: ModelConfig, world: int):
+    """`rank_shares` over `world` ranks and the checkpoint: two meta builds once a process, not a cycle."""
+    whole = meta_model(cfg)
+    return rank_shares(whole, world), whole.checkpoint
 
 
 def state_ideal(cfg: ModelConfig, state, context: int, width: int) -> float:

@@ -32,7 +32,7 @@ from appliance.model.families import build_drafter, build_model
 from appliance.model.runtime import DTYPES, Numerics, Runtime
 from appliance.model.weights import ShapeCheckpoint
 from appliance.parallel.collectives import SymmSum
-from appliance.parallel.placement import place, stays_on_host
+from appliance.parallel.placement import LEAVES, place, stays_on_host
 from appliance.parallel.sharding import Comm, largest_sum, shard, verify_rows
 from kernels import rank_sum
 from kernels.linear import PackedWeight
@@ -251,10 +251,8 @@ def resident(*roots, provided: dict[int, str] | None = None) -> dict:
             by_name[name] = (by_name.get(name, (0, where))[0] + nbytes(t), where)
 
     def visit(obj, path: str, depth: int):
-        if depth > 12 or obj is None or isinstance(obj, (str, int, float, bool, torch.device, torch.dtype)):
-            return
-        if id(obj) in seen or isinstance(obj, SymmSum):  # its buffers: the plan's "symmetric_sum", apart
-            return
+        if depth > 12 or isinstance(obj, LEAVES) or id(obj) in seen or isinstance(obj, SymmSum):
+            return  # a SymmSum's buffers: the plan's "symmetric_sum", apart
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             n = nbytes(obj)
@@ -268,7 +266,8 @@ def resident(*roots, provided: dict[int, str] | None = None) -> dict:
             return
         if isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
-                visit(v, f"{path}[{i}]", depth + 1)
+                if not isinstance(v, LEAVES):  # a shape's ints: no call, no path
+                    visit(v, f"{path}[{i}]", depth + 1)
             return
         if isinstance(obj, dict):
             for k, v in obj.items():
@@ -276,8 +275,8 @@ def resident(*roots, provided: dict[int, str] | None = None) -> dict:
             return
         attrs = vars(obj) if hasattr(obj, "__dict__") else {}
         for name, value in attrs.items():
-            if name in ("rt", "cfg", "gen", "lm", "_dense64"):  # back references; lazy caches (below)
-                continue
+            if isinstance(value, LEAVES) or name in ("rt", "cfg", "gen", "lm", "_dense64"):
+                continue  # back references; lazy caches (below)
             if stays_on_host(obj, name, value):
                 if id(value) not in seen:
                     seen.add(id(value))

@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 HOST_TABLE_BYTES = 1 << 30
+LEAVES = (str, int, float, bool, torch.device, torch.dtype, type(None))  # nothing inside to move
 
 
 def place(obj, device: torch.device, seen=None, kept: list | None = None):
@@ -19,8 +20,8 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
         if id(obj) not in seen:
             seen[id(obj)] = (obj, obj.to(device))  # keep obj alive so its id stays unique
         return seen[id(obj)][1]
-    if id(obj) in seen or obj is None or isinstance(obj, (str, int, float, bool, torch.device, torch.dtype)):
-        return obj
+    if isinstance(obj, LEAVES) or id(obj) in seen or isinstance(obj, tuple) and all(isinstance(v, LEAVES) for v in obj):
+        return obj  # a shape: nothing to move, no tuple to make
     seen[id(obj)] = (obj, obj)
     if isinstance(obj, list):
         for i, v in enumerate(obj):
@@ -40,10 +41,9 @@ def place(obj, device: torch.device, seen=None, kept: list | None = None):
                 label = f"{type(obj).__name__}.{name}" + (f" of layer {layer}" if isinstance(layer, int) else "")
                 kept.append((label, value))
             continue
-        if isinstance(value, (torch.Tensor, list, tuple, dict)) or dataclasses.is_dataclass(value) or \
-                hasattr(value, "__dict__"):
-            if name in ("rt", "cfg", "gen", "lm"):  # back references, not owned
-                continue
+        owned = name not in ("rt", "cfg", "gen", "lm")  # else a back reference
+        if owned and (isinstance(value, (torch.Tensor, list, tuple, dict)) or dataclasses.is_dataclass(value)
+                      or hasattr(value, "__dict__")):
             setattr(obj, name, place(value, device, seen, kept))
     return obj
 
